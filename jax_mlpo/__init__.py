@@ -1,0 +1,31 @@
+"""jax_mlpo: MLP-Offload for JAX.
+
+An optax AdamW whose optimizer state (fp32 master params and moments) lives off the accelerator,
+in a host cache and file tiers, streamed subgroup by subgroup.
+"""
+
+from jax_mlpo.config import ConfigError, FileTier, OffloadConfig, parse_size
+from jax_mlpo.engine import EngineFailedError, StaleStateError
+from jax_mlpo.metrics import StepMetrics
+from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
+from jax_mlpo.tiers.lock import TierInUseError
+from jax_mlpo.transform import OffloadedAdamWState, adamw, close, engine_of
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptBlobError",
+    "EngineFailedError",
+    "FileTier",
+    "OffloadConfig",
+    "OffloadedAdamWState",
+    "StaleStateError",
+    "StepMetrics",
+    "TierIOError",
+    "TierInUseError",
+    "adamw",
+    "close",
+    "engine_of",
+    "parse_size",
+]

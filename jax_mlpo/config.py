@@ -1,0 +1,222 @@
+"""Offload configuration: where the optimizer state lives and how it moves.
+
+Everything here is plain data, validated when it is built (sizes, types) and again, against the
+file system, by :meth:`OffloadConfig.validate` before the optimizer is constructed. Each error
+names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*(?:/S)?\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def parse_size(value: int | float | str, field: str) -> int:
+    """Parses a byte count such as ``8589934592``, ``"8GiB"``, ``"600MB"`` or ``"600MB/s"``.
+
+    Args:
+      value: an int (bytes), a float, or a string with an optional decimal (KB, MB, GB, TB) or
+        binary (KiB, MiB, GiB, TiB) unit, case-insensitive.
+      field: the config field, for the error message.
+
+    Returns:
+      The number of bytes, as an int.
+
+    Raises:
+      ConfigError: if the value is not a size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}={value!r} is not a size; give bytes or a string like '8GiB'")
+    if isinstance(value, int | float):
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value.upper())
+        if match and match.group(2) in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2)])
+    raise ConfigError(
+        f"{field}={value!r} is not a size; give bytes (an int) or a string like '8GiB' or '600MB'"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTier:
+    """A directory on a file system that holds part of the optimizer state.
+
+    One blob per subgroup (``[p | m | v]`` float32, contiguous) is stored in a zarr3 array with a
+    crc32c checksum per blob, through tensorstore's ``file`` driver. The directory is locked for
+    the lifetime of the optimizer so that a second run cannot use it.
+
+    Attributes:
+      path: the tier's directory. Its parent must exist; the directory itself is created.
+      max_concurrency: requests (reads plus writes) in flight on this tier in this process.
+      bandwidth_cap: bytes per second this tier may move (token bucket), e.g. ``"600MB"``, or
+        None for no cap. Use it to be a good neighbour on a shared file system, or to emulate
+        slower storage honestly in benchmarks.
+      io_mode: tensorstore ``file_io_mode``: ``"default"`` (page cache), ``"direct"``
+        (O_DIRECT) or ``"memmap"``.
+      sync: fsync every blob write before it counts as durable.
+    """
+
+    path: str
+    max_concurrency: int = 4
+    bandwidth_cap: int | str | None = None
+    io_mode: str = "default"
+    sync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str | os.PathLike) or not str(self.path):
+            raise ConfigError(f"FileTier.path={self.path!r} must be a non-empty directory path")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+            raise ConfigError(
+                f"FileTier.max_concurrency={self.max_concurrency!r} for {self.path}: must be an "
+                "int >= 1 (use 1 for a shared parallel file system)"
+            )
+        if self.bandwidth_cap is not None:
+            cap = parse_size(self.bandwidth_cap, f"FileTier.bandwidth_cap ({self.path})")
+            if cap <= 0:
+                raise ConfigError(
+                    f"FileTier.bandwidth_cap={self.bandwidth_cap!r} for {self.path}: must be "
+                    "positive (bytes/s, e.g. '600MB'), or None for no cap"
+                )
+            object.__setattr__(self, "bandwidth_cap", cap)
+        if self.io_mode not in ("default", "direct", "memmap"):
+            raise ConfigError(
+                f"FileTier.io_mode={self.io_mode!r} for {self.path}: must be 'default', "
+                "'direct' (O_DIRECT) or 'memmap'"
+            )
+
+    def validate(self) -> None:
+        """Checks the path against the file system.
+
+        Raises:
+          ConfigError: if the parent directory is missing, the path is not a directory, or it
+            is not writable.
+        """
+        path = Path(self.path).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"FileTier.path={self.path!r} exists and is not a directory")
+        if not path.exists() and not path.parent.is_dir():
+            raise ConfigError(
+                f"FileTier.path={self.path!r}: parent directory {str(path.parent)!r} does not "
+                "exist. Create it (e.g. mount the disk) or fix the path."
+            )
+        probe = path if path.exists() else path.parent
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"FileTier.path={self.path!r}: {str(probe)!r} is not writable by this user. "
+                "Choose a directory you can write to or fix its permissions."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Where AdamW's state lives and how it streams.
+
+    Attributes:
+      host_cache: host memory budget in bytes (or a string like ``"8GiB"``) for the pipeline's
+        buffers plus the subgroups kept resident in host memory. If it holds the whole state,
+        no file tier is used.
+      tiers: file tiers holding the subgroups that do not fit in ``host_cache``.
+      subgroup_size: elements per subgroup, the unit of I/O and compute. A parameter may span
+        subgroups.
+      prefetch_depth: reads in flight ahead of the subgroup being updated (0: synchronous).
+    """
+
+    host_cache: int | str = "1GiB"
+    tiers: tuple[FileTier, ...] = ()
+    subgroup_size: int = 100_000_000
+    prefetch_depth: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_cache", parse_size(self.host_cache, "host_cache"))
+        if self.host_cache < 0:
+            raise ConfigError(f"host_cache={self.host_cache!r} must be >= 0 bytes")
+        if isinstance(self.tiers, FileTier) or not isinstance(self.tiers, Sequence):
+            raise ConfigError(f"tiers={self.tiers!r} must be a list of FileTier")
+        tiers = tuple(_as_tier(t) for t in self.tiers)
+        object.__setattr__(self, "tiers", tiers)
+        if not isinstance(self.subgroup_size, int) or isinstance(self.subgroup_size, bool):
+            raise ConfigError(f"subgroup_size={self.subgroup_size!r} must be an int (elements)")
+        if self.subgroup_size <= 0:
+            raise ConfigError(
+                f"subgroup_size={self.subgroup_size} must be positive (elements per subgroup, "
+                "e.g. 100_000_000)"
+            )
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ConfigError(
+                f"prefetch_depth={self.prefetch_depth!r} must be an int >= 0 (0 = synchronous)"
+            )
+        seen: dict[str, str] = {}
+        for tier in tiers:
+            key = os.path.realpath(os.path.expanduser(tier.path))
+            if key in seen:
+                raise ConfigError(
+                    f"tiers: {tier.path!r} and {seen[key]!r} are the same directory; give each "
+                    "tier its own directory"
+                )
+            seen[key] = tier.path
+
+    def validate(self) -> None:
+        """Checks every tier path against the file system (see :meth:`FileTier.validate`)."""
+        for tier in self.tiers:
+            tier.validate()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
+        """Builds a config from a dict (e.g. parsed YAML); tiers may be dicts or path strings.
+
+        Raises:
+          ConfigError: on an unknown key (with the valid ones) or an invalid value.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"offload config must be a mapping, got {type(data).__name__}")
+        return cls(**_check_keys(cls, data, "offload"))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> OffloadConfig:
+        """Loads :meth:`from_dict` input from a YAML file."""
+        import yaml
+
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+
+def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(names)}")
+    return dict(data)
+
+
+def _as_tier(tier: Any) -> FileTier:
+    if isinstance(tier, FileTier):
+        return tier
+    if isinstance(tier, str | os.PathLike):
+        return FileTier(os.fspath(tier))
+    if isinstance(tier, Mapping):
+        return FileTier(**_check_keys(FileTier, tier, "tiers[]"))
+    raise ConfigError(f"tiers: {tier!r} is not a FileTier, a path or a mapping")

@@ -1,0 +1,146 @@
+// XLA FFI handlers for the CPU platform: fused AdamW in place (through input_output_aliases) and
+// copies between XLA buffers and host buffers owned by jax_mlpo. The host buffer is named by a
+// runtime u32[4] descriptor (address lo/hi, capacity in bytes lo/hi), never by an attribute, so a
+// new buffer does not recompile. Handlers return ffi::Error and never throw.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_mlpo {
+namespace {
+
+using F32Buffer = ffi::Buffer<ffi::F32>;
+using F32Scalar = ffi::BufferR0<ffi::F32>;
+using F32Result = ffi::ResultBuffer<ffi::F32>;
+using U32Buffer = ffi::Buffer<ffi::U32>;
+using U32Result = ffi::ResultBuffer<ffi::U32>;
+
+// Makes `out` hold `in` (XLA aliases them when the input is donated; otherwise copy once).
+void Alias(const float* in, float* out, size_t n) {
+  if (in != out) Copy(out, in, n * sizeof(float));
+}
+
+ffi::Error AdamWImpl(F32Buffer m, F32Buffer v, ffi::AnyBuffer grad, F32Buffer param, F32Scalar lr,
+                     F32Scalar bc1, F32Scalar bc2, F32Result m_out, F32Result v_out,
+                     F32Result param_out, F32Result update_out, float b1, float c1, float b2,
+                     float c2, float eps, float weight_decay, float grad_scale, bool has_wd,
+                     bool update_param) {
+  const size_t n = m.element_count();
+  if (v.element_count() != n || grad.element_count() != n || param.element_count() != n ||
+      m_out->element_count() != n || v_out->element_count() != n ||
+      param_out->element_count() != n || update_out->element_count() != n) {
+    return ffi::Error::InvalidArgument("jax_mlpo_adamw: m, v, grad, param differ in size");
+  }
+  const ffi::DataType gtype = grad.element_type();
+  if (gtype != ffi::DataType::F32 && gtype != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("jax_mlpo_adamw: grad must be float32 or bfloat16");
+  }
+  Alias(m.typed_data(), m_out->typed_data(), n);
+  Alias(v.typed_data(), v_out->typed_data(), n);
+  Alias(param.typed_data(), param_out->typed_data(), n);
+  AdamWArgs a{};
+  a.m = m_out->typed_data();
+  a.v = v_out->typed_data();
+  a.grad = grad.untyped_data();
+  a.param = param_out->typed_data();
+  a.update_out = update_out->typed_data();
+  a.c1 = c1;
+  a.b1 = b1;
+  a.c2 = c2;
+  a.b2 = b2;
+  a.bc1 = bc1.typed_data()[0];
+  a.bc2 = bc2.typed_data()[0];
+  a.eps = eps;
+  a.wd = weight_decay;
+  a.neg_lr = -lr.typed_data()[0];
+  a.grad_scale = grad_scale;
+  a.grad_bf16 = gtype == ffi::DataType::BF16;
+  a.has_wd = has_wd;
+  a.update_param = update_param;
+  AdamW(a, n);
+  return ffi::Error::Success();
+}
+
+struct HostSpan {
+  char* data;
+  uint64_t capacity;
+};
+
+ffi::ErrorOr<HostSpan> DecodeDescriptor(const U32Buffer& desc, size_t nbytes, const char* who) {
+  if (desc.element_count() != 4) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(who) + ": the host descriptor must be u32[4] (addr lo, hi, bytes lo, hi)"));
+  }
+  const uint32_t* d = desc.typed_data();
+  HostSpan span{reinterpret_cast<char*>(uint64_t(d[0]) | uint64_t(d[1]) << 32),
+                uint64_t(d[2]) | uint64_t(d[3]) << 32};
+  if (nbytes > span.capacity) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(who) + ": the XLA buffer has " + std::to_string(nbytes) +
+        " bytes but the host buffer only " + std::to_string(span.capacity)));
+  }
+  if (span.data == nullptr && nbytes > 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(who) + ": null host address"));
+  }
+  return span;
+}
+
+ffi::Error ToHostImpl(ffi::AnyBuffer src, U32Buffer desc, U32Result desc_out) {
+  auto span = DecodeDescriptor(desc, src.size_bytes(), "jax_mlpo_to_host");
+  if (span.has_error()) return span.error();
+  Copy(span->data, src.untyped_data(), src.size_bytes());
+  if (desc_out->element_count() != 4) {
+    return ffi::Error::InvalidArgument("jax_mlpo_to_host: the result must be u32[4]");
+  }
+  std::memcpy(desc_out->typed_data(), desc.typed_data(), 4 * sizeof(uint32_t));
+  return ffi::Error::Success();
+}
+
+ffi::Error FromHostImpl(U32Buffer desc, ffi::Result<ffi::AnyBuffer> dst) {
+  auto span = DecodeDescriptor(desc, dst->size_bytes(), "jax_mlpo_from_host");
+  if (span.has_error()) return span.error();
+  Copy(dst->untyped_data(), span->data, dst->size_bytes());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_mlpo
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoAdamW, jax_mlpo::AdamWImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<jax_mlpo::F32Buffer>()   // m
+                                  .Arg<jax_mlpo::F32Buffer>()   // v
+                                  .Arg<ffi::AnyBuffer>()        // grad (f32 or bf16)
+                                  .Arg<jax_mlpo::F32Buffer>()   // param
+                                  .Arg<jax_mlpo::F32Scalar>()   // lr
+                                  .Arg<jax_mlpo::F32Scalar>()   // bc1
+                                  .Arg<jax_mlpo::F32Scalar>()   // bc2
+                                  .Ret<jax_mlpo::F32Buffer>()   // m_out (aliases m)
+                                  .Ret<jax_mlpo::F32Buffer>()   // v_out (aliases v)
+                                  .Ret<jax_mlpo::F32Buffer>()   // param_out (aliases param)
+                                  .Ret<jax_mlpo::F32Buffer>()   // update
+                                  .Attr<float>("b1")
+                                  .Attr<float>("c1")
+                                  .Attr<float>("b2")
+                                  .Attr<float>("c2")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_decay")
+                                  .Attr<float>("grad_scale")
+                                  .Attr<bool>("has_wd")
+                                  .Attr<bool>("update_param"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoToHost, jax_mlpo::ToHostImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()        // src
+                                  .Arg<jax_mlpo::U32Buffer>()   // host descriptor
+                                  .Ret<jax_mlpo::U32Buffer>());  // descriptor (ordering token)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoFromHost, jax_mlpo::FromHostImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<jax_mlpo::U32Buffer>()   // host descriptor
+                                  .Ret<ffi::AnyBuffer>());      // dst

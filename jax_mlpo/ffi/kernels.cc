@@ -1,0 +1,343 @@
+// Instruction-set dispatch, the thread pool and the C entry points loaded with ctypes.
+#include "kernels.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define JAX_MLPO_X86 1
+#include <xmmintrin.h>
+#endif
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+namespace jax_mlpo {
+namespace {
+
+// Calls below this many elements run on the calling thread: waking the pool costs ~10-50 us.
+constexpr size_t kMinParallelElems = size_t{1} << 16;
+constexpr size_t kChunkAlignElems = 256;       // chunk starts stay cache-line aligned
+constexpr size_t kMinParallelBytes = size_t{1} << 20;
+constexpr size_t kChunkAlignBytes = 4096;
+
+// XLA runs handlers on threads that flush denormals to zero; the numpy reference does not.
+// Run every kernel with the IEEE default MXCSR (all exceptions masked, round to nearest, no
+// FTZ/DAZ) and restore the caller's afterwards.
+class IeeeFpScope {
+ public:
+#ifdef JAX_MLPO_X86
+  IeeeFpScope() : saved_(_mm_getcsr()) {
+    if ((saved_ & ~kFlags) != kDefault) _mm_setcsr(kDefault);
+  }
+  ~IeeeFpScope() {
+    if ((saved_ & ~kFlags) != kDefault) _mm_setcsr(saved_);
+  }
+
+ private:
+  static constexpr unsigned kDefault = 0x1f80, kFlags = 0x3f;
+  unsigned saved_;
+#endif
+};
+
+const KernelTable& SelectKernels() {
+  const char* forced = std::getenv("JAX_MLPO_ISA");
+  std::string want = forced ? forced : "";
+#ifdef JAX_MLPO_X86
+#ifdef JAX_MLPO_HAVE_AVX512
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && (want.empty() || want == "avx512")) return isa_avx512::Table();
+#endif
+#ifdef JAX_MLPO_HAVE_AVX2
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && (want.empty() || want == "avx2" || want == "avx512")) return isa_avx2::Table();
+#endif
+#endif
+  return isa_base::Table();
+}
+
+int DefaultNumThreads() {
+  if (const char* env = std::getenv("JAX_MLPO_NUM_THREADS")) {
+    char* end = nullptr;
+    long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1) return int(std::min(n, 1024L));
+  }
+#if defined(__linux__)
+  cpu_set_t set;  // respects taskset / cgroup cpusets, unlike hardware_concurrency
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// A fixed pool; Run(count, fn, ctx) calls fn(ctx, i) for i in [0, count), i == 0 on the caller.
+class ThreadPool {
+ public:
+  using Task = void (*)(void* ctx, int index);
+
+  explicit ThreadPool(int size) : size_(size) {
+    for (int i = 1; i < size; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return size_; }
+
+  void Run(int count, Task fn, void* ctx) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      task_ = fn;
+      ctx_ = ctx;
+      count_ = count;
+      pending_ = count - 1;
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    fn(ctx, 0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void WorkerLoop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      Task fn;
+      void* ctx;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (index >= count_) continue;
+        fn = task_;
+        ctx = ctx_;
+      }
+      fn(ctx, index);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  const int size_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  uint64_t generation_ = 0;
+  int count_ = 0, pending_ = 0;
+  bool stop_ = false;
+  Task task_ = nullptr;
+  void* ctx_ = nullptr;
+};
+
+// One parallel call at a time (others wait); guards the pool and its reconfiguration.
+std::mutex g_pool_mu;
+std::unique_ptr<ThreadPool> g_pool;
+int g_num_threads = 0;  // 0: not decided yet
+
+int NumThreadsLocked() {
+  if (g_num_threads == 0) g_num_threads = DefaultNumThreads();
+  return g_num_threads;
+}
+
+#if defined(__linux__)
+// A forked child has no pool threads: forget (leak) the pool and start a fresh one when needed.
+void AtForkPrepare() { g_pool_mu.lock(); }
+void AtForkParent() { g_pool_mu.unlock(); }
+void AtForkChild() {
+  (void)g_pool.release();
+  g_pool_mu.unlock();
+}
+const int g_atfork = pthread_atfork(AtForkPrepare, AtForkParent, AtForkChild);
+#endif
+
+// Splits [0, n) into at most num_threads chunks whose starts are multiples of align and runs
+// body(begin, end) on each, under IEEE floating point.
+template <typename Body>
+void ParallelFor(size_t n, size_t min_parallel, size_t align, const Body& body) {
+  if (n == 0) return;
+  if (n >= min_parallel) {
+    std::unique_lock<std::mutex> lock(g_pool_mu);
+    const size_t threads = size_t(NumThreadsLocked());
+    const size_t count = std::min(threads, std::max<size_t>(1, n / (min_parallel / 2)));
+    if (count > 1) {
+      if (!g_pool || g_pool->size() != int(threads)) {
+        g_pool.reset();
+        g_pool = std::make_unique<ThreadPool>(int(threads));
+      }
+      size_t chunk = (n + count - 1) / count;
+      chunk = (chunk + align - 1) / align * align;
+      struct Ctx {
+        const Body* body;
+        size_t n, chunk;
+      } ctx{&body, n, chunk};
+      g_pool->Run(int(count), [](void* p, int i) {
+        const Ctx& c = *static_cast<const Ctx*>(p);
+        const size_t begin = std::min(c.n, size_t(i) * c.chunk);
+        const size_t end = std::min(c.n, begin + c.chunk);
+        IeeeFpScope fp;
+        if (begin < end) (*c.body)(begin, end);
+      }, &ctx);
+      return;
+    }
+  }
+  IeeeFpScope fp;
+  body(size_t{0}, n);
+}
+
+}  // namespace
+
+const KernelTable& Kernels() {
+  static const KernelTable& table = SelectKernels();
+  return table;
+}
+
+void AdamW(const AdamWArgs& args, size_t n) {
+  const int out = args.update_out == nullptr ? kOutNone
+                  : args.delta_base != nullptr ? kOutDelta
+                                               : kOutUpdate;
+  const AdamWRangeFn fn = Kernels().adamw[AdamWIndex(
+      args.grad_bf16, args.has_wd, args.update_param, args.param_bf16_out != nullptr, out)];
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
+void Bf16ToF32(const uint16_t* src, float* dst, size_t n) {
+  auto fn = Kernels().bf16_to_f32;
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(src + b, dst + b, e - b); });
+}
+
+void F32ToBf16(const float* src, uint16_t* dst, size_t n) {
+  auto fn = Kernels().f32_to_bf16;
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(src + b, dst + b, e - b); });
+}
+
+void Triad(float* a, const float* b, const float* c, float s, size_t n) {
+  auto fn = Kernels().triad;
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t lo, size_t hi) { fn(a + lo, b + lo, c + lo, s, hi - lo); });
+}
+
+void Copy(void* dst, const void* src, size_t nbytes) {
+  auto* d = static_cast<char*>(dst);
+  auto* s = static_cast<const char*>(src);
+  ParallelFor(nbytes, kMinParallelBytes, kChunkAlignBytes,
+              [&](size_t b, size_t e) { std::memcpy(d + b, s + b, e - b); });
+}
+
+}  // namespace jax_mlpo
+
+// ---- C entry points (ctypes releases the GIL around each call) ----------------------------------
+
+namespace {
+
+enum : int { kOk = 0, kErrNull = 1, kErrOverlap = 2, kErrDeltaWithoutOut = 3, kErrSize = 4 };
+
+struct Range {
+  const char* lo;
+  size_t bytes;
+  bool written;
+};
+
+bool Overlap(const Range& a, const Range& b) {
+  return a.lo != nullptr && b.lo != nullptr && a.lo < b.lo + b.bytes && b.lo < a.lo + a.bytes;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* jax_mlpo_isa(void) { return jax_mlpo::Kernels().isa; }
+
+int jax_mlpo_num_threads(void) {
+  std::lock_guard<std::mutex> lock(jax_mlpo::g_pool_mu);
+  return jax_mlpo::NumThreadsLocked();
+}
+
+// n <= 0 restores the default (JAX_MLPO_NUM_THREADS, else the CPUs this process may use).
+int jax_mlpo_set_num_threads(int n) {
+  std::lock_guard<std::mutex> lock(jax_mlpo::g_pool_mu);
+  jax_mlpo::g_num_threads = n >= 1 ? std::min(n, 1024) : jax_mlpo::DefaultNumThreads();
+  return jax_mlpo::g_num_threads;
+}
+
+// scalars: c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale (float32, prepared by
+// jax_mlpo.native exactly as the numpy reference computes them). Returns 0 or an error code.
+int jax_mlpo_adamw_step(float* m, float* v, const void* grad, int grad_bf16, float* param,
+                        int update_param, float* update_out, const uint16_t* delta_base,
+                        uint16_t* param_bf16_out, int64_t n, const float* scalars, int has_wd) {
+  if (n < 0) return kErrSize;
+  if (n == 0) return kOk;
+  if (!m || !v || !grad || !param || !scalars) return kErrNull;
+  if (delta_base && !update_out) return kErrDeltaWithoutOut;
+  const size_t f = size_t(n) * 4, h = size_t(n) * 2;
+  const Range ranges[] = {
+      {reinterpret_cast<const char*>(m), f, true},
+      {reinterpret_cast<const char*>(v), f, true},
+      {static_cast<const char*>(grad), grad_bf16 ? h : f, false},
+      {reinterpret_cast<const char*>(param), f, update_param != 0},
+      {reinterpret_cast<const char*>(update_out), f, true},
+      {reinterpret_cast<const char*>(delta_base), h, false},
+      {reinterpret_cast<const char*>(param_bf16_out), h, true},
+  };
+  constexpr int kRanges = sizeof ranges / sizeof ranges[0];
+  for (int i = 0; i < kRanges; ++i)
+    for (int j = i + 1; j < kRanges; ++j)
+      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j]))
+        return kErrOverlap;
+  jax_mlpo::AdamWArgs a{};
+  a.m = m;
+  a.v = v;
+  a.grad = grad;
+  a.param = param;
+  a.update_out = update_out;
+  a.delta_base = delta_base;
+  a.param_bf16_out = param_bf16_out;
+  a.c1 = scalars[0];
+  a.b1 = scalars[1];
+  a.c2 = scalars[2];
+  a.b2 = scalars[3];
+  a.bc1 = scalars[4];
+  a.bc2 = scalars[5];
+  a.eps = scalars[6];
+  a.wd = scalars[7];
+  a.neg_lr = scalars[8];
+  a.grad_scale = scalars[9];
+  a.grad_bf16 = grad_bf16 != 0;
+  a.has_wd = has_wd != 0;
+  a.update_param = update_param != 0;
+  jax_mlpo::AdamW(a, size_t(n));
+  return kOk;
+}
+
+void jax_mlpo_bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
+  if (n > 0) jax_mlpo::Bf16ToF32(src, dst, size_t(n));
+}
+
+void jax_mlpo_f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  if (n > 0) jax_mlpo::F32ToBf16(src, dst, size_t(n));
+}
+
+void jax_mlpo_triad(float* a, const float* b, const float* c, float s, int64_t n) {
+  if (n > 0) jax_mlpo::Triad(a, b, c, s, size_t(n));
+}
+
+void jax_mlpo_copy(void* dst, const void* src, int64_t nbytes) {
+  if (nbytes > 0) jax_mlpo::Copy(dst, src, size_t(nbytes));
+}
+
+}  // extern "C"

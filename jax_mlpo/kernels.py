@@ -1,0 +1,99 @@
+"""The host AdamW kernel behind one function, with a numpy reference implementation.
+
+The engine calls :func:`adamw_step` once per contiguous segment of a subgroup (a segment is the
+part of one parameter leaf that falls in one subgroup, so it has one weight-decay value). The
+arithmetic follows ``optax.adamw`` operation by operation (``scale_by_adam`` →
+``add_decayed_weights`` → ``scale_by_learning_rate``) in float32, with the fused multiply-adds
+and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` update bit for bit
+(except for the rare double rounding of the float64 emulation of fma in this reference).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+
+class AdamWHyper(NamedTuple):
+    """Scalars of one AdamW step, as the device computed them.
+
+    ``bc1``/``bc2`` are optax's bias corrections ``1 - b**count`` and ``lr`` the (scheduled)
+    learning rate, all evaluated by XLA in float32 so that they match optax bit for bit.
+    """
+
+    bc1: float
+    bc2: float
+    lr: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float = 1.0
+
+
+def adamw_step_reference(
+    m: np.ndarray,
+    v: np.ndarray,
+    grad: np.ndarray,
+    param: np.ndarray,
+    update_out: np.ndarray | None,
+    hyper: AdamWHyper,
+    *,
+    update_param: bool = False,
+    delta_base: np.ndarray | None = None,
+    param_bf16_out: np.ndarray | None = None,
+) -> None:
+    """One AdamW step over a segment, in numpy (the reference the native kernel must match).
+
+    Args:
+      m: float32 first moment, updated in place.
+      v: float32 second moment, updated in place.
+      grad: float32 or bfloat16 gradient; bfloat16 is converted to float32 here (delayed
+        conversion), never stored.
+      param: float32 parameters. Read for weight decay; when ``update_param`` the new value
+        ``param + update`` is written back in place (fp32 master copy of bf16 params).
+      update_out: float32 output for the update optax would return, or None. With
+        ``delta_base`` it receives ``new_param - float32(delta_base)`` instead.
+      hyper: the step's scalars.
+      update_param: whether to apply the update to ``param`` in place.
+      delta_base: bfloat16 params the caller will add the update to (see DESIGN "Precision").
+      param_bf16_out: bfloat16 output for the new params rounded to nearest even, or None.
+    """
+    f32 = np.float32
+    g = grad.astype(F32, copy=False)
+    if hyper.grad_scale != 1.0:
+        g = g * f32(hyper.grad_scale)
+    # optax's expressions, in the form XLA:CPU compiles them (measured bit for bit against a
+    # jitted optax.adamw update): (1 - b) * x + b * t contracts to fma((1 - b), x, b * t),
+    # division by the scalar bias correction becomes multiplication by its float32
+    # reciprocal, and u + wd * p contracts to fma(wd, p, u).
+    m[...] = _fma(f32(1.0 - hyper.b1), g, f32(hyper.b1) * m)
+    v[...] = _fma(f32(1.0 - hyper.b2), g * g, f32(hyper.b2) * v)
+    inv_bc1 = f32(1.0) / f32(hyper.bc1)
+    inv_bc2 = f32(1.0) / f32(hyper.bc2)
+    u = (m * inv_bc1) / (np.sqrt(v * inv_bc2) + f32(hyper.eps))
+    if hyper.weight_decay != 0.0:
+        u = _fma(f32(hyper.weight_decay), param, u)
+    u = u * f32(-hyper.lr)
+    if update_param:
+        param += u
+    if update_out is not None:
+        if delta_base is not None:
+            np.subtract(param, delta_base.astype(F32), out=update_out)
+        else:
+            update_out[...] = u
+    if param_bf16_out is not None:
+        param_bf16_out[...] = param.astype(BF16)
+
+
+def _fma(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """float32 a * x + y with one rounding (via float64, where the product is exact)."""
+    return (np.float64(a) * x.astype(np.float64) + y).astype(F32)
+
+
+adamw_step = adamw_step_reference

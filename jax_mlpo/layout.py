@@ -1,0 +1,169 @@
+"""Params pytree ↔ flat subgroups.
+
+The leaves of the params pytree are laid end to end (in ``jax.tree`` order) in one flat index
+space, which is cut into subgroups of ``subgroup_size`` elements; a leaf may span subgroups. Each
+subgroup is a list of segments, a segment being the part of one leaf that falls in the subgroup,
+so it has one dtype and one weight-decay flag.
+
+A subgroup's blob is ``[p | m | v]`` float32 when it holds any bfloat16 leaf (``p`` is the fp32
+master copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_mlpo.kernels import BF16, F32
+
+
+SUPPORTED_PARAM_DTYPES = (F32, BF16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """The part of one leaf inside one subgroup."""
+
+    leaf: int  # index of the leaf in tree order
+    leaf_start: int  # first element in the flattened leaf
+    start: int  # first element in the subgroup
+    size: int
+    decay: bool  # whether weight decay applies (the mask)
+    master: bool  # the leaf is bfloat16, so p holds its fp32 master copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Subgroup:
+    index: int
+    size: int
+    segments: tuple[Segment, ...]
+    has_master: bool
+
+    @property
+    def state_elems(self) -> int:
+        """float32 elements of this subgroup's blob: 3 (p, m, v) or 2 (m, v) per element."""
+        return self.size * (3 if self.has_master else 2)
+
+    @property
+    def state_bytes(self) -> int:
+        return 4 * self.state_elems
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every parameter element lives in the subgroups."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    subgroups: tuple[Subgroup, ...]
+    subgroup_size: int
+
+    @property
+    def num_params(self) -> int:
+        return sum(sg.size for sg in self.subgroups)
+
+    @property
+    def max_state_elems(self) -> int:
+        return max((sg.state_elems for sg in self.subgroups), default=0)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(sg.state_bytes for sg in self.subgroups)
+
+
+def resolve_mask(mask: Any, params: Any) -> list[bool]:
+    """Per-leaf weight-decay flags from an optax-style mask (pytree, prefix or callable).
+
+    Raises:
+      ValueError: if the mask's structure does not match params or its leaves are not bools.
+    """
+    leaves = jax.tree.leaves(params)
+    if mask is None:
+        return [True] * len(leaves)
+    if callable(mask):
+        mask = mask(params)
+    try:
+        flags = jax.tree_util.tree_structure(params).flatten_up_to(
+            jax.tree.map(lambda m, p: m, mask, params, is_leaf=lambda x: isinstance(x, bool))
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "mask must be a pytree of bools with the structure of params (or a prefix of it), "
+            f"or a callable returning one: {e}"
+        ) from e
+    out = []
+    for flag in flags:
+        if isinstance(flag, bool | np.bool_):
+            out.append(bool(flag))
+        else:
+            raise ValueError(
+                f"mask leaves must be Python bools fixed at init, got {type(flag).__name__}; "
+                "jax_mlpo lays out weight decay per parameter when the optimizer is created"
+            )
+    return out
+
+
+def build_layout(
+    params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None
+) -> Layout:
+    """Cuts the params pytree into subgroups.
+
+    Args:
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (only shapes and dtypes are read,
+        so this works on tracers too).
+      subgroup_size: elements per subgroup.
+      decay_flags: per-leaf weight-decay flags (default: all True).
+
+    Returns:
+      The layout.
+
+    Raises:
+      ValueError: for a parameter dtype other than float32 or bfloat16.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
+    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+    for i, dt in enumerate(dtypes):
+        if dt not in SUPPORTED_PARAM_DTYPES:
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
+            raise ValueError(
+                f"param {path} has dtype {dt}; jax_mlpo.adamw supports float32 and bfloat16 "
+                "params (cast the others, or keep them out of this optimizer with optax.masked)"
+            )
+    if decay_flags is None:
+        decay_flags = [True] * len(leaves)
+
+    subgroups: list[Subgroup] = []
+    segments: list[Segment] = []
+    filled = 0
+
+    def close() -> None:
+        nonlocal segments, filled
+        if filled:
+            has_master = any(s.master for s in segments)
+            subgroups.append(Subgroup(len(subgroups), filled, tuple(segments), has_master))
+        segments, filled = [], 0
+
+    for i, shape in enumerate(shapes):
+        size = int(np.prod(shape, dtype=np.int64))
+        taken = 0
+        while taken < size:
+            n = min(size - taken, subgroup_size - filled)
+            segments.append(Segment(i, taken, filled, n, decay_flags[i], dtypes[i] == BF16))
+            taken += n
+            filled += n
+            if filled == subgroup_size:
+                close()
+    close()
+    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size)
+
+
+def flat_views(leaves: Sequence[Any], convert: Callable[[Any], np.ndarray] = np.asarray):
+    """1-D numpy views of leaves (zero-copy for CPU jax arrays and contiguous numpy arrays)."""
+    return [convert(x).reshape(-1) for x in leaves]
+

@@ -1,0 +1,216 @@
+"""``jax_mlpo.adamw``: an optax AdamW whose state lives off the accelerator.
+
+The transformation's state is two int32 scalars (the step count and a handle to the host engine
+that owns p, m and v). ``update`` evaluates the learning rate and the bias corrections on the
+device, exactly as optax does, and hands the gradients and params to the engine through an
+ordered ``io_callback``: it runs once per executed update, in program order, eagerly and under
+``jax.jit`` alike (``pure_callback`` could be dropped or repeated, which would corrupt state).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import io_callback
+
+from jax_mlpo.config import OffloadConfig
+from jax_mlpo.engine import Engine
+from jax_mlpo.kernels import AdamWHyper
+from jax_mlpo.layout import build_layout, resolve_mask
+
+
+class OffloadedAdamWState(NamedTuple):
+    """What the accelerator holds; p, m and v live in the host cache and the file tiers."""
+
+    count: jax.Array  # shape=(), int32: updates applied so far
+    handle: jax.Array  # shape=(), int32: key of the host engine that owns p, m, v
+
+
+_ENGINES: dict[int, Engine] = {}
+_NEXT_HANDLE = itertools.count(1)
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _register(engine: Engine) -> int:
+    with _REGISTRY_LOCK:
+        handle = next(_NEXT_HANDLE)
+        _ENGINES[handle] = engine
+    return handle
+
+
+def _engine(handle: Any) -> Engine:
+    key = int(np.asarray(handle))
+    try:
+        return _ENGINES[key]
+    except KeyError:
+        raise RuntimeError(
+            f"no jax_mlpo engine with handle {key} in this process: the optimizer state was "
+            "closed, or comes from another process. Restore it from a checkpoint instead."
+        ) from None
+
+
+def _states(opt_state: Any) -> list[OffloadedAdamWState]:
+    found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OffloadedAdamWState))
+    return [s for s in found if isinstance(s, OffloadedAdamWState)]
+
+
+def engine_of(opt_state: Any) -> Engine:
+    """The host engine behind the (first) offloaded AdamW state inside ``opt_state``.
+
+    Use it for metrics (``engine_of(opt_state).metrics[-1]``).
+    """
+    states = _states(opt_state)
+    if not states:
+        raise ValueError("opt_state contains no jax_mlpo OffloadedAdamWState")
+    return _engine(getattr(states[0].handle, "value", states[0].handle))
+
+
+def close(opt_state: Any) -> None:
+    """Waits for in-flight writes, releases the tier locks and forgets the host state.
+
+    After this, ``opt_state`` cannot be updated any more.
+    """
+    for state in _states(opt_state):
+        key = int(np.asarray(getattr(state.handle, "value", state.handle)))
+        with _REGISTRY_LOCK:
+            engine = _ENGINES.pop(key, None)
+        if engine is not None:
+            engine.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    with _REGISTRY_LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+    for engine in engines:
+        engine.close()
+
+
+def _refuse_discarding_wrappers() -> None:
+    """Fails init inside optax.MultiSteps, which runs update on every micro-step and discards it."""
+    multi_steps_init = optax.MultiSteps.init.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is multi_steps_init:
+            raise ValueError(
+                "jax_mlpo.adamw cannot be wrapped in optax.MultiSteps: MultiSteps runs the inner "
+                "update on every micro-step and discards all but the last, but jax_mlpo advances "
+                "its offloaded moments on every update it runs. Accumulate gradients in your "
+                "train step instead (e.g. average micro-batch gradients with jax.lax.scan) and "
+                "call the optimizer once per accumulated batch."
+            )
+        frame = frame.f_back
+
+
+def _host_update(handle, count, scalars, b1, b2, eps, n, *leaves):
+    lr, bc1, bc2 = (float(x) for x in np.asarray(scalars))
+    hyper = AdamWHyper(bc1=bc1, bc2=bc2, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=0.0)
+    grads = [np.asarray(x).reshape(-1) for x in leaves[:n]]
+    params = [np.asarray(x).reshape(-1) for x in leaves[n:]]
+    outs = _engine(handle).step(int(np.asarray(count)), hyper, grads, params)
+    return outs
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Any = None,
+    *,
+    offload: OffloadConfig,
+) -> optax.GradientTransformation:
+    r"""AdamW with its state (fp32 master params, m, v) offloaded to host memory and files.
+
+    The update is ``optax.adamw``'s, operation for operation in float32:
+
+    .. math::
+      m_t = b_1 m_{t-1} + (1-b_1) g_t, \quad v_t = b_2 v_{t-1} + (1-b_2) g_t^2, \\
+      u_t = -\eta_t \left(\frac{m_t / (1-b_1^t)}{\sqrt{v_t / (1-b_2^t)} + \epsilon}
+            + \lambda\, p_{t-1}\right)
+
+    where the weight decay :math:`\lambda` applies where ``mask`` is True. For float32 params
+    ``optax.apply_updates(params, u)`` gives optax.adamw's params (to float32 rounding). For
+    bfloat16 params the tiers also keep an fp32 master copy; the update returned is float32,
+    ``master_new - float32(params)``, so ``apply_updates`` yields ``bfloat16(master_new)``.
+
+    p, m and v never live on the accelerator: the returned state is two int32 scalars, and the
+    moments are advanced on the host by every update that runs. Each update must therefore be
+    handed the state returned by the previous one; wrappers that compute and then discard an
+    update (``optax.MultiSteps``) are refused.
+
+    Args:
+      learning_rate: a float or an optax schedule (evaluated on the device at the step count).
+      b1: exponential decay of the first moment.
+      b2: exponential decay of the second moment.
+      eps: added to the denominator outside the square root.
+      weight_decay: decoupled weight decay, multiplied by the learning rate as in optax.
+      mask: a pytree of bools (or a prefix of the params tree), or a callable returning one:
+        where weight decay applies. Resolved once, at init.
+      offload: where the state lives; see :class:`jax_mlpo.OffloadConfig`.
+
+    Returns:
+      An optax ``GradientTransformation`` whose ``update`` requires ``params``.
+
+    Raises:
+      ConfigError: at construction, for a tier path that is missing or not writable; at init,
+        for a host cache too small for the pipeline.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jax_mlpo
+      >>> tx = jax_mlpo.adamw(1e-3, offload=jax_mlpo.OffloadConfig(host_cache="64MiB"))
+      >>> params = {"w": jnp.ones((4, 4))}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> jax_mlpo.close(state)
+    """
+    if not isinstance(offload, OffloadConfig):
+        raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
+    offload.validate()
+    b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+
+    def init_fn(params):
+        _refuse_discarding_wrappers()
+        layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params))
+        engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        return OffloadedAdamWState(
+            count=jnp.zeros([], jnp.int32), handle=jnp.asarray(_register(engine), jnp.int32)
+        )
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "jax_mlpo.adamw needs params in update (tx.update(grads, state, params)): they "
+                "are read for weight decay and for the bfloat16 master copy"
+            )
+        count_inc = optax.safe_increment(state.count)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        # The same expressions optax evaluates, on the device, so the scalars match it bit for bit.
+        bc1 = 1 - b1**count_inc
+        bc2 = 1 - b2**count_inc
+        scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2)])
+        grads, treedef = jax.tree.flatten(updates)
+        param_leaves = treedef.flatten_up_to(params)
+        out_types = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32) for p in param_leaves]
+
+        def callback(handle, count, scalars, *leaves):
+            return _host_update(handle, count, scalars, b1, b2, eps, len(grads), *leaves)
+
+        outs = io_callback(
+            callback, out_types, state.handle, state.count, scalars, *grads, *param_leaves,
+            ordered=True,
+        )  # fmt: skip
+        return treedef.unflatten(outs), OffloadedAdamWState(count=count_inc, handle=state.handle)
+
+    return optax.GradientTransformation(init_fn, update_fn)
