@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,12 @@ class FileTier:
             )
 
     def validate(self) -> None:
-        """Checks the path against the file system.
+        """Checks the path against the file system: creates the directory and writes a probe.
 
         Raises:
-          ConfigError: if the parent directory is missing, the path is not a directory, or it
-            is not writable.
+          ConfigError: if the parent directory is missing, the path is not a directory, or
+            the directory cannot be created or written (read-only or full file system, no
+            permission).
         """
         path = Path(self.path).expanduser()
         if path.exists() and not path.is_dir():
@@ -123,12 +125,15 @@ class FileTier:
                 f"FileTier.path={self.path!r}: parent directory {str(path.parent)!r} does not "
                 "exist. Create it (e.g. mount the disk) or fix the path."
             )
-        probe = path if path.exists() else path.parent
-        if not os.access(probe, os.W_OK | os.X_OK):
+        try:
+            path.mkdir(mode=0o700, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".jax_mlpo-probe-"):
+                pass
+        except OSError as e:
             raise ConfigError(
-                f"FileTier.path={self.path!r}: {str(probe)!r} is not writable by this user. "
-                "Choose a directory you can write to or fix its permissions."
-            )
+                f"FileTier.path={self.path!r} is not writable ({e.strerror}). Choose a directory "
+                "you can write to, or fix its permissions or free space."
+            ) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ class Engine:
             for k, i in enumerate(spilled):
                 per_tier[k % len(config.tiers)].append(i)
             try:
-                for t, (tier, members) in enumerate(zip(config.tiers, per_tier, strict=True)):
+                for tier, members in zip(config.tiers, per_tier, strict=True):
                     if not members:
                         continue
                     elems = max(layout.subgroups[i].state_elems for i in members)

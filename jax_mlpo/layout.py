@@ -20,7 +20,6 @@ import numpy as np
 
 from jax_mlpo.kernels import BF16, F32
 
-
 SUPPORTED_PARAM_DTYPES = (F32, BF16)
 
 
@@ -166,4 +165,3 @@ def build_layout(
 def flat_views(leaves: Sequence[Any], convert: Callable[[Any], np.ndarray] = np.asarray):
     """1-D numpy views of leaves (zero-copy for CPU jax arrays and contiguous numpy arrays)."""
     return [convert(x).reshape(-1) for x in leaves]
-

@@ -194,6 +194,11 @@ def adamw(
                 "jax_mlpo.adamw needs params in update (tx.update(grads, state, params)): they "
                 "are read for weight decay and for the bfloat16 master copy"
             )
+        return jitted_update(updates, state, params)
+
+    # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
+    @jax.jit
+    def jitted_update(updates, state, params):
         count_inc = optax.safe_increment(state.count)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         # The same expressions optax evaluates, on the device, so the scalars match it bit for bit.

@@ -93,10 +93,10 @@ ffi::ErrorOr<HostSpan> DecodeDescriptor(const U32Buffer& desc, size_t nbytes, co
 ffi::Error ToHostImpl(ffi::AnyBuffer src, U32Buffer desc, U32Result desc_out) {
   auto span = DecodeDescriptor(desc, src.size_bytes(), "jax_mlpo_to_host");
   if (span.has_error()) return span.error();
-  Copy(span->data, src.untyped_data(), src.size_bytes());
   if (desc_out->element_count() != 4) {
     return ffi::Error::InvalidArgument("jax_mlpo_to_host: the result must be u32[4]");
   }
+  Copy(span->data, src.untyped_data(), src.size_bytes());
   std::memcpy(desc_out->typed_data(), desc.typed_data(), 4 * sizeof(uint32_t));
   return ffi::Error::Success();
 }

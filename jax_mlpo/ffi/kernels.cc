@@ -2,11 +2,13 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -47,22 +49,32 @@ class IeeeFpScope {
 #endif
 };
 
-const KernelTable& SelectKernels() {
-  const char* forced = std::getenv("JAX_MLPO_ISA");
-  std::string want = forced ? forced : "";
+// The table for `want` ("base", "avx2", "avx512"; empty: the best this CPU runs), or null if
+// this CPU or build lacks it.
+const KernelTable* FindKernels(const std::string& want) {
 #ifdef JAX_MLPO_X86
 #ifdef JAX_MLPO_HAVE_AVX512
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && (want.empty() || want == "avx512")) return isa_avx512::Table();
+  if (avx512 && (want.empty() || want == "avx512")) return &isa_avx512::Table();
 #endif
 #ifdef JAX_MLPO_HAVE_AVX2
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && (want.empty() || want == "avx2" || want == "avx512")) return isa_avx2::Table();
+  if (avx2 && (want.empty() || want == "avx2")) return &isa_avx2::Table();
 #endif
 #endif
-  return isa_base::Table();
+  if (want.empty() || want == "base") return &isa_base::Table();
+  return nullptr;
 }
+
+// Chosen once; JAX_MLPO_ISA=base|avx2 forces a lesser one (an unavailable one is ignored).
+const KernelTable* InitialKernels() {
+  const char* env = std::getenv("JAX_MLPO_ISA");
+  const KernelTable* forced = env ? FindKernels(env) : nullptr;
+  return forced ? forced : FindKernels("");
+}
+
+std::atomic<const KernelTable*> g_kernels{InitialKernels()};
 
 int DefaultNumThreads() {
   if (const char* env = std::getenv("JAX_MLPO_NUM_THREADS")) {
@@ -199,10 +211,7 @@ void ParallelFor(size_t n, size_t min_parallel, size_t align, const Body& body) 
 
 }  // namespace
 
-const KernelTable& Kernels() {
-  static const KernelTable& table = SelectKernels();
-  return table;
-}
+const KernelTable& Kernels() { return *g_kernels.load(std::memory_order_acquire); }
 
 void AdamW(const AdamWArgs& args, size_t n) {
   const int out = args.update_out == nullptr ? kOutNone
@@ -262,6 +271,15 @@ bool Overlap(const Range& a, const Range& b) {
 extern "C" {
 
 const char* jax_mlpo_isa(void) { return jax_mlpo::Kernels().isa; }
+
+// Switches the loops to another instruction set (tests, benchmarks); "" picks the best one.
+// Returns 0, or -1 if this CPU or build lacks it. Not meant to race with running kernels.
+int jax_mlpo_set_isa(const char* name) {
+  const jax_mlpo::KernelTable* table = jax_mlpo::FindKernels(name ? name : "");
+  if (table == nullptr) return -1;
+  jax_mlpo::g_kernels.store(table, std::memory_order_release);
+  return 0;
+}
 
 int jax_mlpo_num_threads(void) {
   std::lock_guard<std::mutex> lock(jax_mlpo::g_pool_mu);

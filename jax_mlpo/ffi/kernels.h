@@ -22,7 +22,8 @@ struct AdamWArgs {
   const uint16_t* delta_base;      // optional bfloat16; needs update_out
   uint16_t* param_bf16_out;        // optional
   float c1, b1, c2, b2;            // c1 = f32(1 - b1), c2 = f32(1 - b2)
-  float bc1, bc2, eps, wd, neg_lr;
+  float bc1, bc2;                  // bias corrections; the loop multiplies by 1.0f / bc
+  float eps, wd, neg_lr;
   float grad_scale;                // 1 when the reference skips the scaling (same bits)
   bool grad_bf16;
   bool has_wd;                     // weight_decay != 0 (adding 0 * p is not a no-op for -0, inf)
@@ -52,7 +53,8 @@ namespace isa_base { const KernelTable& Table(); }
 namespace isa_avx2 { const KernelTable& Table(); }
 namespace isa_avx512 { const KernelTable& Table(); }
 
-// The table for this CPU (chosen once, overridable with JAX_MLPO_ISA=base|avx2|avx512).
+// The table in use: the best this CPU runs, unless JAX_MLPO_ISA=base|avx2 or jax_mlpo_set_isa
+// chose another.
 const KernelTable& Kernels();
 
 // Multi-threaded drivers used by both the ctypes API and the XLA FFI handlers. They run with

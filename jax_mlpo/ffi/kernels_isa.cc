@@ -1,10 +1,11 @@
 // The loops, compiled once per instruction set: CMake builds this file three times with
 // JAX_MLPO_ISA_NS set to isa_base / isa_avx2 / isa_avx512 and the matching -m flags, always with
-// -O3 -fno-math-errno (vectorized sqrtf) and -ffp-contract=off (no FMA: the results must be
-// bitwise equal to the numpy reference). Plain loops over __restrict pointers; GCC vectorizes them
-// (check with -fopt-info-vec).
+// -O3 -fno-math-errno (vectorized sqrtf) and -ffp-contract=off (no contraction: the operations,
+// the float64 emulation of fma included, must be exactly the numpy reference's, on every ISA).
+// Plain loops over __restrict pointers; GCC vectorizes all of them (check with -fopt-info-vec).
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "kernels.h"
@@ -35,35 +36,38 @@ inline uint16_t F32ToBf16Elem(float f) {
   return uint16_t((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-template <typename T>
-inline T* Off(T* ptr, size_t begin) {  // null stays null (no arithmetic on a null pointer)
-  return ptr == nullptr ? nullptr : ptr + begin;
+struct Scalars {
+  float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale;
+};
+
+inline float LoadGrad(const float* g, size_t i) { return g[i]; }
+inline float LoadGrad(const uint16_t* g, size_t i) { return Bf16ToF32Elem(g[i]); }
+
+// float32 a * x + y as the reference computes it: the product is exact in float64, the sum is
+// rounded to float64 and then to float32 (XLA:CPU uses a float32 fma here; the two differ only
+// in rare double-rounding cases). Written out so that the result does not depend on the ISA.
+inline float Fma64(float a, float x, float y) {
+  return float(double(a) * double(x) + double(y));
 }
 
-template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
-void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
-  const size_t n = end - begin;
-  float* __restrict m = Off(a.m, begin);
-  float* __restrict v = Off(a.v, begin);
-  float* __restrict p = Off(a.param, begin);
-  const float* __restrict gf = Off(static_cast<const float*>(a.grad), begin);
-  const uint16_t* __restrict gb = Off(static_cast<const uint16_t*>(a.grad), begin);
-  float* __restrict out = Off(a.update_out, begin);
-  const uint16_t* __restrict base = Off(a.delta_base, begin);
-  uint16_t* __restrict pb = Off(a.param_bf16_out, begin);
-  const float c1 = a.c1, b1 = a.b1, c2 = a.c2, b2 = a.b2, bc1 = a.bc1, bc2 = a.bc2;
-  const float eps = a.eps, wd = a.wd, neg_lr = a.neg_lr, scale = a.grad_scale;
+// The loop proper. The pointers are __restrict function parameters: GCC ignores restrict on
+// locals here and would fall back to run-time alias checks (or scalar code).
+template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
+__attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, float* __restrict m,
+                                         float* __restrict v, const GradT* __restrict grad,
+                                         float* __restrict p, float* __restrict out,
+                                         const uint16_t* __restrict base,
+                                         uint16_t* __restrict pb) {
   for (size_t i = 0; i < n; ++i) {
-    float g = kGradBf16 ? Bf16ToF32Elem(gb[i]) : gf[i];
-    g = g * scale;
-    // Same expressions and order as optax.tree.update_moment(_per_elem_norm).
-    const float mi = c1 * g + b1 * m[i];
-    const float vi = c2 * (g * g) + b2 * v[i];
+    const float g = LoadGrad(grad, i) * s.scale;
+    // optax's update_moment(_per_elem_norm) as XLA:CPU compiles it (see jax_mlpo/kernels.py).
+    const float mi = Fma64(s.c1, g, s.b1 * m[i]);
+    const float vi = Fma64(s.c2, g * g, s.b2 * v[i]);
     m[i] = mi;
     v[i] = vi;
-    float u = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
-    if constexpr (kWd) u = u + wd * p[i];
-    u = u * neg_lr;
+    float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
+    if constexpr (kWd) u = Fma64(s.wd, p[i], u);
+    u = u * s.neg_lr;
     float pn = 0.0f;
     if constexpr (kUpdateParam || kOut == kOutDelta || kBf16Out) pn = p[i];
     if constexpr (kUpdateParam) {
@@ -74,6 +78,21 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
     if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
     if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
   }
+}
+
+template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
+void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
+  using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
+  // Division by the bias corrections is multiplication by their float32 reciprocals (IEEE
+  // division, no approximation), as in XLA:CPU and the reference.
+  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
+                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  // Optional pointers are offset only when this variant uses them (they are null otherwise).
+  AdamWLoop<GradT, kWd, kUpdateParam, kBf16Out, kOut>(
+      end - begin, s, a.m + begin, a.v + begin, static_cast<const GradT*>(a.grad) + begin,
+      a.param + begin, kOut != kOutNone ? a.update_out + begin : nullptr,
+      kOut == kOutDelta ? a.delta_base + begin : nullptr,
+      kBf16Out ? a.param_bf16_out + begin : nullptr);
 }
 
 void Bf16ToF32Loop(const uint16_t* __restrict src, float* __restrict dst, size_t n) {

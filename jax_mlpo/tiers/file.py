@@ -122,7 +122,7 @@ class FileTierStore:
         return os.path.join(self.directory, "state", "c", str(slot), "0")
 
     def read(self, slot: int, out: np.ndarray) -> concurrent.futures.Future:
-        """Reads blob ``slot`` into ``out`` (float32, 1-D, at most ``slot_elems``) asynchronously."""
+        """Reads blob ``slot`` into ``out`` (float32, 1-D, <= ``slot_elems``) asynchronously."""
         return self._pool.submit(self._read, slot, out)
 
     def write(self, slot: int, data: np.ndarray) -> concurrent.futures.Future:
@@ -150,9 +150,7 @@ class FileTierStore:
         try:
             self._array[slot, : data.size].write(data).result()
         except Exception as e:
-            raise TierIOError(
-                self._explain(e, f"writing blob {self.blob_path(slot)} to")
-            ) from e
+            raise TierIOError(self._explain(e, f"writing blob {self.blob_path(slot)} to")) from e
         if self._bucket:
             self._bucket.wait_until(deadline)
         self._record("write", slot, t0, data.nbytes)

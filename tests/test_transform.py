@@ -1,0 +1,258 @@
+"""jax_mlpo.adamw against optax.adamw: parity across layouts, tiers, caches, dtypes and modes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_mlpo
+
+STEPS = 50
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, STEPS, 3e-3)
+# Leaf sizes 1_000_003, 1 and 22, in tree order: w spans subgroups, norm is split by 500_005.
+SHAPES = {"a_w": (1, 1_000_003), "b_bias": (1,), "c_norm": (22,)}
+NUM_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())
+
+
+def no_decay_on_vectors(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def make_params(dtype) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), len(SHAPES))
+    return {
+        k: (jax.random.normal(key, shape) * 0.5).astype(dtype)
+        for key, (k, shape) in zip(keys, SHAPES.items(), strict=True)
+    }
+
+
+def loss_fn(params, step):
+    """A linear loss whose gradient differs per element and per step.
+
+    Its gradient does not depend on the params, so a one-ulp difference in a bf16 param cannot
+    feed back into later gradients and grow: the comparison measures the optimizer alone. (Under
+    a chaotic loss such as sum(sin(3x)) optax.adamw itself drifts by ~5e-6 relative in 50 steps
+    between two ways XLA fuses the same jitted step.)
+    """
+    total = 0.0
+    for i, x in enumerate(jax.tree.leaves(params)):
+        key = jax.random.fold_in(jax.random.PRNGKey(i), step)
+        target = jax.random.normal(key, x.shape)
+        scale = jnp.exp(2.0 * jnp.roll(target, 1))  # gradient magnitudes over ~3 decades
+        total += jnp.sum(x.astype(jnp.float32) * scale * target)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    subgroup_size: int
+    tiers: int
+    cache: str  # "none": pipeline buffers only, "part": some subgroups resident, "all"
+    prefetch_depth: int = 2
+
+
+CASES = [
+    Case("split-1tier-nocache", 500_005, 1, "none"),
+    Case("split-3tiers-nocache", 131_072, 3, "none"),
+    Case("split-3tiers-partcache", 131_072, 3, "part"),
+    Case("split-1tier-sync", 300_007, 1, "none", prefetch_depth=0),
+    Case("bigger-than-model-1tier", 2_000_000, 1, "none"),
+    Case("split-allcache", 500_005, 0, "all"),
+]
+
+
+def offload_config(case: Case, dtype, tmp_path) -> jax_mlpo.OffloadConfig:
+    per_elem = 12 if dtype == jnp.bfloat16 else 8
+    blob = per_elem * min(case.subgroup_size, NUM_PARAMS)
+    pipeline = (case.prefetch_depth + 2) * blob
+    cache = {
+        "none": pipeline,
+        "part": pipeline + 2 * blob,
+        "all": per_elem * NUM_PARAMS,
+    }[case.cache]
+    tiers = [jax_mlpo.FileTier(str(tmp_path / f"tier{i}")) for i in range(case.tiers)]
+    return jax_mlpo.OffloadConfig(
+        host_cache=cache,
+        tiers=tiers,
+        subgroup_size=case.subgroup_size,
+        prefetch_depth=case.prefetch_depth,
+    )
+
+
+def chain(inner):
+    return optax.chain(optax.clip_by_global_norm(1.0), inner)
+
+
+def reference_adamw():
+    return chain(optax.adamw(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors))
+
+
+def offloaded_adamw(config):
+    return chain(
+        jax_mlpo.adamw(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors, offload=config)
+    )
+
+
+def run_reference(dtype):
+    """optax.adamw on an fp32 master copy; bf16 params are the master rounded to bf16."""
+    master = jax.tree.map(lambda x: x.astype(jnp.float32), make_params(dtype))
+    clip, adam = optax.clip_by_global_norm(1.0), optax.adamw(
+        SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors
+    )
+    clip_state, adam_state = clip.init(master), adam.init(master)
+
+    @jax.jit
+    def step(master, clip_state, adam_state, i):
+        params = jax.tree.map(lambda x: x.astype(dtype), master)
+        grads = jax.grad(loss_fn)(params, i)  # in the params' dtype, as the model gives them
+        grads, clip_state = clip.update(grads, clip_state)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, adam_state = adam.update(grads, adam_state, master)
+        return updates, clip_state, adam_state
+
+    # apply_updates in its own jit, as it is for the offloaded optimizer (whose update comes
+    # from the host): fused into the step, XLA would contract p + lr * u into an fma.
+    apply = jax.jit(optax.apply_updates)
+
+    for i in range(STEPS):
+        updates, clip_state, adam_state = step(master, clip_state, adam_state, i)
+        master = apply(master, updates)
+    return jax.tree.map(lambda x: x.astype(dtype), master)
+
+
+_REFERENCE_CACHE: dict = {}
+
+
+def reference(dtype):
+    key = jnp.dtype(dtype).name
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = jax.device_get(run_reference(dtype))
+    return _REFERENCE_CACHE[key]
+
+
+def run_offloaded(tx, dtype, mode):
+    params = make_params(dtype)
+    if mode == "nnx":
+        model = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def nnx_step(model, optimizer, i):
+            def loss(m):
+                return loss_fn({k: m[k][...] for k in SHAPES}, i)
+
+            grads = nnx.grad(loss)(model)
+            optimizer.update(model, grads)
+
+        for i in range(STEPS):
+            nnx_step(model, optimizer, i)
+        jax_mlpo.close(nnx.state(optimizer, nnx.optimizer.OptState))
+        return {k: model[k][...] for k in SHAPES}
+
+    state = tx.init(params)
+
+    def step(params, state, i):
+        grads = jax.grad(loss_fn)(params, i)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    if mode == "jit":
+        step = jax.jit(step)
+    for i in range(STEPS):
+        params, state = step(params, state, i)
+    jax_mlpo.close(state)
+    return params
+
+
+def assert_matches_reference(params, dtype):
+    ref = reference(dtype)
+    for k in SHAPES:
+        got, want = np.asarray(params[k]), np.asarray(ref[k])
+        assert got.dtype == want.dtype, k
+        if dtype == jnp.float32:
+            err = np.max(np.abs(got - want) / np.maximum(1.0, np.abs(want)))
+            assert err <= 1e-6, f"{k}: max relative error {err:.3g} > 1e-6"
+        else:
+            g32, w32 = got.astype(np.float32), want.astype(np.float32)
+            differ = g32 != w32
+            # 1 ulp of bf16 at |x| is 2**(exponent - 7). Where a master value crosses zero, the
+            # bf16 value shows the fp32 master's own rounding (float32 parity, 1e-6 absolute at
+            # |p| <= 1), so the allowance is the larger of the two.
+            ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(w32), 1e-30))) - 7)
+            allowed = np.maximum(ulp, 1e-6 * np.maximum(1.0, np.abs(w32)))
+            worst = np.max((np.abs(g32 - w32) / allowed)[differ], initial=0.0)
+            assert worst <= 1.0, f"{k}: an element differs by {worst:.3g} x the allowance"
+            assert differ.mean() <= 1e-3, f"{k}: {differ.mean():.3%} of elements differ"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_parity_jit(case, dtype, tmp_path):
+    params = run_offloaded(offloaded_adamw(offload_config(case, dtype, tmp_path)), dtype, "jit")
+    assert_matches_reference(params, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["eager", "nnx"])
+def test_parity_eager_and_nnx(mode, dtype, tmp_path):
+    case = CASES[2]
+    params = run_offloaded(offloaded_adamw(offload_config(case, dtype, tmp_path)), dtype, mode)
+    assert_matches_reference(params, dtype)
+
+
+@pytest.mark.parametrize("dtype,per_param", [(jnp.float32, 8), (jnp.bfloat16, 12)])
+def test_state_is_off_the_accelerator(dtype, per_param, tmp_path):
+    config = offload_config(Case("x", 131_072, 2, "none"), dtype, tmp_path)
+    state = offloaded_adamw(config).init(make_params(dtype))
+    assert sum(x.nbytes for x in jax.tree.leaves(state)) < 1024
+    blobs = list(tmp_path.glob("tier*/state/c/*/0"))
+    crc = 4  # the crc32c codec appends a 4-byte checksum to each blob
+    assert sum(p.stat().st_size - crc for p in blobs) == per_param * NUM_PARAMS
+    jax_mlpo.close(state)
+
+
+def test_jitted_update_does_not_recompile(tmp_path):
+    tx = offloaded_adamw(offload_config(CASES[0], jnp.float32, tmp_path))
+    params = make_params(jnp.float32)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state = update(grads, state, params)
+    before = update._cache_size()
+    for _ in range(3):
+        _, state = update(grads, state, params)
+    assert update._cache_size() == before
+    jax_mlpo.close(state)
+
+
+def test_multisteps_is_refused(tmp_path):
+    tx = optax.MultiSteps(offloaded_adamw(offload_config(CASES[5], jnp.float32, tmp_path)), 4)
+    with pytest.raises(ValueError, match="cannot be wrapped in optax.MultiSteps"):
+        tx.init(make_params(jnp.float32))
+
+
+def test_discarded_update_is_detected(tmp_path):
+    tx = offloaded_adamw(offload_config(CASES[0], jnp.float32, tmp_path))
+    params = make_params(jnp.float32)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    tx.update(grads, state, params)  # result discarded, as a misbehaving wrapper would
+    with pytest.raises(Exception, match="offloaded state is at step 1"):
+        jax.block_until_ready(tx.update(grads, state, params))
+    jax_mlpo.close(state)
+
+
+def test_update_requires_params(tmp_path):
+    tx = offloaded_adamw(offload_config(CASES[5], jnp.float32, tmp_path))
+    params = make_params(jnp.float32)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, state)
+    jax_mlpo.close(state)
