@@ -86,8 +86,8 @@ class Engine:
                 for tier, members in zip(config.tiers, per_tier, strict=True):
                     if not members:
                         continue
-                    elems = max(layout.subgroups[i].state_elems for i in members)
-                    self.tiers.append(FileTierStore(tier, len(members), elems))
+                    elems = [layout.subgroups[i].state_elems for i in members]
+                    self.tiers.append(FileTierStore(tier, elems))
                     for slot, i in enumerate(members):
                         self.placement[i] = (len(self.tiers) - 1, slot)
                 depth = config.prefetch_depth + 2

@@ -103,8 +103,9 @@ def offloaded_adamw(config):
 def run_reference(dtype):
     """optax.adamw on an fp32 master copy; bf16 params are the master rounded to bf16."""
     master = jax.tree.map(lambda x: x.astype(jnp.float32), make_params(dtype))
-    clip, adam = optax.clip_by_global_norm(1.0), optax.adamw(
-        SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors
+    clip, adam = (
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors),
     )
     clip_state, adam_state = clip.init(master), adam.init(master)
 
@@ -212,7 +213,7 @@ def test_state_is_off_the_accelerator(dtype, per_param, tmp_path):
     config = offload_config(Case("x", 131_072, 2, "none"), dtype, tmp_path)
     state = offloaded_adamw(config).init(make_params(dtype))
     assert sum(x.nbytes for x in jax.tree.leaves(state)) < 1024
-    blobs = list(tmp_path.glob("tier*/state/c/*/0"))
+    blobs = list(tmp_path.glob("tier*/state-*/c/*/0"))
     crc = 4  # the crc32c codec appends a 4-byte checksum to each blob
     assert sum(p.stat().st_size - crc for p in blobs) == per_param * NUM_PARAMS
     jax_mlpo.close(state)

@@ -1,7 +1,8 @@
 """A file tier: subgroup blobs in a zarr3 array on tensorstore's ``file`` driver.
 
-Each tier directory holds one zarr3 array ``state`` of shape ``(slots, slot_elems)`` float32 with
-one chunk per slot, so every subgroup blob is one file written and read whole (large sequential
+Each tier directory holds a zarr3 array ``state-<n>`` of shape ``(blobs, n)`` float32 per blob
+length ``n`` (usually two: full subgroups and the shorter last one), with one chunk per blob, so
+every subgroup blob is one file of exactly its size, written and read whole (large sequential
 I/O). The ``crc32c`` codec stores a checksum with every chunk and tensorstore verifies it on every
 read. I/O runs on a per-tier thread pool whose size bounds the requests in flight; each request
 blocks in tensorstore with the GIL released.
@@ -72,6 +73,8 @@ def array_spec(path: str, slots: int, slot_elems: int) -> dict[str, Any]:
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},
+        # An all-zero blob (fresh moments) is still written: the file is the state, not a hint.
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": [slots, slot_elems],
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, slot_elems]}},
@@ -90,16 +93,14 @@ class FileTierStore:
 
     Args:
       tier: the tier's configuration.
-      slots: how many subgroup blobs it holds.
-      slot_elems: float32 elements per blob (the largest blob placed here).
+      blob_elems: float32 elements of each blob (slot) it holds.
     """
 
-    def __init__(self, tier: FileTier, slots: int, slot_elems: int) -> None:
+    def __init__(self, tier: FileTier, blob_elems: list[int]) -> None:
         self.tier = tier
         self.directory = os.path.abspath(os.path.expanduser(tier.path))
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = TierLock(self.directory)
-        self.slots, self.slot_elems = slots, slot_elems
         self.bytes_read = 0
         self.bytes_written = 0
         self.trace: list[tuple[str, int, float, float]] | None = None
@@ -107,22 +108,35 @@ class FileTierStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             tier.max_concurrency, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
         )
+        sizes = sorted(set(blob_elems))
+        # slot -> (array, row); rows are numbered per blob length
+        self._where: list[tuple[int, int]] = []
+        counts = dict.fromkeys(sizes, 0)
+        for n in blob_elems:
+            self._where.append((sizes.index(n), counts[n]))
+            counts[n] += 1
         try:
-            self._array = ts.open(
-                array_spec(os.path.join(self.directory, "state"), max(slots, 1), slot_elems),
-                create=True,
-                delete_existing=True,
-                context=ts.Context(context_spec(tier)),
-            ).result()
+            context = ts.Context(context_spec(tier))
+            self._arrays = [
+                ts.open(
+                    array_spec(os.path.join(self.directory, f"state-{n}"), counts[n], n),
+                    create=True,
+                    delete_existing=True,
+                    context=context,
+                ).result()
+                for n in sizes
+            ]
         except Exception as e:
             self.close()
-            raise TierIOError(self._explain(e, "creating the state array in")) from e
+            raise TierIOError(self._explain(e, "creating the state arrays in")) from e
 
     def blob_path(self, slot: int) -> str:
-        return os.path.join(self.directory, "state", "c", str(slot), "0")
+        array, row = self._where[slot]
+        name = f"state-{self._arrays[array].shape[1]}"
+        return os.path.join(self.directory, name, "c", str(row), "0")
 
     def read(self, slot: int, out: np.ndarray) -> concurrent.futures.Future:
-        """Reads blob ``slot`` into ``out`` (float32, 1-D, <= ``slot_elems``) asynchronously."""
+        """Reads blob ``slot`` into ``out`` (float32, 1-D, its length) asynchronously."""
         return self._pool.submit(self._read, slot, out)
 
     def write(self, slot: int, data: np.ndarray) -> concurrent.futures.Future:
@@ -132,11 +146,15 @@ class FileTierStore:
         """
         return self._pool.submit(self._write, slot, data)
 
+    def _blob(self, slot: int) -> ts.TensorStore:
+        array, row = self._where[slot]
+        return self._arrays[array][row]
+
     def _read(self, slot: int, out: np.ndarray) -> None:
         deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
         t0 = time.monotonic()
         try:
-            ts.array(out, copy=False).write(self._array[slot, : out.size]).result()
+            ts.array(out, copy=False).write(self._blob(slot)).result()
         except Exception as e:
             cls = CorruptBlobError if "DATA_LOSS" in str(e) else TierIOError
             raise cls(self._explain(e, f"reading blob {self.blob_path(slot)} from")) from e
@@ -148,7 +166,7 @@ class FileTierStore:
         deadline = self._bucket.reserve(data.nbytes) if self._bucket else 0.0
         t0 = time.monotonic()
         try:
-            self._array[slot, : data.size].write(data).result()
+            self._blob(slot).write(data).result()
         except Exception as e:
             raise TierIOError(self._explain(e, f"writing blob {self.blob_path(slot)} to")) from e
         if self._bucket:
