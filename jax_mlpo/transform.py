@@ -69,7 +69,10 @@ def engine_of(opt_state: Any) -> Engine:
     """
     states = _states(opt_state)
     if not states:
-        raise ValueError("opt_state contains no jax_mlpo OffloadedAdamWState")
+        raise ValueError(
+            "opt_state contains no jax_mlpo OffloadedAdamWState (with flax.nnx, pass "
+            "optimizer.opt_state)"
+        )
     return _engine(getattr(states[0].handle, "value", states[0].handle))
 
 
@@ -77,8 +80,21 @@ def close(opt_state: Any) -> None:
     """Waits for in-flight writes, releases the tier locks and forgets the host state.
 
     After this, ``opt_state`` cannot be updated any more.
+
+    Args:
+      opt_state: a state holding one or more offloaded AdamW states (with flax.nnx, pass
+        ``optimizer.opt_state``).
+
+    Raises:
+      ValueError: if ``opt_state`` holds no offloaded AdamW state.
     """
-    for state in _states(opt_state):
+    states = _states(opt_state)
+    if not states:
+        raise ValueError(
+            "opt_state contains no jax_mlpo OffloadedAdamWState (with flax.nnx, pass "
+            "optimizer.opt_state)"
+        )
+    for state in states:
         key = int(np.asarray(getattr(state.handle, "value", state.handle)))
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)

@@ -107,9 +107,7 @@ class LlamaConfig:
 class RMSNorm(nnx.Module):
     """Root-mean-square normalisation with a learned scale; statistics in float32."""
 
-    def __init__(
-        self, features: int, *, eps: float, dtype: DTypeLike, param_dtype: DTypeLike
-    ):
+    def __init__(self, features: int, *, eps: float, dtype: DTypeLike, param_dtype: DTypeLike):
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
         self.eps = eps
         self.dtype = dtype
@@ -195,7 +193,9 @@ class Block(nnx.Module):
     """One pre-norm decoder block: attention and MLP, each with a residual connection."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        norm_kw = dict(eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype])
+        norm_kw = dict(
+            eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype]
+        )
         self.attn_norm = RMSNorm(cfg.hidden, **norm_kw)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, **norm_kw)
@@ -257,7 +257,8 @@ class Llama(nnx.Module):
             tokens: int32 ``[B, T]`` token ids in ``[0, vocab_size)``, ``T <= max_seq_len``.
 
         Returns:
-            float32 logits ``[B, T, vocab_size]``; position ``t`` only depends on ``tokens[:, :t+1]``.
+            float32 logits ``[B, T, vocab_size]``; position ``t`` depends only on
+            ``tokens[:, : t + 1]``.
 
         Raises:
             ValueError: if ``tokens`` is not 2-D or longer than ``max_seq_len``.

@@ -188,6 +188,15 @@ def test_remat_gives_same_loss_and_grads():
     assert len(flat_a) == len(flat_b)
     for a, b in zip(flat_a, flat_b, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # And remat is really there: one rematerialised region (primitive remat2) per block.
+    assert _grad_jaxpr(plain, tokens).count("remat") == 0
+    assert _grad_jaxpr(remat, tokens).count("remat") == TINY.layers
+
+
+def _grad_jaxpr(model: Llama, tokens: jax.Array) -> str:
+    graphdef, state = nnx.split(model)
+    grad = jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), tokens))
+    return str(jax.make_jaxpr(grad)(state))
 
 
 def test_jitted_step_does_not_recompile():

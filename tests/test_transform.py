@@ -154,7 +154,7 @@ def run_offloaded(tx, dtype, mode):
 
         for i in range(STEPS):
             nnx_step(model, optimizer, i)
-        jax_mlpo.close(nnx.state(optimizer, nnx.optimizer.OptState))
+        jax_mlpo.close(optimizer.opt_state)
         return {k: model[k][...] for k in SHAPES}
 
     state = tx.init(params)
