@@ -78,6 +78,10 @@ class FileTier:
       io_mode: tensorstore ``file_io_mode``: ``"default"`` (page cache), ``"direct"``
         (O_DIRECT) or ``"memmap"``.
       sync: fsync every blob write before it counts as durable.
+      read_bandwidth, write_bandwidth: the tier's bandwidth in bytes/s for placement (e.g.
+        ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
+      node_max_concurrency: requests in flight on this tier per direction across all processes
+        of the node (e.g. 1 for a shared parallel file system), or None for no node limit.
     """
 
     path: str
@@ -85,6 +89,9 @@ class FileTier:
     bandwidth_cap: int | str | None = None
     io_mode: str = "default"
     sync: bool = True
+    read_bandwidth: int | str | None = None
+    write_bandwidth: int | str | None = None
+    node_max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike) or not str(self.path):
@@ -103,6 +110,23 @@ class FileTier:
                     "positive (bytes/s, e.g. '600MB'), or None for no cap"
                 )
             object.__setattr__(self, "bandwidth_cap", cap)
+        for name in ("read_bandwidth", "write_bandwidth"):
+            value = getattr(self, name)
+            if value is not None:
+                value = parse_size(value, f"FileTier.{name} ({self.path})")
+                if value <= 0:
+                    raise ConfigError(
+                        f"FileTier.{name}={value!r} for {self.path}: must be positive bytes/s "
+                        "(e.g. '2GB'), or None to measure it"
+                    )
+                object.__setattr__(self, name, value)
+        if self.node_max_concurrency is not None and (
+            not isinstance(self.node_max_concurrency, int) or self.node_max_concurrency < 1
+        ):
+            raise ConfigError(
+                f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
+                "must be an int >= 1, or None for no node-level limit"
+            )
         if self.io_mode not in ("default", "direct", "memmap"):
             raise ConfigError(
                 f"FileTier.io_mode={self.io_mode!r} for {self.path}: must be 'default', "
@@ -147,13 +171,36 @@ class OffloadConfig:
       tiers: file tiers holding the subgroups that do not fit in ``host_cache``.
       subgroup_size: elements per subgroup, the unit of I/O and compute. A parameter may span
         subgroups.
-      prefetch_depth: reads in flight ahead of the subgroup being updated (0: synchronous).
+      prefetch_depth: reads in flight per tier ahead of the subgroup being updated
+        (0: synchronous).
+      placement: ``"measured"`` (subgroups split by each tier's measured or given bandwidth,
+        interleaved), ``"even"`` (split evenly, interleaved) or ``"first"`` (everything on the
+        first tier: one path, the baseline).
+      order: ``"alternate"`` (ascending, then descending, ...) or ``"ascending"`` every step.
+      retain: keep the subgroups the next step starts with in host memory across the step
+        boundary, as many as ``host_cache`` allows beyond the pipeline's buffers.
+      retain_policy: ``"slow_tiers"`` (retain the slowest tier's subgroups first) or
+        ``"equal"`` (the same count per tier).
+      delayed_conversion: keep bf16 gradients in host memory and convert them inside the
+        update. When False (the baseline), fp32 gradients are written to the tier before the
+        update and read back in it, as ZeRO-Infinity does.
+      replan: re-plan placement when a tier's observed I/O time stays more than 25% off the
+        model for 3 steps; moved subgroups migrate on their next write-back.
+      node_permits_dir: directory of the node-level permits of tiers with
+        ``node_max_concurrency`` (node-local, e.g. ``/dev/shm/jax_mlpo``).
     """
 
     host_cache: int | str = "1GiB"
     tiers: tuple[FileTier, ...] = ()
     subgroup_size: int = 100_000_000
     prefetch_depth: int = 2
+    placement: str = "measured"
+    order: str = "alternate"
+    retain: bool = True
+    retain_policy: str = "slow_tiers"
+    delayed_conversion: bool = True
+    replan: bool = True
+    node_permits_dir: str = "/dev/shm/jax_mlpo"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_cache", parse_size(self.host_cache, "host_cache"))
@@ -174,6 +221,16 @@ class OffloadConfig:
             raise ConfigError(
                 f"prefetch_depth={self.prefetch_depth!r} must be an int >= 0 (0 = synchronous)"
             )
+        for name, allowed in (
+            ("placement", ("measured", "even", "first")),
+            ("order", ("alternate", "ascending")),
+            ("retain_policy", ("slow_tiers", "equal")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("retain", "delayed_conversion", "replan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         seen: dict[str, str] = {}
         for tier in tiers:
             key = os.path.realpath(os.path.expanduser(tier.path))
@@ -183,6 +240,21 @@ class OffloadConfig:
                     "tier its own directory"
                 )
             seen[key] = tier.path
+
+    def baseline(self) -> OffloadConfig:
+        """This config with every MLP-Offload principle off (ZeRO-Infinity-like).
+
+        One path (the first tier), ascending order every step, nothing retained across steps,
+        fp32 gradients written to the tier and read back in the update, no re-planning.
+        """
+        return dataclasses.replace(
+            self,
+            placement="first",
+            order="ascending",
+            retain=False,
+            delayed_conversion=False,
+            replan=False,
+        )
 
     def validate(self) -> None:
         """Checks every tier path against the file system (see :meth:`FileTier.validate`)."""

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_mlpo import kernels
+from jax_mlpo import kernels, placement, scheduler
 from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.kernels import BF16, F32, AdamWHyper
 from jax_mlpo.layout import Layout, Subgroup
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore, TierIOError
+from jax_mlpo.tiers.permits import TierPermits
 
 logger = logging.getLogger(__name__)
 
@@ -64,86 +65,120 @@ class Engine:
     ) -> None:
         self.layout = layout
         self.config = config
-        self._static = dict(b1=float(b1), b2=float(b2), eps=float(eps))
         self._weight_decay = float(weight_decay)
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
         self._closed = False
         self._kernel = kernels.adamw_step
-
-        self.resident, spilled = self._plan_cache(layout, config)
+        sgs = layout.subgroups
+        # subgroup -> its buffer, for subgroups resident in host memory (dirty: newer than disk)
+        self._cache: dict[int, np.ndarray] = {}
         self.tiers: list[FileTierStore] = []
-        # subgroup index -> (tier number, slot); interleaved so consecutive reads hit all tiers
-        self.placement: dict[int, tuple[int, int]] = {}
-        self._cache = {i: _touched(layout.subgroups[i].state_elems) for i in sorted(self.resident)}
+        self.tier_of: list[int] = []  # where each subgroup's blob is on disk
+        self._target: list[int] = []  # where it goes on its next write-back (re-planning)
+        self._retain_counts: list[int] = []
         self._buffers: list[np.ndarray] = []
-        if spilled:
-            per_tier: list[list[int]] = [[] for _ in config.tiers]
-            for k, i in enumerate(spilled):
-                per_tier[k % len(config.tiers)].append(i)
+        self._grad_buffers: dict[int, np.ndarray] = {}  # id(state buffer) -> its grad buffer
+        self.host_only = layout.state_bytes <= config.host_cache
+        if self.host_only:
+            self._cache = {sg.index: _touched(sg.state_elems) for sg in sgs}
+        else:
             try:
-                for tier, members in zip(config.tiers, per_tier, strict=True):
-                    if not members:
-                        continue
-                    elems = [layout.subgroups[i].state_elems for i in members]
-                    self.tiers.append(FileTierStore(tier, elems))
-                    for slot, i in enumerate(members):
-                        self.placement[i] = (len(self.tiers) - 1, slot)
-                depth = config.prefetch_depth + 2
-                self._buffers = [_touched(layout.max_state_elems) for _ in range(depth)]
-                self._write_initial_state()
+                self._open_tiers()
             except BaseException:
                 self.close()
                 raise
         self._outs_shaped = [np.zeros(shape, F32) for shape in layout.shapes]
         self._outs = [out.reshape(-1) for out in self._outs_shaped]
+        self._strikes = [0] * len(self.tiers)
         logger.info(
-            "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state), %d resident in "
-            "host memory, %d on %d tier(s)",
+            "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state); %s",
             layout.num_params,
-            len(layout.subgroups),
+            len(sgs),
             layout.state_bytes / 2**20,
-            len(self.resident),
-            len(self.placement),
-            len(self.tiers),
+            "all in host memory"
+            if self.host_only
+            else f"{len(self._buffers)} host buffers, {sum(self._retain_counts)} retained across "
+            f"steps, tiers {[self.tier_of.count(k) for k in range(len(self.tiers))]} subgroups",
         )
 
-    @staticmethod
-    def _plan_cache(layout: Layout, config: OffloadConfig) -> tuple[set[int], list[int]]:
-        """Which subgroups stay in host memory, and which go to the tiers (in order)."""
+    def _open_tiers(self) -> None:
+        layout, config = self.layout, self.config
         sgs = layout.subgroups
-        if layout.state_bytes <= config.host_cache:
-            return {sg.index for sg in sgs}, []
-        pipeline = (config.prefetch_depth + 2) * 4 * layout.max_state_elems
         if not config.tiers:
             raise ConfigError(
                 f"host_cache={config.host_cache} bytes cannot hold the optimizer state "
                 f"({layout.state_bytes} bytes) and no tiers are configured: add a FileTier, or "
                 f"raise host_cache to at least {layout.state_bytes}"
             )
-        if config.host_cache < pipeline:
+        tiers = config.tiers[:1] if config.placement == "first" else config.tiers
+        grad_elems = 0 if config.delayed_conversion else max(sg.size for sg in sgs)
+        per_buffer = 4 * (layout.max_state_elems + grad_elems)
+        minimum = config.prefetch_depth * len(tiers) + 2
+        if config.host_cache < minimum * per_buffer:
             raise ConfigError(
                 f"host_cache={config.host_cache} bytes is smaller than the pipeline's buffers: "
-                f"(prefetch_depth {config.prefetch_depth} + 2) x {4 * layout.max_state_elems} "
-                f"bytes per subgroup = {pipeline} bytes. Raise host_cache to at least {pipeline}, "
-                "or lower subgroup_size or prefetch_depth."
+                f"(prefetch_depth {config.prefetch_depth} x {len(tiers)} tier(s) + 2) x "
+                f"{per_buffer} bytes per subgroup = {minimum * per_buffer} bytes. Raise "
+                f"host_cache to at least {minimum * per_buffer}, or lower subgroup_size or "
+                "prefetch_depth."
             )
-        budget = config.host_cache - pipeline
-        resident: set[int] = set()
-        for sg in sgs:
-            if sg.state_bytes > budget:
-                break
-            resident.add(sg.index)
-            budget -= sg.state_bytes
-        return resident, [sg.index for sg in sgs if sg.index not in resident]
+        buffers = config.host_cache // per_buffer
+        retained = min(buffers - minimum, len(sgs)) if config.retain else 0
+        kinds = {"state": [sg.state_elems for sg in sgs]}
+        if not config.delayed_conversion:
+            kinds["grad"] = [sg.size for sg in sgs]
+        probe_elems = min(layout.max_state_elems, 8 * 2**20)
+        if config.placement == "measured":
+            kinds["probe"] = [probe_elems] * 4
+        for tier in tiers:
+            permits = TierPermits(
+                tier.path,
+                tier.max_concurrency,
+                tier.max_concurrency,
+                config.node_permits_dir if tier.node_max_concurrency else None,
+                tier.node_max_concurrency or 1,
+                tier.node_max_concurrency or 1,
+            )
+            self.tiers.append(FileTierStore(tier, kinds, permits))
+        if config.placement == "measured":
+            self.bandwidth = [self._bandwidth(store, probe_elems) for store in self.tiers]
+        else:
+            self.bandwidth = [(1.0, 1.0)] * len(self.tiers)
+        self._retain_counts = placement.retained_per_tier(
+            self._effective(), retained, config.retain_policy
+        )
+        self.tier_of = self._plan()
+        self._target = list(self.tier_of)
+        self._buffers = [_touched(layout.max_state_elems) for _ in range(buffers)]
+        if grad_elems:
+            self._grad_buffers = {id(b): _touched(grad_elems) for b in self._buffers}
+        self._write_initial_state()
+
+    @staticmethod
+    def _bandwidth(store: FileTierStore, probe_elems: int) -> tuple[float, float]:
+        tier = store.tier
+        if tier.read_bandwidth and tier.write_bandwidth:
+            return float(tier.read_bandwidth), float(tier.write_bandwidth)
+        read, write = placement.cached_probe(store, probe_elems)
+        return float(tier.read_bandwidth or read), float(tier.write_bandwidth or write)
+
+    def _effective(self) -> list[float]:
+        return [placement.effective_bandwidth(r, w) for r, w in self.bandwidth]
+
+    def _plan(self) -> list[int]:
+        counts = placement.tier_counts(
+            len(self.layout.subgroups), self._effective(), self._retain_counts
+        )
+        return placement.interleave(counts)
 
     def _write_initial_state(self) -> None:
         zeros = self._buffers[0]
         zeros.fill(0.0)
         futures = [
-            self.tiers[t].write(slot, zeros[: self.layout.subgroups[i].state_elems])
-            for i, (t, slot) in self.placement.items()
+            self.tiers[t].write(i, zeros[: self.layout.subgroups[i].state_elems])
+            for i, t in enumerate(self.tier_of)
         ]
         for f in futures:
             f.result()
@@ -192,19 +227,30 @@ class Engine:
         decay = hyper._replace(weight_decay=self._weight_decay)
         no_decay = hyper._replace(weight_decay=0.0)
         metrics = StepMetrics(step=count + 1)
-        before = [(t.bytes_read, t.bytes_written) for t in self.tiers]
+        before = [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
+        order = scheduler.step_order(len(self.layout.subgroups), count, self.config.order)
+        retain = (
+            set(order)
+            if self.host_only
+            else scheduler.retain_set(order, self.tier_of, self._retain_counts)
+        )
         t_start = time.monotonic()
         try:
-            self._run(grads, params, (no_decay, decay), count == 0, metrics)
+            if not self.config.delayed_conversion and not self.host_only:
+                self._write_gradients(order, grads, metrics)
+            self._run(order, retain, grads, params, (no_decay, decay), count == 0, metrics)
         except BaseException as e:
             self._failed = e
             raise
         metrics.total_s = time.monotonic() - t_start
-        for tier, (read, written) in zip(self.tiers, before, strict=True):
+        for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
             metrics.bytes_read[tier.tier.path] = tier.bytes_read - read
             metrics.bytes_written[tier.tier.path] = tier.bytes_written - written
+            metrics.tier_busy_s[tier.tier.path] = tier.busy_s - busy
         self.metrics.append(metrics)
         self.step_count += 1
+        if self.config.replan and self.config.placement == "measured":
+            self._check_model(metrics)
         return self._outs_shaped
 
     def _check_leaves(self, grads: Sequence[np.ndarray], params: Sequence[np.ndarray]) -> None:
@@ -225,14 +271,38 @@ class Engine:
                     f"leaf {i}: param dtype {p.dtype} differs from {self.layout.dtypes[i]} at init"
                 )
 
-    def _run(self, grads, params, hypers, init_master, metrics: StepMetrics) -> None:
-        order = range(len(self.layout.subgroups))
-        upcoming = [i for i in order if i in self.placement]
-        free = collections.deque(self._buffers)
-        reads: dict[int, tuple[concurrent.futures.Future, np.ndarray]] = {}
-        writes: collections.deque[tuple[concurrent.futures.Future, np.ndarray, int]] = (
-            collections.deque()
-        )
+    def _write_gradients(self, order, grads, metrics: StepMetrics) -> None:
+        """The baseline's gradient path: fp32 gradients to the tier before the update."""
+        free = collections.deque(self._grad_buffers.values())
+        pending: collections.deque = collections.deque()
+        for i in order:
+            if i in self._cache:
+                continue
+            if not free:
+                future, buf, j = pending.popleft()
+                self._result(future, j)
+                free.append(buf)
+            sg = self.layout.subgroups[i]
+            buf = free.popleft()[: sg.size]
+            t0 = time.monotonic()
+            for seg in sg.segments:
+                leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
+                buf[seg.start : seg.start + seg.size] = grads[seg.leaf][leaf]
+            metrics.compute_s += time.monotonic() - t0
+            pending.append((self.tiers[self.tier_of[i]].write(i, buf, kind="grad"), buf.base, i))
+        t0 = time.monotonic()
+        for future, _, j in pending:
+            self._result(future, j)
+        metrics.write_wait_s += time.monotonic() - t0
+
+    def _run(self, order, retain, grads, params, hypers, init_master, metrics) -> None:
+        sgs = self.layout.subgroups
+        delayed = self.config.delayed_conversion or self.host_only
+        upcoming = [i for i in order if i not in self._cache]
+        cached_ids = {id(b) for b in self._cache.values()}
+        free = collections.deque(b for b in self._buffers if id(b) not in cached_ids)
+        reads: dict[int, tuple[list[concurrent.futures.Future], np.ndarray]] = {}
+        writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
         next_read = 0
 
         def reclaim(block: bool) -> None:
@@ -251,45 +321,82 @@ class Engine:
             if not free:
                 return False
             i = upcoming[next_read]
-            t, slot = self.placement[i]
+            store = self.tiers[self.tier_of[i]]
             buf = free.popleft()
-            reads[i] = (self.tiers[t].read(slot, buf[: self.layout.subgroups[i].state_elems]), buf)
+            futures = [store.read(i, buf[: sgs[i].state_elems])]
+            if not delayed:
+                grad = self._grad_buffers[id(buf)][: sgs[i].size]
+                futures.append(store.read(i, grad, kind="grad"))
+            reads[i] = (futures, buf)
             next_read += 1
             return True
 
+        def in_flight(tier: int) -> int:
+            return sum(1 for j in reads if self.tier_of[j] == tier)
+
         try:
             for i in order:
-                sg = self.layout.subgroups[i]
-                if i in self.placement:
+                if i in self._cache:
+                    buf = self._cache.pop(i)
+                    futures = []
+                    metrics.cache_hits += 1
+                else:
                     if i not in reads:
                         issue(block=True)
-                    future, buf = reads.pop(i)
-                while next_read < len(upcoming) and len(reads) < self.config.prefetch_depth:
-                    if not issue(block=False):
+                    futures, buf = reads.pop(i)
+                while next_read < len(upcoming):
+                    tier = self.tier_of[upcoming[next_read]]
+                    if in_flight(tier) >= self.config.prefetch_depth or not issue(block=False):
                         break
-                if i in self.placement:
-                    t0 = time.monotonic()
-                    self._result(future, i)
-                    metrics.read_wait_s += time.monotonic() - t0
-                else:
-                    buf = self._cache[i]
-                    metrics.cache_hits += 1
                 t0 = time.monotonic()
-                self._update_subgroup(sg, buf, grads, params, hypers, init_master)
+                for future in futures:
+                    self._result(future, i)
+                metrics.read_wait_s += time.monotonic() - t0
+                t0 = time.monotonic()
+                grad_blob = None if delayed else self._grad_buffers[id(buf)][: sgs[i].size]
+                self._update_subgroup(sgs[i], buf, grads, grad_blob, params, hypers, init_master)
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1
-                if i in self.placement:
-                    t, slot = self.placement[i]
-                    writes.append((self.tiers[t].write(slot, buf[: sg.state_elems]), buf, i))
+                if i in retain:
+                    self._cache[i] = buf
+                else:
+                    self.tier_of[i] = self._target[i]  # a re-planned subgroup moves here
+                    store = self.tiers[self.tier_of[i]]
+                    writes.append((store.write(i, buf[: sgs[i].state_elems]), buf, i))
                 reclaim(block=False)
             while writes:
                 reclaim(block=True)
         except BaseException:
             # Let nothing outlive the step: a read or write still running would touch buffers.
-            for future, _ in reads.values():
-                future.cancel()
-            concurrent.futures.wait([f for f, _ in reads.values()] + [f for f, _, _ in writes])
+            pending = [f for futures, _ in reads.values() for f in futures]
+            pending += [f for f, _, _ in writes]
+            for f in pending:
+                f.cancel()
+            concurrent.futures.wait(pending)
             raise
+
+    def _check_model(self, metrics: StepMetrics) -> None:
+        """Re-plans when a tier's I/O time stays > 25% off the bandwidth model for 3 steps."""
+        ratios = []
+        for k, store in enumerate(self.tiers):
+            path = store.tier.path
+            read_bw, write_bw = self.bandwidth[k]
+            model = metrics.bytes_read[path] / read_bw + metrics.bytes_written[path] / write_bw
+            observed = metrics.tier_busy_s[path]
+            ratio = observed / model if model > 0 else 1.0
+            ratios.append(ratio)
+            self._strikes[k] = self._strikes[k] + 1 if abs(ratio - 1.0) > 0.25 else 0
+        if max(self._strikes, default=0) < 3:
+            return
+        self.bandwidth = [(r / q, w / q) for (r, w), q in zip(self.bandwidth, ratios, strict=True)]
+        self._strikes = [0] * len(self.tiers)
+        self._target = self._plan()
+        moves = sum(a != b for a, b in zip(self._target, self.tier_of, strict=True))
+        logger.info(
+            "jax_mlpo: tier I/O off the model by %s; re-planned, %d subgroup(s) migrate",
+            ", ".join(f"{q:.2f}x" for q in ratios),
+            moves,
+        )
 
     def _result(self, future: concurrent.futures.Future, index: int) -> None:
         try:
@@ -302,6 +409,7 @@ class Engine:
         sg: Subgroup,
         blob: np.ndarray,
         grads: Sequence[np.ndarray],
+        grad_blob: np.ndarray | None,
         params: Sequence[np.ndarray],
         hypers: tuple[AdamWHyper, AdamWHyper],
         init_master: bool,
@@ -317,20 +425,38 @@ class Engine:
             param = params[seg.leaf][leaf]
             hyper = hypers[seg.decay]
             out = self._outs[seg.leaf][leaf]
+            grad = grads[seg.leaf][leaf] if grad_blob is None else grad_blob[s]
             if seg.master:
                 master = p[s]
                 if init_master:  # the fp32 master starts as the exact value of the bf16 params
                     master[...] = param.astype(F32)
                 self._kernel(
-                    m[s], v[s], grads[seg.leaf][leaf], master, out, hyper,
+                    m[s], v[s], grad, master, out, hyper,
                     update_param=True, delta_base=param,
                 )  # fmt: skip
             else:
-                self._kernel(m[s], v[s], grads[seg.leaf][leaf], param, out, hyper)
+                self._kernel(m[s], v[s], grad, param, out, hyper)
+
+    def flush(self) -> None:
+        """Writes the subgroups retained in host memory to their tiers (they stay cached)."""
+        if self.host_only or self._failed is not None:
+            return
+        futures = [
+            (self.tiers[self.tier_of[i]].write(i, buf[: self.layout.subgroups[i].state_elems]), i)
+            for i, buf in self._cache.items()
+        ]
+        for future, i in futures:
+            self._result(future, i)
 
     def close(self) -> None:
-        """Waits for in-flight I/O and releases the tiers. Idempotent."""
+        """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent."""
+        if self._closed:
+            return
         self._closed = True
-        for tier in self.tiers:
-            tier.close()
-        self.tiers = []
+        try:
+            if self.tiers:
+                self.flush()
+        finally:
+            for tier in self.tiers:
+                tier.close()
+            self.tiers = []

@@ -19,6 +19,7 @@ class StepMetrics:
       subgroups: subgroups updated.
       bytes_read: bytes read per tier path.
       bytes_written: bytes written per tier path.
+      tier_busy_s: wall time each tier had at least one request in flight.
     """
 
     step: int
@@ -30,6 +31,7 @@ class StepMetrics:
     subgroups: int = 0
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_written: dict[str, int] = dataclasses.field(default_factory=dict)
+    tier_busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

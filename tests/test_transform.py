@@ -68,10 +68,10 @@ CASES = [
 ]
 
 
-def offload_config(case: Case, dtype, tmp_path) -> jax_mlpo.OffloadConfig:
+def offload_config(case: Case, dtype, tmp_path, **switches) -> jax_mlpo.OffloadConfig:
     per_elem = 12 if dtype == jnp.bfloat16 else 8
     blob = per_elem * min(case.subgroup_size, NUM_PARAMS)
-    pipeline = (case.prefetch_depth + 2) * blob
+    pipeline = (case.prefetch_depth * max(case.tiers, 1) + 2) * blob
     cache = {
         "none": pipeline,
         "part": pipeline + 2 * blob,
@@ -83,6 +83,7 @@ def offload_config(case: Case, dtype, tmp_path) -> jax_mlpo.OffloadConfig:
         tiers=tiers,
         subgroup_size=case.subgroup_size,
         prefetch_depth=case.prefetch_depth,
+        **switches,
     )
 
 
@@ -198,6 +199,27 @@ def assert_matches_reference(params, dtype):
 def test_parity_jit(case, dtype, tmp_path):
     params = run_offloaded(offloaded_adamw(offload_config(case, dtype, tmp_path)), dtype, "jit")
     assert_matches_reference(params, dtype)
+
+
+SWITCHES = [
+    dict(placement=placement, order=order, retain=retain, delayed_conversion=delayed)
+    for placement in ("measured", "first")
+    for order in ("alternate", "ascending")
+    for retain in (True, False)
+    for delayed in (True, False)
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "switches", SWITCHES, ids=["-".join(str(v) for v in sw.values()) for sw in SWITCHES]
+)
+def test_parity_every_policy_switch(switches, dtype, tmp_path):
+    """MLP-Offload's principles change where state is and when it moves, never the math."""
+    config = offload_config(CASES[2], dtype, tmp_path, **switches)
+    if not switches["delayed_conversion"]:  # room for the fp32 gradient buffers too
+        config = dataclasses.replace(config, host_cache=2 * config.host_cache)
+    assert_matches_reference(run_offloaded(offloaded_adamw(config), dtype, "jit"), dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -1,11 +1,11 @@
 """A file tier: subgroup blobs in a zarr3 array on tensorstore's ``file`` driver.
 
-Each tier directory holds a zarr3 array ``state-<n>`` of shape ``(blobs, n)`` float32 per blob
-length ``n`` (usually two: full subgroups and the shorter last one), with one chunk per blob, so
-every subgroup blob is one file of exactly its size, written and read whole (large sequential
-I/O). The ``crc32c`` codec stores a checksum with every chunk and tensorstore verifies it on every
-read. I/O runs on a per-tier thread pool whose size bounds the requests in flight; each request
-blocks in tensorstore with the GIL released.
+Each tier directory holds a zarr3 array ``<kind>-<n>`` of shape ``(blobs, n)`` float32 per kind of
+blob and blob length ``n`` (usually two lengths: full subgroups and the shorter last one), with
+one chunk per blob, so every subgroup blob is one file of exactly its size, written and read whole
+(large sequential I/O). The ``crc32c`` codec stores a checksum with every chunk and tensorstore
+verifies it on every read. Requests run on a per-tier thread pool, each holding a read or write
+permit (:mod:`jax_mlpo.tiers.permits`) and blocking in tensorstore with the GIL released.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import tensorstore as ts
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.lock import TierLock
+from jax_mlpo.tiers.permits import TierPermits
 
 
 class TierIOError(OSError):
@@ -89,97 +90,132 @@ def array_spec(path: str, slots: int, slot_elems: int) -> dict[str, Any]:
 
 
 class FileTierStore:
-    """The open, locked state array of one :class:`~jax_mlpo.config.FileTier`.
+    """The open, locked blob arrays of one :class:`~jax_mlpo.config.FileTier`.
+
+    A tier holds blobs of several kinds: ``"state"`` (a subgroup's ``[p | m | v]``), ``"grad"``
+    (fp32 gradients, only when gradient conversion is not delayed) and ``"probe"`` (bandwidth
+    probe). Slot ``i`` of a kind is subgroup ``i``; any tier can hold any subgroup (zarr3 stores
+    only the chunks written), which lets placement move a subgroup by writing it elsewhere.
 
     Args:
       tier: the tier's configuration.
-      blob_elems: float32 elements of each blob (slot) it holds.
+      kinds: for each kind, the float32 length of each slot's blob.
+      permits: read/write permits of this tier (in the process and on the node).
     """
 
-    def __init__(self, tier: FileTier, blob_elems: list[int]) -> None:
+    def __init__(self, tier: FileTier, kinds: dict[str, list[int]], permits: TierPermits) -> None:
         self.tier = tier
         self.directory = os.path.abspath(os.path.expanduser(tier.path))
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = TierLock(self.directory)
+        self.permits = permits
         self.bytes_read = 0
         self.bytes_written = 0
+        self.busy_s = 0.0  # wall time with at least one request of this tier in flight
+        self._active = 0
+        self._since = 0.0
+        self._stats_lock = threading.Lock()
         self.trace: list[tuple[str, int, float, float]] | None = None
         self._bucket = TokenBucket(tier.bandwidth_cap) if tier.bandwidth_cap else None
+        workers = 2 * tier.max_concurrency  # reads and writes have their own permits
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            tier.max_concurrency, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
+            workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
         )
-        sizes = sorted(set(blob_elems))
-        # slot -> (array, row); rows are numbered per blob length
-        self._where: list[tuple[int, int]] = []
-        counts = dict.fromkeys(sizes, 0)
-        for n in blob_elems:
-            self._where.append((sizes.index(n), counts[n]))
-            counts[n] += 1
+        # (kind, slot) -> (array, row); one array per kind and blob length, rows per length
+        self._where: dict[str, list[tuple[int, int]]] = {}
+        self._arrays: list[ts.TensorStore] = []
+        self._names: list[str] = []
         try:
             context = ts.Context(context_spec(tier))
-            self._arrays = [
-                ts.open(
-                    array_spec(os.path.join(self.directory, f"state-{n}"), counts[n], n),
-                    create=True,
-                    delete_existing=True,
-                    context=context,
-                ).result()
-                for n in sizes
-            ]
+            for kind, lengths in kinds.items():
+                sizes = sorted(set(lengths))
+                counts = dict.fromkeys(sizes, 0)
+                where = []
+                for n in lengths:
+                    where.append((len(self._arrays) + sizes.index(n), counts[n]))
+                    counts[n] += 1
+                self._where[kind] = where
+                for n in sizes:
+                    name = f"{kind}-{n}"
+                    spec = array_spec(os.path.join(self.directory, name), counts[n], n)
+                    self._arrays.append(
+                        ts.open(spec, create=True, delete_existing=True, context=context).result()
+                    )
+                    self._names.append(name)
         except Exception as e:
             self.close()
-            raise TierIOError(self._explain(e, "creating the state arrays in")) from e
+            raise TierIOError(self._explain(e, "creating the blob arrays in")) from e
 
-    def blob_path(self, slot: int) -> str:
-        array, row = self._where[slot]
-        name = f"state-{self._arrays[array].shape[1]}"
-        return os.path.join(self.directory, name, "c", str(row), "0")
+    def blob_path(self, slot: int, kind: str = "state") -> str:
+        array, row = self._where[kind][slot]
+        return os.path.join(self.directory, self._names[array], "c", str(row), "0")
 
-    def read(self, slot: int, out: np.ndarray) -> concurrent.futures.Future:
-        """Reads blob ``slot`` into ``out`` (float32, 1-D, its length) asynchronously."""
-        return self._pool.submit(self._read, slot, out)
+    def read(self, slot: int, out: np.ndarray, kind: str = "state") -> concurrent.futures.Future:
+        """Reads blob ``slot`` of ``kind`` into ``out`` (float32, 1-D, its length), async."""
+        return self._pool.submit(self._read, slot, out, kind)
 
-    def write(self, slot: int, data: np.ndarray) -> concurrent.futures.Future:
-        """Writes ``data`` as blob ``slot``; the future resolves once it is durable.
+    def write(self, slot: int, data: np.ndarray, kind: str = "state") -> concurrent.futures.Future:
+        """Writes ``data`` as blob ``slot`` of ``kind``; the future resolves once it is durable.
 
         ``data`` must not change until the future resolves.
         """
-        return self._pool.submit(self._write, slot, data)
+        return self._pool.submit(self._write, slot, data, kind)
 
-    def _blob(self, slot: int) -> ts.TensorStore:
-        array, row = self._where[slot]
+    def _blob(self, slot: int, kind: str) -> ts.TensorStore:
+        array, row = self._where[kind][slot]
         return self._arrays[array][row]
 
-    def _read(self, slot: int, out: np.ndarray) -> None:
-        deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
-        t0 = time.monotonic()
-        try:
-            ts.array(out, copy=False).write(self._blob(slot)).result()
-        except Exception as e:
-            cls = CorruptBlobError if "DATA_LOSS" in str(e) else TierIOError
-            raise cls(self._explain(e, f"reading blob {self.blob_path(slot)} from")) from e
-        if self._bucket:
-            self._bucket.wait_until(deadline)
-        self._record("read", slot, t0, out.nbytes)
+    def _read(self, slot: int, out: np.ndarray, kind: str) -> None:
+        with self.permits.hold("read"):
+            deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
+            t0 = self._begin()
+            try:
+                ts.array(out, copy=False).write(self._blob(slot, kind)).result()
+                if self._bucket:
+                    self._bucket.wait_until(deadline)
+            except Exception as e:
+                cls = CorruptBlobError if "DATA_LOSS" in str(e) else TierIOError
+                raise cls(
+                    self._explain(e, f"reading blob {self.blob_path(slot, kind)} from")
+                ) from e
+            finally:
+                self._end("read", slot, t0, out.nbytes)
 
-    def _write(self, slot: int, data: np.ndarray) -> None:
-        deadline = self._bucket.reserve(data.nbytes) if self._bucket else 0.0
-        t0 = time.monotonic()
-        try:
-            self._blob(slot).write(data).result()
-        except Exception as e:
-            raise TierIOError(self._explain(e, f"writing blob {self.blob_path(slot)} to")) from e
-        if self._bucket:
-            self._bucket.wait_until(deadline)
-        self._record("write", slot, t0, data.nbytes)
+    def _write(self, slot: int, data: np.ndarray, kind: str) -> None:
+        with self.permits.hold("write"):
+            deadline = self._bucket.reserve(data.nbytes) if self._bucket else 0.0
+            t0 = self._begin()
+            try:
+                self._blob(slot, kind).write(data).result()
+                if self._bucket:
+                    self._bucket.wait_until(deadline)
+            except Exception as e:
+                raise TierIOError(
+                    self._explain(e, f"writing blob {self.blob_path(slot, kind)} to")
+                ) from e
+            finally:
+                self._end("write", slot, t0, data.nbytes)
 
-    def _record(self, kind: str, slot: int, t0: float, nbytes: int) -> None:
-        if kind == "read":
-            self.bytes_read += nbytes
-        else:
-            self.bytes_written += nbytes
-        if self.trace is not None:
-            self.trace.append((kind, slot, t0, time.monotonic()))
+    def _begin(self) -> float:
+        now = time.monotonic()
+        with self._stats_lock:
+            if self._active == 0:
+                self._since = now
+            self._active += 1
+        return now
+
+    def _end(self, kind: str, slot: int, t0: float, nbytes: int) -> None:
+        now = time.monotonic()
+        with self._stats_lock:
+            self._active -= 1
+            if self._active == 0:
+                self.busy_s += now - self._since
+            if kind == "read":
+                self.bytes_read += nbytes
+            else:
+                self.bytes_written += nbytes
+            if self.trace is not None:
+                self.trace.append((kind, slot, t0, now))
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)
@@ -197,6 +233,7 @@ class FileTierStore:
         return f"tier {self.tier.path!r}: error {doing} the tier: {text}. Cause: {hint}"
 
     def close(self) -> None:
-        """Waits for in-flight I/O and releases the tier's lock."""
+        """Waits for in-flight I/O and releases the tier's lock and permits."""
         self._pool.shutdown(wait=True)
+        self.permits.close()
         self._lock.release()

@@ -1,0 +1,110 @@
+"""Placement of subgroups on tiers by a measured bandwidth model (MLP-Offload principles a, b).
+
+Each tier k has an effective bandwidth ``BW_k = 1 / (1/read_k + 1/write_k)``: every uncached
+subgroup is read and written once per step. With ``C_k`` of tier k's subgroups retained in host
+memory across steps, the per-step I/O time of tier k is ``(n_k - C_k) * blob / BW_k``; it is
+minimised (the slowest tier finishes when the others do) by
+``n_k - C_k = (N - sum C) * BW_k / sum BW``. Counts are rounded by largest remainder and the
+assignment is interleaved so consecutive subgroups hit different tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def effective_bandwidth(read: float, write: float) -> float:
+    """Bytes/s of a read followed by a write, as each uncached subgroup needs per step."""
+    return 1.0 / (1.0 / read + 1.0 / write)
+
+
+def largest_remainder(targets: list[float], total: int) -> list[int]:
+    """Integers summing to ``total`` nearest to ``targets`` (which sum to ``total``)."""
+    floors = [int(np.floor(t)) for t in targets]
+    order = np.argsort([-(t - f) for t, f in zip(targets, floors, strict=True)], kind="stable")
+    for k in order[: total - sum(floors)]:
+        floors[k] += 1
+    return floors
+
+
+def retained_per_tier(bandwidths: list[float], retained: int, policy: str) -> list[int]:
+    """How many of the ``retained`` subgroups each tier contributes.
+
+    ``"slow_tiers"`` retains the slowest tiers' subgroups first (each retained subgroup saves
+    the most I/O time there); ``"equal"`` spreads them evenly, as the MLP-Offload artifact did.
+    """
+    k = len(bandwidths)
+    if policy == "equal":
+        return largest_remainder([retained / k] * k, retained)
+    counts = [0] * k
+    counts[int(np.argmin(bandwidths))] = retained
+    return counts
+
+
+def tier_counts(num_subgroups: int, bandwidths: list[float], retained: list[int]) -> list[int]:
+    """Subgroups per tier: retained ones plus a bandwidth-proportional share of the rest."""
+    rest = num_subgroups - sum(retained)
+    total_bw = sum(bandwidths)
+    targets = [c + rest * bw / total_bw for c, bw in zip(retained, bandwidths, strict=True)]
+    return largest_remainder(targets, num_subgroups)
+
+
+def interleave(counts: list[int]) -> list[int]:
+    """A tier per position, spreading each tier's positions evenly (smooth weighted round robin)."""
+    total = sum(counts)
+    given = [0] * len(counts)
+    out = []
+    for i in range(total):
+        # the tier furthest behind its proportional share of the first i + 1 positions
+        k = max(range(len(counts)), key=lambda k: (counts[k] * (i + 1) / total - given[k], -k))
+        given[k] += 1
+        out.append(k)
+    return out
+
+
+def probe(store, blob_elems: int, blobs: int = 4) -> tuple[float, float]:
+    """Measures a tier's write and read bandwidth (bytes/s) with its own concurrency.
+
+    Writes then reads ``blobs`` blobs of ``blob_elems`` float32 in the store's probe array, all
+    requests in flight at once, as the pipeline issues them.
+    """
+    bufs = [np.full(blob_elems, 1.0, np.float32) for _ in range(blobs)]
+    nbytes = blob_elems * 4 * blobs
+    t0 = time.perf_counter()
+    for f in [store.write(i, b, kind="probe") for i, b in enumerate(bufs)]:
+        f.result()
+    write = nbytes / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for f in [store.read(i, b, kind="probe") for i, b in enumerate(bufs)]:
+        f.result()
+    read = nbytes / (time.perf_counter() - t0)
+    return read, write
+
+
+def cached_probe(store, blob_elems: int) -> tuple[float, float]:
+    """:func:`probe`, remembered in the tier directory for the same tier settings."""
+    tier = store.tier
+    key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
+                      blob_elems])  # fmt: skip
+    path = os.path.join(store.directory, ".jax_mlpo-probe.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") == key:
+            return saved["read"], saved["write"]
+    except (OSError, ValueError, KeyError):
+        pass
+    read, write = probe(store, blob_elems)
+    with open(path, "w") as f:
+        json.dump({"key": key, "read": read, "write": write}, f)
+    logger.info(
+        "tier %s: probed read %.0f MB/s, write %.0f MB/s", tier.path, read / 1e6, write / 1e6
+    )
+    return read, write

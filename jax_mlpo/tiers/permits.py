@@ -1,0 +1,111 @@
+"""Concurrency control per tier: read and write permits, in the process and across a node.
+
+In the process, a bounded semaphore per direction caps the requests in flight on a tier. Across
+the processes of a node (MLP-Offload principle c), ``n`` lock files per tier and direction in a
+shared directory act as a counting semaphore: a request holds an ``flock`` on one of them. The
+kernel releases an ``flock`` when its holder dies, so a crashed process never leaks a permit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+
+class NodePermits:
+    """``count`` permits shared by every process of a node that uses the same ``directory``.
+
+    Args:
+      directory: a directory on a node-local file system (e.g. ``/dev/shm/jax_mlpo``).
+      key: what the permits guard (a tier path and a direction).
+      count: how many holders at once.
+    """
+
+    def __init__(self, directory: str, key: str, count: int) -> None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+        self.paths = [os.path.join(directory, f"{digest}.{k}.lock") for k in range(count)]
+        self._fds = [os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in self.paths]
+        # flock is per open file description: threads of this process must not share one slot
+        self._local = [threading.Lock() for _ in self.paths]
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        delay = 1e-4
+        while True:
+            for fd, local in zip(self._fds, self._local, strict=True):
+                if not local.acquire(blocking=False):
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    local.release()
+                    continue
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    local.release()
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+class TierPermits:
+    """Read and write permits of one tier.
+
+    Args:
+      key: the tier's path (names the node-level lock files).
+      reads: read requests in flight in this process.
+      writes: write requests in flight in this process.
+      node_dir: directory of the node-level permits, or None for none.
+      node_reads, node_writes: requests in flight across all processes of the node.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        reads: int,
+        writes: int,
+        node_dir: str | None = None,
+        node_reads: int = 1,
+        node_writes: int = 1,
+    ) -> None:
+        self._local = {"read": threading.BoundedSemaphore(reads),
+                       "write": threading.BoundedSemaphore(writes)}  # fmt: skip
+        self._node = (
+            {
+                "read": NodePermits(node_dir, f"{key}:read", node_reads),
+                "write": NodePermits(node_dir, f"{key}:write", node_writes),
+            }
+            if node_dir
+            else None
+        )
+        self.wait_s = {"read": 0.0, "write": 0.0}
+
+    @contextlib.contextmanager
+    def hold(self, direction: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        with self._local[direction]:
+            if self._node is None:
+                self.wait_s[direction] += time.monotonic() - t0
+                yield
+                return
+            with self._node[direction].hold():
+                self.wait_s[direction] += time.monotonic() - t0
+                yield
+
+    def close(self) -> None:
+        if self._node:
+            for permits in self._node.values():
+                permits.close()
