@@ -179,7 +179,7 @@ class FileTierStore:
                     self._explain(e, f"reading blob {self.blob_path(slot, kind)} from")
                 ) from e
             finally:
-                self._end("read", slot, t0, out.nbytes)
+                self._end("read", kind, slot, t0, out.nbytes)
 
     def _write(self, slot: int, data: np.ndarray, kind: str) -> None:
         with self.permits.hold("write"):
@@ -194,7 +194,7 @@ class FileTierStore:
                     self._explain(e, f"writing blob {self.blob_path(slot, kind)} to")
                 ) from e
             finally:
-                self._end("write", slot, t0, data.nbytes)
+                self._end("write", kind, slot, t0, data.nbytes)
 
     def _begin(self) -> float:
         now = time.monotonic()
@@ -204,18 +204,19 @@ class FileTierStore:
             self._active += 1
         return now
 
-    def _end(self, kind: str, slot: int, t0: float, nbytes: int) -> None:
+    def _end(self, direction: str, kind: str, slot: int, t0: float, nbytes: int) -> None:
         now = time.monotonic()
         with self._stats_lock:
             self._active -= 1
             if self._active == 0:
                 self.busy_s += now - self._since
-            if kind == "read":
+            if direction == "read":
                 self.bytes_read += nbytes
             else:
                 self.bytes_written += nbytes
-            if self.trace is not None:
-                self.trace.append((kind, slot, t0, now))
+            if self.trace is not None:  # ("read" | "write" [+ "-grad" / "-probe"], slot, t0, t1)
+                name = direction if kind == "state" else f"{direction}-{kind}"
+                self.trace.append((name, slot, t0, now))
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)

@@ -1,0 +1,227 @@
+"""MLP-Offload's principles, observed through the tiers' I/O traces rather than the code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_mlpo
+from jax_mlpo import placement
+from jax_mlpo.tiers.permits import TierPermits
+
+N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements
+SUBGROUP = 4096
+BLOB = 8 * SUBGROUP  # fp32 params: m | v
+
+
+def make_tx(tmp_path, buffers: int, tiers: int = 2, **switches):
+    config = jax_mlpo.OffloadConfig(
+        host_cache=buffers * BLOB * (1 if switches.get("delayed_conversion", True) else 1.5),
+        tiers=[
+            jax_mlpo.FileTier(
+                str(tmp_path / f"t{k}"),
+                read_bandwidth=f"{(k + 1) * 100}MB",
+                write_bandwidth=f"{(k + 1) * 100}MB",
+            )  # fmt: skip
+            for k in range(tiers)
+        ],
+        subgroup_size=SUBGROUP,
+        prefetch_depth=1,
+        **switches,
+    )
+    return jax_mlpo.adamw(1e-3, offload=config)
+
+
+def run_steps(tx, steps: int):
+    params = {"w": jnp.linspace(-1, 1, N_PARAMS, dtype=jnp.float32)}
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    traces = []
+    update = jax.jit(tx.update)
+    for step in range(steps):
+        for store in engine.tiers:
+            store.trace = []
+        grads = {"w": jnp.cos(params["w"] * (step + 1))}
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        jax.block_until_ready(params)
+        traces.append([list(store.trace) for store in engine.tiers])
+    return engine, state, traces
+
+
+def slots(trace_of_step, name: str) -> list[int]:
+    return sorted(slot for tier in trace_of_step for kind, slot, _, _ in tier if kind == name)
+
+
+def test_retained_subgroups_skip_io_across_the_step_boundary(tmp_path):
+    # 2 tiers x depth 1 + 2 = 4 pipeline buffers; 4 more buffers are retained across steps
+    engine, state, traces = run_steps(make_tx(tmp_path, buffers=8, replan=False), steps=4)
+    n = N_PARAMS // SUBGROUP
+    everything = set(range(n))
+    for step in range(3):
+        kept = everything - set(slots(traces[step], "write"))  # not written back at the end
+        assert len(kept) == 4
+        read_next = set(slots(traces[step + 1], "read"))
+        assert not kept & read_next, "a retained subgroup was read again by the next step"
+        assert read_next == everything - kept
+        assert engine.metrics[step + 1].cache_hits == 4
+    # the slow tier's subgroups are the ones retained (retain_policy="slow_tiers")
+    assert all(engine.tier_of[i] == 0 for i in kept)
+    jax_mlpo.close(state)
+
+
+def test_without_retention_every_subgroup_moves_every_step(tmp_path):
+    engine, state, traces = run_steps(make_tx(tmp_path, buffers=8, retain=False), steps=3)
+    n = N_PARAMS // SUBGROUP
+    for trace in traces:
+        assert slots(trace, "read") == list(range(n))
+        assert slots(trace, "write") == list(range(n))
+    jax_mlpo.close(state)
+
+
+def test_alternating_order_is_observed(tmp_path):
+    engine, state, traces = run_steps(make_tx(tmp_path, buffers=4, retain=False), steps=3)
+
+    def read_start(trace, slot):
+        return min(t0 for tier in trace for kind, s, t0, _ in tier if kind == "read" and s == slot)
+
+    for step, trace in enumerate(traces):
+        ascending = step % 2 == 0
+        assert (read_start(trace, 0) < read_start(trace, 6) < read_start(trace, 11)) == ascending
+        assert (read_start(trace, 11) < read_start(trace, 6) < read_start(trace, 0)) != ascending
+    jax_mlpo.close(state)
+
+
+@pytest.mark.parametrize("bandwidths", [[1.0, 1.0], [3.0, 1.0], [600.0, 300.0, 100.0]])
+@pytest.mark.parametrize("retained", [0, 3])
+@pytest.mark.parametrize("policy", ["slow_tiers", "equal"])
+def test_placement_proportions(bandwidths, retained, policy):
+    n = 97
+    kept = placement.retained_per_tier(bandwidths, retained, policy)
+    tier_of = placement.interleave(placement.tier_counts(n, bandwidths, kept))
+    counts = [tier_of.count(k) for k in range(len(bandwidths))]
+    assert sum(counts) == n and sum(kept) == retained
+    # the uncached share of every tier is proportional to its bandwidth, within one subgroup
+    for k, bw in enumerate(bandwidths):
+        ideal = (n - retained) * bw / sum(bandwidths)
+        assert abs((counts[k] - kept[k]) - ideal) <= 1.0
+    # interleaved: no tier gets more than its share of any window of consecutive subgroups
+    for k, c in enumerate(counts):
+        run = max(len(s) for s in "".join("x" if t == k else " " for t in tier_of).split(" "))
+        assert run <= int(np.ceil(c / (n - c + 1))) + 1
+
+
+def test_measured_placement_follows_the_probe(tmp_path):
+    tiers = [
+        jax_mlpo.FileTier(str(tmp_path / "fast"), bandwidth_cap="40MB"),
+        jax_mlpo.FileTier(str(tmp_path / "slow"), bandwidth_cap="10MB"),
+    ]
+    config = jax_mlpo.OffloadConfig(
+        host_cache=4 * BLOB * 4, tiers=tiers, subgroup_size=SUBGROUP * 4, prefetch_depth=1,
+        retain=False,
+    )  # fmt: skip
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    state = tx.init({"w": jnp.zeros(40 * SUBGROUP)})
+    engine = jax_mlpo.engine_of(state)
+    (r_fast, w_fast), (r_slow, w_slow) = engine.bandwidth
+    assert r_fast / r_slow > 2.5 and w_fast / w_slow > 2.5  # the caps, seen by the probe
+    fast, slow = engine.tier_of.count(0), engine.tier_of.count(1)
+    assert fast == 8 and slow == 2  # 10 subgroups split 4:1
+    jax_mlpo.close(state)
+
+
+def test_baseline_writes_and_reads_gradients(tmp_path):
+    tx = make_tx(tmp_path, buffers=4, placement="first", order="ascending", retain=False,
+                 delayed_conversion=False)  # fmt: skip
+    engine, state, traces = run_steps(tx, steps=2)
+    n = N_PARAMS // SUBGROUP
+    assert len(engine.tiers) == 1
+    for trace in traces:
+        assert slots(trace, "write-grad") == list(range(n))
+        assert slots(trace, "read-grad") == list(range(n))
+        # each gradient blob is durable before its read starts
+        for kind, slot, t0, _ in trace[0]:
+            if kind == "read-grad":
+                done = [t1 for k, s, _, t1 in trace[0] if k == "write-grad" and s == slot]
+                assert done and max(done) <= t0
+    jax_mlpo.close(state)
+
+
+def test_delayed_conversion_never_writes_gradients(tmp_path):
+    engine, state, traces = run_steps(make_tx(tmp_path, buffers=4), steps=2)
+    assert not [k for trace in traces for tier in trace for k, *_ in tier if "grad" in k]
+    jax_mlpo.close(state)
+
+
+def test_thread_permits_never_exceeded():
+    permits = TierPermits("t", reads=2, writes=3)
+    active = {"read": 0, "write": 0}
+    peak = {"read": 0, "write": 0}
+    lock = threading.Lock()
+
+    def worker(direction: str) -> None:
+        for _ in range(50):
+            with permits.hold(direction):
+                with lock:
+                    active[direction] += 1
+                    peak[direction] = max(peak[direction], active[direction])
+                time.sleep(0.0005)
+                with lock:
+                    active[direction] -= 1
+
+    threads = [threading.Thread(target=worker, args=(d,)) for d in ["read", "write"] * 8]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak == {"read": 2, "write": 3}
+
+
+_PROCESS = textwrap.dedent(
+    """
+    import sys, time
+    from jax_mlpo.tiers.permits import TierPermits
+    permits = TierPermits("shared-pfs", 4, 4, sys.argv[1], node_reads=1, node_writes=2)
+    with open(sys.argv[2], "w") as log:
+        for _ in range(40):
+            for direction in ("read", "write"):
+                with permits.hold(direction):
+                    t0 = time.monotonic()
+                    time.sleep(0.001)
+                    log.write(f"{direction} {t0} {time.monotonic()}\\n")
+    """
+)
+
+
+def test_node_permits_never_exceeded_across_processes(tmp_path):
+    node_dir = str(tmp_path / "permits")
+    logs = [str(tmp_path / f"p{i}.log") for i in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PROCESS, node_dir, log], env=os.environ.copy())
+        for log in logs
+    ]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    events = {"read": [], "write": []}
+    for log in logs:
+        with open(log) as f:
+            for line in f:
+                direction, t0, t1 = line.split()
+                events[direction] += [(float(t0), 1), (float(t1), -1)]
+    for direction, limit in (("read", 1), ("write", 2)):
+        active = peak = 0
+        for _, delta in sorted(events[direction], key=lambda e: (e[0], e[1])):
+            active += delta
+            peak = max(peak, active)
+        assert peak <= limit, f"{direction}: {peak} processes at once, limit {limit}"
+        assert len(events[direction]) == 2 * 3 * 40
