@@ -8,6 +8,7 @@ names the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tempfile
@@ -50,12 +51,15 @@ def parse_size(value: int | float | str, field: str) -> int:
     """
     if isinstance(value, bool):
         raise ConfigError(f"{field}={value!r} is not a size; give bytes or a string like '8GiB'")
-    if isinstance(value, int | float):
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value.upper())
-        if match and match.group(2) in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2)])
+    if isinstance(value, int | float | str):
+        if isinstance(value, str):
+            match = _SIZE_RE.match(value.upper())
+            number = float(match.group(1)) * _UNITS[match.group(2)] if match and (
+                match.group(2) in _UNITS) else None  # fmt: skip
+        else:
+            number = value
+        if number is not None and math.isfinite(number):
+            return int(number)
     raise ConfigError(
         f"{field}={value!r} is not a size; give bytes (an int) or a string like '8GiB' or '600MB'"
     )
@@ -206,8 +210,13 @@ class OffloadConfig:
         object.__setattr__(self, "host_cache", parse_size(self.host_cache, "host_cache"))
         if self.host_cache < 0:
             raise ConfigError(f"host_cache={self.host_cache!r} must be >= 0 bytes")
-        if isinstance(self.tiers, FileTier) or not isinstance(self.tiers, Sequence):
-            raise ConfigError(f"tiers={self.tiers!r} must be a list of FileTier")
+        if isinstance(self.tiers, FileTier | str | os.PathLike) or not isinstance(
+            self.tiers, Sequence
+        ):
+            raise ConfigError(
+                f"tiers={self.tiers!r} must be a list of FileTier (or of paths), e.g. "
+                f"tiers=[FileTier({str(self.tiers)!r})]"
+            )
         tiers = tuple(_as_tier(t) for t in self.tiers)
         object.__setattr__(self, "tiers", tiers)
         if not isinstance(self.subgroup_size, int) or isinstance(self.subgroup_size, bool):

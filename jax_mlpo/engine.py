@@ -70,7 +70,7 @@ class Engine:
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
         self._closed = False
-        self._kernel = kernels.adamw_step
+        self._kernel = kernels.native_adamw_step()
         sgs = layout.subgroups
         # subgroup -> its buffer, for subgroups resident in host memory (dirty: newer than disk)
         self._cache: dict[int, np.ndarray] = {}
@@ -103,6 +103,11 @@ class Engine:
             f"steps, tiers {[self.tier_of.count(k) for k in range(len(self.tiers))]} subgroups",
         )
 
+    @property
+    def failed(self) -> bool:
+        """Whether an update failed midway (the host state is then partly updated)."""
+        return self._failed is not None
+
     def _open_tiers(self) -> None:
         layout, config = self.layout, self.config
         sgs = layout.subgroups
@@ -117,12 +122,13 @@ class Engine:
         per_buffer = 4 * (layout.max_state_elems + grad_elems)
         minimum = config.prefetch_depth * len(tiers) + 2
         if config.host_cache < minimum * per_buffer:
+            # the whole state in host memory needs no pipeline, and may be the smaller fix
+            needed = min(minimum * per_buffer, layout.state_bytes)
             raise ConfigError(
                 f"host_cache={config.host_cache} bytes is smaller than the pipeline's buffers: "
                 f"(prefetch_depth {config.prefetch_depth} x {len(tiers)} tier(s) + 2) x "
                 f"{per_buffer} bytes per subgroup = {minimum * per_buffer} bytes. Raise "
-                f"host_cache to at least {minimum * per_buffer}, or lower subgroup_size or "
-                "prefetch_depth."
+                f"host_cache to at least {needed}, or lower subgroup_size or prefetch_depth."
             )
         buffers = config.host_cache // per_buffer
         retained = min(buffers - minimum, len(sgs)) if config.retain else 0
@@ -238,6 +244,7 @@ class Engine:
         try:
             if not self.config.delayed_conversion and not self.host_only:
                 self._write_gradients(order, grads, metrics)
+                metrics.grad_write_s = time.monotonic() - t_start
             self._run(order, retain, grads, params, (no_decay, decay), count == 0, metrics)
         except BaseException as e:
             self._failed = e

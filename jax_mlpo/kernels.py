@@ -1,6 +1,7 @@
 """The host AdamW kernel behind one function, with a numpy reference implementation.
 
-The engine calls :func:`adamw_step` once per contiguous segment of a subgroup (a segment is the
+The engine calls the kernel (:func:`native_adamw_step`, the compiled one, by default) once per
+contiguous segment of a subgroup (a segment is the
 part of one parameter leaf that falls in one subgroup, so it has one weight-decay value). The
 arithmetic follows ``optax.adamw`` operation by operation (``scale_by_adam`` →
 ``add_decayed_weights`` → ``scale_by_learning_rate``) in float32, with the fused multiply-adds
@@ -96,4 +97,12 @@ def _fma(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (np.float64(a) * x.astype(np.float64) + y).astype(F32)
 
 
-adamw_step = adamw_step_reference
+def native_adamw_step():
+    """The compiled kernel (:func:`jax_mlpo.native.adamw_step`), bitwise equal to the reference.
+
+    Raises:
+      ImportError: if the package's native library was not built (reinstall with ``pip install``).
+    """
+    from jax_mlpo import native  # imports this module: keep the import here
+
+    return native.adamw_step

@@ -15,6 +15,8 @@ class StepMetrics:
       read_wait_s: time the update loop waited for subgroup reads (not hidden by compute).
       compute_s: time in the AdamW kernel.
       write_wait_s: time the loop waited for write-backs (buffer reuse and the final drain).
+      grad_write_s: time spent writing fp32 gradients to the tiers before the update (only
+        without delayed conversion, the baseline; ZeRO-Infinity does it during backward).
       cache_hits: subgroups that were resident in host memory (no read, no write).
       subgroups: subgroups updated.
       bytes_read: bytes read per tier path.
@@ -27,6 +29,7 @@ class StepMetrics:
     read_wait_s: float = 0.0
     compute_s: float = 0.0
     write_wait_s: float = 0.0
+    grad_write_s: float = 0.0
     cache_hits: int = 0
     subgroups: int = 0
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -111,6 +111,25 @@ def _close_all() -> None:
         engine.close()
 
 
+def _drop_poisoned_effect_tokens() -> None:
+    """Lets a new optimizer run after another one's update failed.
+
+    A failing ordered io_callback leaves an errored token in JAX's runtime, and every later
+    ordered callback in the process re-raises that error without running. Once a failure has
+    been reported, the token only blocks recovery (a new optimizer restored from a checkpoint),
+    so drop it. This uses a private JAX API, hence the guard.
+    """
+    with _REGISTRY_LOCK:
+        if not any(engine.failed for engine in _ENGINES.values()):
+            return
+    try:
+        from jax._src import dispatch
+
+        dispatch.runtime_tokens.clear()
+    except (ImportError, AttributeError):  # a JAX without it: nothing to reset
+        pass
+
+
 def _refuse_discarding_wrappers() -> None:
     """Fails init inside optax.MultiSteps, which runs update on every micro-step and discards it."""
     multi_steps_init = optax.MultiSteps.init.__code__
@@ -198,6 +217,7 @@ def adamw(
 
     def init_fn(params):
         _refuse_discarding_wrappers()
+        _drop_poisoned_effect_tokens()
         layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params))
         engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
         return OffloadedAdamWState(

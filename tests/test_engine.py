@@ -1,0 +1,417 @@
+"""The host engine through the public API: tier locking, corruption, metrics, I/O-compute
+overlap, and degenerate layouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_mlpo
+from jax_mlpo import FileTier, OffloadConfig
+
+CRC = 4  # bytes the crc32c codec appends to every blob file
+
+
+def blob_files(tier_dir) -> list[Path]:
+    return sorted(Path(tier_dir).glob("state-*/c/*/0"))
+
+
+def grads_for(params, step: int):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(step), len(leaves))
+    return treedef.unflatten(
+        [
+            jax.random.normal(k, jnp.shape(x), jnp.float32).astype(x.dtype)
+            for k, x in zip(keys, leaves, strict=True)
+        ]
+    )
+
+
+@pytest.fixture
+def states():
+    """Collects optimizer states and closes them at the end of the test."""
+    opened: list = []
+    yield opened
+    for state in opened:
+        jax_mlpo.close(state)
+
+
+@pytest.fixture
+def fresh_effect_tokens():
+    """Drops JAX's ordered-effect tokens after a test whose update fails, so the failure cannot
+    leak into later tests (see test_failed_update_does_not_poison_later_updates)."""
+    yield
+    from jax._src import dispatch  # private, but the only way to reset a poisoned token
+
+    dispatch.runtime_tokens.clear()
+
+
+# -- tier locking -------------------------------------------------------------------------------
+
+
+def test_second_optimizer_on_same_tier(tmp_path, states, fresh_effect_tokens):
+    params = {"w": jnp.ones((1000,))}
+    config = OffloadConfig(
+        host_cache=4 * 8 * 100, tiers=[str(tmp_path / "tier")], subgroup_size=100
+    )
+    first = jax_mlpo.adamw(1e-3, offload=config)
+    state = first.init(params)
+    states.append(state)
+    assert len(jax_mlpo.engine_of(state).tiers) == 1
+
+    second = jax_mlpo.adamw(1e-3, offload=config)  # construction only validates the path
+    with pytest.raises(jax_mlpo.TierInUseError, match=f"in use by pid {os.getpid()} "):
+        second.init(params)
+    # the first optimizer is unharmed by the attempt
+    _, state = jax.jit(first.update)(grads_for(params, 0), state, params)
+    jax.block_until_ready(state)
+
+    jax_mlpo.close(state)
+    state2 = second.init(params)
+    states.append(state2)
+    updates, _ = jax.jit(second.update)(grads_for(params, 0), state2, params)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
+    grads = jax.block_until_ready(grads_for(params, 1))
+    with pytest.raises(Exception, match="no jax_mlpo engine with handle"):
+        jax.block_until_ready(first.update(grads, state, params))
+
+
+# -- corruption end to end ----------------------------------------------------------------------
+
+
+def corrupt_optimizer(tmp_path, states, victim=3):
+    """An optimizer after one update, with one byte flipped in subgroup ``victim``'s blob."""
+    params = {"w": jnp.ones((1000,))}
+    tier_path = str(tmp_path / "tier")
+    config = OffloadConfig(host_cache=4 * 8 * 100, tiers=[tier_path], subgroup_size=100)
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    state = tx.init(params)
+    states.append(state)
+    update = jax.jit(tx.update)
+    _, state = update(grads_for(params, 0), state, params)
+    jax.block_until_ready(state)
+    engine = jax_mlpo.engine_of(state)
+    path = Path(engine.tiers[engine.tier_of[victim]].blob_path(victim))
+    assert path.stat().st_size == 8 * 100 + CRC
+    data = bytearray(path.read_bytes())
+    data[17] ^= 0x01
+    path.write_bytes(bytes(data))
+    return update, state, params, tier_path, path
+
+
+def test_corrupt_blob_fails_the_update_then_the_engine(tmp_path, states, fresh_effect_tokens):
+    victim = 3
+    update, state, params, tier_path, path = corrupt_optimizer(tmp_path, states, victim)
+    # Inputs ready before dispatch: the failure surfaces from this call (see the test below).
+    grads = jax.block_until_ready(grads_for(params, 1))
+
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(update(grads, state, params))
+    message = str(info.value)
+    assert re.search("checksum|corrupt", message)
+    assert f"subgroup {victim}:" in message
+    assert tier_path in message and str(path) in message
+
+    with pytest.raises(Exception, match="failed midway"):
+        jax.block_until_ready(update(grads, state, params))
+    engine = jax_mlpo.engine_of(state)
+    with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
+        engine.step(1, None, [], [])  # the engine itself refuses before looking at arguments
+
+
+@jax.jit
+def late_grads(params):
+    """Gradients still being computed (~0.1 s of matmuls) when the update is dispatched, as
+    in a train step where the update follows the backward pass."""
+    x = jnp.full((1000, 1000), 1e-3)
+    y = x
+    for _ in range(4):
+        y = jnp.tanh(y @ x)
+    return jax.tree.map(lambda p: jnp.ones_like(p) + 0 * y[0, 0], params)
+
+
+def test_failed_update_does_not_poison_later_updates(tmp_path, states, fresh_effect_tokens):
+    update, state, params, _, _ = corrupt_optimizer(tmp_path, states)
+    with pytest.raises(Exception, match="checksum"):
+        jax.block_until_ready(update(late_grads(params), state, params))
+    # The message says: restore and init a new optimizer. That one must work.
+    config = OffloadConfig(host_cache=4 * 8 * 100, tiers=[str(tmp_path / "new")], subgroup_size=100)
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    new_state = tx.init(params)
+    states.append(new_state)
+    grads = jax.block_until_ready(grads_for(params, 0))
+    updates, new_state = jax.jit(tx.update)(grads, new_state, params)
+    assert jax_mlpo.engine_of(new_state).step_count == 1
+    with pytest.raises(Exception, match="failed midway"):
+        jax.block_until_ready(update(grads, state, params))
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+# 1037 params in 10 subgroups of 100 elements and one of 37; "b" spans subgroups 9 and 10.
+SHAPES = {"a": (10, 99), "b": (47,)}
+NUM_PARAMS = 1037
+SUBGROUP = 100
+SUBGROUP_SIZES = [100] * 10 + [37]
+
+
+def make_params(dtype):
+    keys = jax.random.split(jax.random.PRNGKey(0), len(SHAPES))
+    return {
+        k: jax.random.normal(key, shape).astype(dtype)
+        for key, (k, shape) in zip(keys, SHAPES.items(), strict=True)
+    }
+
+
+def traced_steps(tx, params, steps: int):
+    """Runs jitted updates; yields each step's metrics and the slots each tier read and wrote."""
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    update = jax.jit(tx.update)
+    try:
+        for step in range(steps):
+            for store in engine.tiers:
+                store.trace = []
+            updates, state = update(grads_for(params, step), state, params)
+            params = optax.apply_updates(params, updates)
+            jax.block_until_ready(params)
+            io = {
+                store.tier.path: {
+                    kind: sorted(slot for k, slot, _, _ in store.trace if k == kind)
+                    for kind in ("read", "write")
+                }
+                for store in engine.tiers
+            }
+            yield engine, engine.metrics[-1], io
+    finally:
+        jax_mlpo.close(state)
+
+
+def on_disk(tier_dir, engine_tier, num_subgroups) -> list[int]:
+    """The subgroups whose state blob exists in a tier directory."""
+    files = set(blob_files(tier_dir))
+    return [i for i in range(num_subgroups) if Path(engine_tier.blob_path(i)) in files]
+
+
+@pytest.mark.parametrize(
+    "dtype,per_elem", [(jnp.float32, 8), (jnp.bfloat16, 12)], ids=["fp32", "bf16"]
+)
+def test_metrics_pipeline_only(dtype, per_elem, tmp_path):
+    """No room beyond the pipeline: every step reads and writes every blob exactly once."""
+    depth, n = 2, len(SUBGROUP_SIZES)
+    blob_bytes = [per_elem * size for size in SUBGROUP_SIZES]
+    tiers = [str(tmp_path / "t0"), str(tmp_path / "t1")]
+    config = OffloadConfig(
+        host_cache=(depth * len(tiers) + 2) * per_elem * SUBGROUP,
+        tiers=tiers,
+        subgroup_size=SUBGROUP,
+        prefetch_depth=depth,
+        placement="even",
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    placed = None
+    for step, (engine, m, io) in enumerate(traced_steps(tx, make_params(dtype), 3), start=1):
+        if placed is None:
+            stores = {store.tier.path: store for store in engine.tiers}
+            placed = {t: on_disk(t, stores[t], n) for t in tiers}
+            assert sorted(placed[tiers[0]] + placed[tiers[1]]) == list(range(n))
+            assert placed[tiers[0]] and placed[tiers[1]]  # both tiers hold subgroups
+        assert m.step == step
+        assert m.subgroups == n
+        assert m.cache_hits == 0
+        for t in tiers:
+            assert io[t]["read"] == placed[t], f"step {step}: reads of {t}"
+            assert io[t]["write"] == placed[t], f"step {step}: writes of {t}"
+            expected = sum(blob_bytes[i] for i in placed[t])
+            assert m.bytes_read[t] == expected
+            assert m.bytes_written[t] == expected
+        assert sum(m.bytes_read.values()) == per_elem * NUM_PARAMS
+
+
+@pytest.mark.parametrize(
+    "dtype,per_elem", [(jnp.float32, 8), (jnp.bfloat16, 12)], ids=["fp32", "bf16"]
+)
+def test_metrics_with_retained_subgroups(dtype, per_elem, tmp_path):
+    """Room for 2 subgroups beyond the pipeline: they are kept across the step boundary."""
+    depth, n, extra = 2, len(SUBGROUP_SIZES), 2
+    blob_bytes = [per_elem * size for size in SUBGROUP_SIZES]
+    tiers = [str(tmp_path / "t0"), str(tmp_path / "t1")]
+    config = OffloadConfig(
+        host_cache=(depth * len(tiers) + 2 + extra) * per_elem * SUBGROUP,
+        tiers=tiers,
+        subgroup_size=SUBGROUP,
+        prefetch_depth=depth,
+        placement="even",
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    kept: set[int] | None = None  # not written back by the previous step
+    for step, (engine, m, io) in enumerate(traced_steps(tx, make_params(dtype), 4), start=1):
+        stores = list(engine.tiers)
+        reads = [i for t in tiers for i in io[t]["read"]]
+        writes = [i for t in tiers for i in io[t]["write"]]
+        assert len(reads) == len(set(reads)) and len(writes) == len(set(writes))  # once at most
+        assert m.subgroups == n
+        assert m.cache_hits == (0 if kept is None else extra), f"step {step}"
+        assert len(reads) + m.cache_hits == n
+        if kept is not None:  # exactly the kept ones are not read
+            assert set(range(n)) - set(reads) == kept, f"step {step}"
+        assert len(writes) == n - extra
+        kept = set(range(n)) - set(writes)
+        for t in tiers:
+            assert m.bytes_read[t] == sum(blob_bytes[i] for i in io[t]["read"])
+            assert m.bytes_written[t] == sum(blob_bytes[i] for i in io[t]["write"])
+    # closing (at the end of traced_steps) flushes the retained subgroups to their tiers
+    flushed = [slot for store in stores for kind, slot, _, _ in store.trace if kind == "write"]
+    assert sorted(flushed) == sorted(set(writes) | kept)  # the last step's writes, then the flush
+    assert len(flushed) == n
+
+
+def test_metrics_with_everything_cached(tmp_path, states):
+    tier = tmp_path / "tier"
+    config = OffloadConfig(
+        host_cache=8 * NUM_PARAMS, tiers=[str(tier)], subgroup_size=SUBGROUP, prefetch_depth=2
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = make_params(jnp.float32)
+    state = tx.init(params)
+    states.append(state)
+    engine = jax_mlpo.engine_of(state)
+    assert engine.tiers == []
+    update = jax.jit(tx.update)
+    for step in range(2):
+        _, state = update(grads_for(params, step), state, params)
+        jax.block_until_ready(state)
+        m = engine.metrics[-1]
+        assert m.cache_hits == m.subgroups == len(SUBGROUP_SIZES)
+        assert m.bytes_read == {} and m.bytes_written == {}
+    # the tier was validated (created) but never opened: no state, no lock
+    assert tier.is_dir() and list(tier.iterdir()) == []
+
+
+# -- overlap of I/O and compute -----------------------------------------------------------------
+
+N_SUBGROUPS = 8
+OVERLAP_SUBGROUP = 32_768  # 256 KiB blobs (fp32: m and v)
+READ_S = 0.04  # per blob at the cap; a step moves 2 blobs (read + write) per subgroup
+KERNEL_S = 0.08  # per subgroup, slept in the kernel wrapper
+
+
+def intersection(a, b) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def overlap_step(tmp_path, depth, monkeypatch, states):
+    """One update over a bandwidth-capped tier with a slowed kernel; returns its metrics and the
+    read and kernel spans."""
+    blob = 8 * OVERLAP_SUBGROUP
+    tier = FileTier(str(tmp_path / f"tier-depth{depth}"), bandwidth_cap=blob / READ_S, sync=False)
+    config = OffloadConfig(
+        host_cache=(depth + 2) * blob,
+        tiers=[tier],
+        subgroup_size=OVERLAP_SUBGROUP,
+        prefetch_depth=depth,
+        placement="even",  # no bandwidth probe at init
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = {"w": jnp.zeros((N_SUBGROUPS * OVERLAP_SUBGROUP,), jnp.float32)}
+    state = tx.init(params)
+    states.append(state)
+    engine = jax_mlpo.engine_of(state)
+    assert engine.tier_of == [0] * N_SUBGROUPS and not engine.host_only
+
+    kernel_spans: list[tuple[float, float]] = []
+    real_kernel = engine._kernel
+
+    def slow_kernel(*args, **kwargs):  # one leaf: one segment, so one call, per subgroup
+        t0 = time.monotonic()
+        time.sleep(KERNEL_S)
+        real_kernel(*args, **kwargs)
+        kernel_spans.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(engine, "_kernel", slow_kernel)
+    for store in engine.tiers:
+        store.trace = []
+    update = jax.jit(tx.update)
+    _, state = update({"w": jnp.ones_like(params["w"])}, state, params)
+    jax.block_until_ready(state)
+    trace = [span for store in engine.tiers for span in store.trace]
+    reads = [(t0, t1) for kind, _, t0, t1 in trace if kind == "read"]
+    writes = [(t0, t1) for kind, _, t0, t1 in trace if kind == "write"]
+    assert len(kernel_spans) == N_SUBGROUPS
+    assert len(reads) == len(writes) == N_SUBGROUPS
+    return engine.metrics[-1], reads, kernel_spans
+
+
+def test_io_overlaps_compute_with_prefetch(tmp_path, monkeypatch, states):
+    metrics, reads, kernels = overlap_step(tmp_path, 2, monkeypatch, states)
+    overlapped = sum(any(intersection(r, k) > 0 for k in kernels) for r in reads)
+    assert overlapped > N_SUBGROUPS // 2, f"only {overlapped} reads overlap the kernel"
+    serial = sum(t1 - t0 for t0, t1 in reads) + sum(t1 - t0 for t0, t1 in kernels)
+    assert metrics.total_s < 0.75 * serial, (metrics, serial)
+
+
+def test_no_overlap_without_prefetch(tmp_path, monkeypatch, states):
+    metrics, reads, kernels = overlap_step(tmp_path, 0, monkeypatch, states)
+    for r in reads:
+        for k in kernels:
+            assert intersection(r, k) == 0, (r, k)
+    serial = sum(t1 - t0 for t0, t1 in reads) + sum(t1 - t0 for t0, t1 in kernels)
+    assert metrics.total_s >= 0.9 * serial, (metrics, serial)
+
+
+# -- degenerate layouts -------------------------------------------------------------------------
+
+DEGENERATE = [
+    # name, params, subgroup_size, whether the state goes to the tier. With the cache at the
+    # pipeline's minimum (4 buffers), a model of one subgroup always fits in host memory.
+    ("subgroup-bigger-than-model", {"w": (3, 5), "b": (4,)}, 1000, False),
+    ("single-scalar", {"s": ()}, 1, False),
+    ("single-scalar-big-subgroup", {"s": ()}, 100, False),
+    ("scalars-one-per-subgroup", {"a": (), "b": (3,), "c": ()}, 1, True),
+]
+
+
+@pytest.mark.parametrize(
+    "shapes,subgroup_size,tiered", [c[1:] for c in DEGENERATE], ids=[c[0] for c in DEGENERATE]
+)
+def test_degenerate_layouts_match_optax(shapes, subgroup_size, tiered, tmp_path, states):
+    keys = jax.random.split(jax.random.PRNGKey(3), len(shapes))
+    params = {
+        k: jax.random.normal(key, shape)
+        for key, (k, shape) in zip(keys, shapes.items(), strict=True)
+    }
+    num = sum(int(np.prod(s)) for s in shapes.values())
+    blob = 8 * min(subgroup_size, num)
+    config = OffloadConfig(
+        host_cache=4 * blob, tiers=[str(tmp_path / "tier")], subgroup_size=subgroup_size
+    )
+    tx = jax_mlpo.adamw(1e-2, weight_decay=0.1, offload=config)
+    ref = optax.adamw(1e-2, weight_decay=0.1)
+    state, ref_state = tx.init(params), ref.init(params)
+    states.append(state)
+    engine = jax_mlpo.engine_of(state)
+    assert len(engine.layout.subgroups) == -(-num // subgroup_size)
+    assert engine.host_only is not tiered
+    update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+    ref_params = params
+    for step in range(3):
+        grads = grads_for(params, step)
+        updates, state = update(grads, state, params)
+        want, ref_state = ref_update(grads, ref_state, ref_params)
+        for k in shapes:
+            got_k, want_k = np.asarray(updates[k]), np.asarray(want[k])
+            assert got_k.shape == want_k.shape == shapes[k]
+            np.testing.assert_allclose(got_k, want_k, rtol=1e-6, atol=1e-9, err_msg=f"{k}@{step}")
+        params = optax.apply_updates(params, updates)
+        ref_params = optax.apply_updates(ref_params, want)
+    assert engine.metrics[-1].subgroups == len(engine.layout.subgroups)
+    if tiered:
+        assert sum(engine.metrics[-1].bytes_read.values()) > 0

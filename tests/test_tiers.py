@@ -1,0 +1,350 @@
+"""File tiers: byte-exact blobs, checksums, bandwidth caps, locks and resource hygiene."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_mlpo.config import FileTier
+from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TokenBucket
+from jax_mlpo.tiers.lock import TierInUseError, TierLock
+from jax_mlpo.tiers.permits import TierPermits
+
+CRC = 4  # bytes the crc32c codec appends to every blob file
+LOCK_MODULE = Path(__file__).resolve().parents[1] / "jax_mlpo" / "tiers" / "lock.py"
+
+
+def random_blob(rng: np.random.Generator, n: int) -> np.ndarray:
+    """float32 with arbitrary bit patterns (NaN payloads, infinities, denormals included)."""
+    return rng.integers(0, 2**32, n, dtype=np.uint32).view(np.float32)
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def open_store(path, lengths, **tier_kwargs) -> FileTierStore:
+    """A store holding ``"state"`` blobs of the given lengths, one slot each."""
+    tier = FileTier(str(path), **tier_kwargs)
+    permits = TierPermits(tier.path, tier.max_concurrency, tier.max_concurrency)
+    return FileTierStore(tier, {"state": list(lengths)}, permits)
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# -- data round trips ---------------------------------------------------------------------------
+
+LENGTHS = [1, 7, 4096, 7, 100_000, 3, 4096]
+
+
+def test_round_trip_is_byte_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    store = open_store(tmp_path / "tier", LENGTHS, sync=False)
+    try:
+        blobs = [random_blob(rng, n) for n in LENGTHS]
+        for slot, blob in enumerate(blobs):
+            store.write(slot, blob).result()
+        for slot, blob in enumerate(blobs):
+            out = np.full(len(blob), np.nan, np.float32)
+            store.read(slot, out).result()
+            assert same_bytes(out, blob), f"slot {slot}"
+            # one file per blob, holding exactly the blob and its checksum
+            assert os.path.getsize(store.blob_path(slot)) == 4 * len(blob) + CRC
+        # overwriting one blob leaves the others alone
+        blobs[3] = random_blob(rng, LENGTHS[3])
+        store.write(3, blobs[3]).result()
+        for slot, blob in enumerate(blobs):
+            out = np.empty(len(blob), np.float32)
+            store.read(slot, out).result()
+            assert same_bytes(out, blob), f"slot {slot} after overwrite"
+        assert store.bytes_written == 4 * (sum(LENGTHS) + LENGTHS[3])
+        assert store.bytes_read == 4 * 2 * sum(LENGTHS)
+    finally:
+        store.close()
+
+
+def test_concurrent_reads_and_writes_are_byte_exact(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = [1000, 333, 4096, 1, 2048] * 5
+    store = open_store(tmp_path / "tier", lengths, max_concurrency=4, sync=False)
+    try:
+        blobs = [random_blob(rng, n) for n in lengths]
+        writes = [store.write(slot, blob) for slot, blob in enumerate(blobs)]  # all outstanding
+        for f in writes:
+            f.result()
+        outs = [np.empty(n, np.float32) for n in lengths]
+        reads = [store.read(slot, out) for slot, out in enumerate(outs)]
+        for f in reads:
+            f.result()
+        for slot, (out, blob) in enumerate(zip(outs, blobs, strict=True)):
+            assert same_bytes(out, blob), f"slot {slot}"
+
+        # Rewrite the even slots while reading the odd ones, all in flight together.
+        new = {s: random_blob(rng, lengths[s]) for s in range(0, len(lengths), 2)}
+        outs = {s: np.empty(lengths[s], np.float32) for s in range(1, len(lengths), 2)}
+        futures = []
+        for s in range(len(lengths)):
+            futures.append(store.write(s, new[s]) if s in new else store.read(s, outs[s]))
+        for f in futures:
+            f.result()
+        for s, out in outs.items():
+            assert same_bytes(out, blobs[s]), f"odd slot {s}"
+        for s, blob in new.items():
+            out = np.empty(lengths[s], np.float32)
+            store.read(s, out).result()
+            assert same_bytes(out, blob), f"rewritten slot {s}"
+    finally:
+        store.close()
+
+
+def max_overlap(spans) -> int:
+    events = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
+    depth = best = 0
+    for _, step in events:
+        depth += step
+        best = max(best, depth)
+    return best
+
+
+def test_requests_in_flight_bounded_per_direction(tmp_path):
+    # The cap makes each request last ~10 ms, so requests that may overlap do.
+    n, slots = 2048, 8
+    store = open_store(
+        tmp_path / "tier", [n] * 2 * slots, max_concurrency=2, bandwidth_cap=4 * n * 100, sync=False
+    )
+    try:
+        for f in [store.write(s, np.full(n, s, np.float32)) for s in range(slots, 2 * slots)]:
+            f.result()
+        store.trace = []
+        outs = [np.empty(n, np.float32) for _ in range(slots)]
+        futures = [store.write(s, np.full(n, s, np.float32)) for s in range(slots)]
+        futures += [store.read(slots + s, out) for s, out in enumerate(outs)]
+        for f in futures:
+            f.result()
+        for kind in ("read", "write"):
+            spans = [(t0, t1) for k, _, t0, t1 in store.trace if k == kind]
+            assert len(spans) == slots
+            assert max_overlap(spans) == 2, kind
+        assert max_overlap([(t0, t1) for _, _, t0, t1 in store.trace]) <= 4
+        for s, out in enumerate(outs):
+            assert np.all(out == slots + s)
+    finally:
+        store.close()
+
+
+def test_blob_kinds_are_separate(tmp_path):
+    tier = FileTier(str(tmp_path / "tier"), sync=False)
+    kinds = {"state": [30, 30, 9], "grad": [10, 10, 3]}
+    store = FileTierStore(tier, kinds, TierPermits(tier.path, 2, 2))
+    try:
+        rng = np.random.default_rng(5)
+        data = {(k, s): random_blob(rng, n) for k, ns in kinds.items() for s, n in enumerate(ns)}
+        for f in [store.write(s, x, kind=k) for (k, s), x in data.items()]:
+            f.result()
+        paths = {store.blob_path(s, kind=k) for (k, s) in data}
+        assert len(paths) == len(data)  # one file per (kind, slot)
+        for (k, s), x in data.items():
+            out = np.empty(len(x), np.float32)
+            store.read(s, out, kind=k).result()
+            assert same_bytes(out, x), (k, s)
+            assert os.path.getsize(store.blob_path(s, kind=k)) == 4 * len(x) + CRC
+    finally:
+        store.close()
+
+
+# -- corruption ---------------------------------------------------------------------------------
+
+CORRUPTIONS = [
+    ("data-first", lambda size: 0),
+    ("data-last", lambda size: size - CRC - 1),
+    ("crc", lambda size: size - 2),
+]
+
+
+@pytest.mark.parametrize("where", [w for _, w in CORRUPTIONS], ids=[n for n, _ in CORRUPTIONS])
+def test_flipped_byte_is_detected(where, tmp_path):
+    rng = np.random.default_rng(2)
+    lengths = [64, 5, 64, 1]
+    tier_path = str(tmp_path / "tier")
+    store = open_store(tier_path, lengths, sync=False)
+    try:
+        blobs = [random_blob(rng, n) for n in lengths]
+        for slot, blob in enumerate(blobs):
+            store.write(slot, blob).result()
+        for slot in range(len(lengths)):
+            path = Path(store.blob_path(slot))
+            original = path.read_bytes()
+            assert len(original) == 4 * lengths[slot] + CRC
+            corrupt = bytearray(original)
+            corrupt[where(len(original))] ^= 0x10
+            path.write_bytes(bytes(corrupt))
+            with pytest.raises(CorruptBlobError) as info:
+                store.read(slot, np.empty(lengths[slot], np.float32)).result()
+            message = str(info.value)
+            assert f"tier {tier_path!r}" in message
+            assert str(path) in message
+            assert "checksum" in message
+            # the other blobs are untouched and still read back exactly
+            for other in set(range(len(lengths))) - {slot}:
+                out = np.empty(lengths[other], np.float32)
+                store.read(other, out).result()
+                assert same_bytes(out, blobs[other])
+            path.write_bytes(original)
+            out = np.empty(lengths[slot], np.float32)
+            store.read(slot, out).result()
+            assert same_bytes(out, blobs[slot])
+    finally:
+        store.close()
+
+
+# -- bandwidth cap ------------------------------------------------------------------------------
+
+
+def test_token_bucket_paces_threads_together():
+    rate, nbytes, per_thread, threads = 4e6, 50_000, 10, 4
+    total = nbytes * per_thread * threads  # 2 MB at 4 MB/s: 0.5 s
+    bucket = TokenBucket(rate)
+    time.sleep(0.05)  # idle time must not be banked as credit
+
+    def transfer():
+        for _ in range(per_thread):
+            bucket.wait_until(bucket.reserve(nbytes))
+
+    workers = [threading.Thread(target=transfer) for _ in range(threads)]
+    t0 = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert time.monotonic() - t0 >= 0.95 * total / rate
+
+
+def test_bandwidth_cap_paces_a_store(tmp_path):
+    n, slots, cap = 16_384, 4, 2_000_000
+    store = open_store(tmp_path / "tier", [n] * slots, bandwidth_cap=cap, sync=False)
+    try:
+        data = np.ones(n, np.float32)
+        outs = [np.empty(n, np.float32) for _ in range(slots)]
+        t0 = time.monotonic()
+        futures = [store.write(s, data) for s in range(slots)]
+        for f in futures:
+            f.result()
+        futures = [store.read(s, out) for s, out in enumerate(outs)]
+        for f in futures:
+            f.result()
+        elapsed = time.monotonic() - t0
+        moved = 2 * slots * 4 * n  # 512 KiB at 2 MB/s: 0.26 s
+        assert store.bytes_read + store.bytes_written == moved
+        assert elapsed >= 0.95 * moved / cap
+    finally:
+        store.close()
+
+
+# -- locks --------------------------------------------------------------------------------------
+
+
+def test_second_lock_in_same_process(tmp_path):
+    first = TierLock(str(tmp_path))
+    try:
+        with pytest.raises(
+            TierInUseError, match=f"in use by pid {os.getpid()} on {socket.gethostname()}"
+        ) as info:
+            TierLock(str(tmp_path))
+        assert str(tmp_path / TierLock.FILENAME) in str(info.value)
+    finally:
+        first.release()
+    second = TierLock(str(tmp_path))  # released: free again
+    assert second.previous_owner is None  # a clean release leaves no owner record
+    second.release()
+
+
+def test_second_store_on_same_directory(tmp_path):
+    store = open_store(tmp_path / "tier", [8], sync=False)
+    try:
+        with pytest.raises(TierInUseError, match=f"pid {os.getpid()}"):
+            open_store(tmp_path / "tier", [8], sync=False)
+        store.write(0, np.arange(8, dtype=np.float32)).result()  # the first is unharmed
+    finally:
+        store.close()
+    open_store(tmp_path / "tier", [8], sync=False).close()
+
+
+def test_lock_file_and_directory_permissions(tmp_path):
+    tier = tmp_path / "fresh"
+    store = open_store(tier, [8], sync=False)
+    try:
+        assert stat.S_IMODE(tier.stat().st_mode) == 0o700
+        assert stat.S_IMODE((tier / TierLock.FILENAME).stat().st_mode) == 0o600
+    finally:
+        store.close()
+
+
+CHILD = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("tier_lock", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+lock = module.TierLock(sys.argv[2])
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lock_held_by_another_process_then_stale(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(LOCK_MODULE), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        before = fd_count()
+        for _ in range(3):
+            with pytest.raises(TierInUseError, match=f"in use by pid {child.pid} on "):
+                TierLock(str(tmp_path))
+        assert fd_count() == before  # failed attempts close their descriptor
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    # The kernel dropped the dead child's lock; its owner record is reported as stale.
+    lock = TierLock(str(tmp_path))
+    try:
+        assert lock.previous_owner is not None and f"pid {child.pid} " in lock.previous_owner
+    finally:
+        lock.release()
+
+
+# -- resource hygiene ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node_permits", [False, True], ids=["process-permits", "node-permits"])
+def test_no_file_descriptor_leak(node_permits, tmp_path):
+    def cycle(i: int) -> None:
+        tier = FileTier(str(tmp_path / f"tier{i % 3}"), sync=False)
+        node = dict(node_dir=str(tmp_path / "permits"), node_reads=2, node_writes=2)
+        permits = TierPermits(tier.path, 2, 2, **(node if node_permits else {}))
+        store = FileTierStore(tier, {"state": [10, 7, 10]}, permits)
+        store.write(0, np.ones(10, np.float32)).result()
+        store.read(1, np.empty(7, np.float32)).result()
+        store.close()
+
+    for i in range(3):  # warm up tensorstore's own long-lived resources
+        cycle(i)
+    before = fd_count()
+    for i in range(20):
+        cycle(i)
+    assert fd_count() == before
