@@ -3,21 +3,28 @@
 Usage:
   python experiments/pretrain.py --config experiments/configs/tiny.yaml \
       [--set steps=100 --set offload.host_cache=4MiB] [--optimizer optax]
+  python experiments/pretrain.py --config experiments/configs/7b-node.yaml --set model=280B \
+      --dry-run --processes 64
 
-The run directory holds the resolved config (config.yaml), the per-step metrics (metrics.jsonl)
-and, unless tiers are given, the optimizer's file tiers (tiers/).
+The run directory holds the resolved config (config.yaml), the per-step metrics
+(metrics-<optimizer>.jsonl), the summary table (summary-<optimizer>.md and .json), the plot
+(pretrain-<optimizer>.png) and, unless tiers are given, the optimizer's file tiers (tiers/).
+See docs/pretrain.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import math
 import os
 import sys
 import time
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,84 +34,472 @@ import optax
 import yaml
 from flax import nnx
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax_mlpo  # noqa: E402
+from experiments import report  # noqa: E402
 from experiments.data import TokenDataset, batches  # noqa: E402
-from models import Llama, get_preset, loss_fn, param_count  # noqa: E402
+from models import Llama, LlamaConfig, get_preset, loss_fn, param_count  # noqa: E402
 
 logger = logging.getLogger("pretrain")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key and the fix."""
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "default"
+    """'default' (the Python standard library's sources, byte-level), 'text' (``paths`` are
+    text files, byte-level) or 'tokens' (``paths`` is one pre-tokenized .npy or raw file)."""
+    paths: tuple[str, ...] = ()
+    """Text files (source 'text') or the one token file (source 'tokens')."""
+    token_dtype: str = "uint16"
+    """Element type of a raw token file: 'uint16' or 'uint32' (a .npy carries its own)."""
+    check_vocab: bool = True
+    """Scan a token file once for ids >= the model's vocab_size (bounded memory)."""
+    cache_dir: str | None = None
+    """Where text corpora are concatenated once; None means <run_dir>/../data-cache."""
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     peak_lr: float = 3e-3
+    """Peak learning rate of the warm-up + cosine schedule."""
     warmup_steps: int = 30
+    """Linear warm-up from 0 to peak_lr."""
     min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of peak_lr."""
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    """Decoupled weight decay (times the learning rate, as optax); not on 1-D params."""
     clip_norm: float = 1.0
+    """Global gradient norm clipping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    skip_steps: int = 5
+    """Steps left out of the summary's medians (compilation, first writes)."""
+    plot: bool = True
+    """Write <run_dir>/pretrain-<optimizer>.png at the end (needs matplotlib)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     run_dir: str = "runs/tiny"
+    """Output directory: config, metrics, summary, plot and default tiers."""
     model: str = "tiny"
+    """A preset of models/presets.py (tiny, small, 125M, 1B, 7B, ..., 280B)."""
     model_overrides: dict = dataclasses.field(default_factory=dict)
-    data: str = "default"  # "default" (Python stdlib sources), a text file list, or a token file
-    token_dtype: str = "uint16"
+    """LlamaConfig fields replacing the preset's, e.g. {layers: 4, remat: true}."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     batch_size: int = 8
+    """Sequences per step (per process)."""
     seq_len: int = 128
+    """Tokens per sequence; also the model's max_seq_len."""
     steps: int = 300
     seed: int = 0
     log_every: int = 10
+    """Log a line (loss, times, tiers) every this many steps."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     offload: dict = dataclasses.field(default_factory=dict)
+    """jax_mlpo.OffloadConfig fields; tiers default to <run_dir>/tiers/t0 and t1."""
+    report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
 
 
-def _typed(cls: type, data: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise SystemExit(f"config: unknown key(s) {unknown} in {where}; valid: {sorted(names)}")
-    values = dict(data)
-    if cls is RunConfig and isinstance(values.get("optimizer"), dict):
-        values["optimizer"] = _typed(OptimizerConfig, values["optimizer"], "optimizer")
+def _describe(value: Any) -> str:
+    kinds = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an int"}
+    kind = kinds.get(type(value), f"a {type(value).__name__}")
+    return f"{value!r} ({kind})"
+
+
+def _coerce(value: Any, hint: Any, key: str, default: Any) -> Any:
+    """Checks ``value`` against the field type ``hint``; returns it converted (tuple, float)."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"config key '{key}' is a section, got {_describe(value)}; set its keys "
+                f"instead, e.g. --set {key}.<key>=<value>"
+            )
+        return _build(hint, value, key)
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    example = f"--set {key}={default!r}" if default not in (None, (), {}) else f"--set {key}=..."
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, str):
+        return value
+    if hint is dict and isinstance(value, dict | None):
+        return dict(value or {})
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(
+            f"config key '{key}' must be a list of strings, got {_describe(value)}; "
+            f"e.g. {key}: [a.txt, b.txt] in YAML or --set '{key}=[a.txt, b.txt]'"
+        )
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    want = names.get(hint, "a mapping" if hint is dict else str(hint))
+    raise ConfigError(f"config key '{key}' must be {want}, got {_describe(value)}; e.g. {example}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in data:
+        if name not in fields:
+            key = f"{where}.{name}" if where else name
+            close = difflib.get_close_matches(str(name), fields, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"unknown config key '{key}'; {hint}valid keys{' in ' + where if where else ''}: "
+                f"{', '.join(fields)}"
+            )
+    values = {}
+    for name, value in data.items():
+        f = fields[name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        values[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name, default)
     return cls(**values)
 
 
-def load_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """Reads the YAML config and applies ``key=value`` overrides (dotted keys, YAML values)."""
+def _set(data: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set steps=100")
+    node = data
+    *parents, leaf = key.split(".")
+    parts = key.split(".")
+    for i, p in enumerate(parents):
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"--set {item!r}: config key '{'.'.join(parts[: i + 1])}' is "
+                f"{_describe(child)}, not a section, so it has no key '{parts[i + 1]}'"
+            )
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads the YAML config, applies ``key=value`` overrides and validates the result.
+
+    Args:
+        path: a YAML file (see experiments/configs/), or None for the defaults.
+        overrides: ``key=value`` strings; dotted keys reach into sections
+            (``optimizer.peak_lr=1e-3``); values are parsed as YAML (``data.paths=[a, b]``).
+
+    Returns:
+        The validated config, with ``offload`` completed to every OffloadConfig field (tiers
+        default to ``<run_dir>/tiers/t0`` and ``t1``). Nothing is created on disk.
+
+    Raises:
+        ConfigError: for a missing file, an unknown key, a value of the wrong type, a missing
+            data file, an unknown model preset or an invalid model or offload setting. The
+            message names the key and the fix.
+    """
     data: dict[str, Any] = {}
     if path:
-        if not os.path.exists(path):
-            raise SystemExit(f"config file {path!r} not found; see experiments/configs/")
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} not found; see experiments/configs/*.yaml")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of keys, got {data!r}")
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected key=value, e.g. --set steps=100")
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
-    return _typed(RunConfig, data, "config")
+        _set(data, item)
+    cfg = _build(RunConfig, data, "")
+    _check(cfg)
+    resolve_model(cfg)
+    offload = dataclasses.asdict(resolve_offload(cfg))
+    offload["tiers"] = list(offload["tiers"])
+    return dataclasses.replace(cfg, offload=offload)
 
 
-def build_dataset(cfg: RunConfig, cache_dir: Path) -> TokenDataset:
-    if cfg.data == "default":
-        return TokenDataset.from_default_corpus(cache_dir)
-    paths = cfg.data.split(",")
-    if len(paths) == 1 and paths[0].endswith((".bin", ".npy", ".tokens")):
-        return TokenDataset.from_token_file(paths[0], dtype=cfg.token_dtype)
-    return TokenDataset.from_text_files(paths, cache_dir)
+def _check(cfg: RunConfig) -> None:
+    """Rejects values of the right type but out of range, and contradictions."""
+    positive = {
+        "batch_size": cfg.batch_size,
+        "steps": cfg.steps,
+        "log_every": cfg.log_every,
+        "optimizer.peak_lr": cfg.optimizer.peak_lr,
+        "optimizer.eps": cfg.optimizer.eps,
+        "optimizer.clip_norm": cfg.optimizer.clip_norm,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value!r}")
+    non_negative = {
+        "seed": cfg.seed,
+        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "optimizer.min_lr_ratio": cfg.optimizer.min_lr_ratio,
+        "report.skip_steps": cfg.report.skip_steps,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value!r}")
+    if cfg.seq_len < 2:
+        raise ConfigError(f"config key 'seq_len' must be >= 2 (input + target), got {cfg.seq_len}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(cfg.optimizer, key) < 1:
+            raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")
+    d = cfg.data
+    if d.source not in ("default", "text", "tokens"):
+        raise ConfigError(
+            f"config key 'data.source' must be 'default', 'text' or 'tokens', got {d.source!r}"
+        )
+    if d.source == "default" and d.paths:
+        raise ConfigError(
+            "config key 'data.paths' is set but data.source is 'default' (the stdlib corpus); "
+            "set data.source=text (text files) or data.source=tokens (a token file)"
+        )
+    if d.source != "default" and not d.paths:
+        raise ConfigError(f"data.source is {d.source!r}: set config key 'data.paths' to the files")
+    if d.source == "tokens" and len(d.paths) != 1:
+        raise ConfigError(f"config key 'data.paths' must name one token file, got {len(d.paths)}")
+    for i, p in enumerate(d.paths):
+        if not os.path.isfile(p):
+            raise ConfigError(
+                f"config key 'data.paths[{i}]': data file {p!r} not found; fix the path "
+                "(--set 'data.paths=[...]') or use data.source=default"
+            )
+    if d.token_dtype not in ("uint16", "uint32"):
+        raise ConfigError(
+            f"config key 'data.token_dtype' must be uint16 or uint32: {d.token_dtype}"
+        )
 
 
-def build_optimizer(cfg: RunConfig, run_dir: Path, use_optax: bool) -> optax.GradientTransformation:
+def resolve_model(cfg: RunConfig) -> LlamaConfig:
+    """The model shape: the preset with ``model_overrides`` and ``max_seq_len = seq_len``."""
+    try:
+        preset = get_preset(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model': {e}") from None
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    for name in cfg.model_overrides:
+        if name == "max_seq_len":
+            raise ConfigError("config key 'model_overrides.max_seq_len': set seq_len instead")
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config key 'model_overrides.{name}'; valid keys: {', '.join(fields)}"
+            )
+    try:
+        model = preset.replace(**cfg.model_overrides, max_seq_len=cfg.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model_overrides': {e}") from None
+    if cfg.data.source != "tokens" and model.vocab_size < 256:
+        raise ConfigError(
+            f"data.source={cfg.data.source!r} is byte-level (256 ids) but the model's vocab_size "
+            f"is {model.vocab_size}; raise config key 'model_overrides.vocab_size' to >= 256"
+        )
+    return model
+
+
+def resolve_offload(cfg: RunConfig) -> jax_mlpo.OffloadConfig:
+    """The offload config, with tiers defaulting to <run_dir>/tiers/t0 and t1 (not created)."""
+    offload = dict(cfg.offload)
+    tiers = Path(cfg.run_dir) / "tiers"
+    offload.setdefault("tiers", [str(tiers / "t0"), str(tiers / "t1")])
+    if not isinstance(offload["tiers"], list | tuple):  # a string would be split into characters
+        raise ConfigError(
+            f"config key 'offload.tiers' must be a list of paths or {{path: ...}} mappings, got "
+            f"{_describe(offload['tiers'])}; e.g. --set 'offload.tiers=[/nvme/run, /pfs/run]'"
+        )
+    try:
+        return jax_mlpo.OffloadConfig.from_dict(offload)
+    except (jax_mlpo.ConfigError, TypeError) as e:
+        message = str(e).removeprefix("offload: ")
+        raise ConfigError(f"config section 'offload': {message}") from None
+
+
+# -- dry run -----------------------------------------------------------------------------------
+
+
+def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
+    """Memory plan of a config without allocating: state per process and tier, host memory.
+
+    Assumes the optimizer state is sharded evenly over ``processes`` (each owns a contiguous
+    1/N of the flat parameters, as ZeRO-3 does) and that each process runs its own engine with
+    the config's ``offload`` section. The plan follows jax_mlpo's engine: the whole host cache
+    becomes subgroup buffers (``prefetch_depth`` x tiers + 2 for the pipeline, the rest retain
+    subgroups across steps) and the subgroups are split over the tiers by bandwidth. Tier
+    bandwidths are probed when the optimizer starts; here they are the tiers'
+    ``read_bandwidth``/``write_bandwidth`` where given, else equal.
+    """
+    from jax_mlpo import placement  # the engine's pure planning functions
+
+    if processes < 1:
+        raise ConfigError(f"--processes must be >= 1, got {processes}")
+    model = resolve_model(cfg)
+    off = resolve_offload(cfg)
+    n = param_count(model)
+    bf16 = model.param_dtype == "bfloat16"
+    per_param = 12 if bf16 else 8  # fp32 master + m + v, or m + v (fp32 params are the master)
+    per_proc = math.ceil(n / processes)
+    size = min(off.subgroup_size, per_proc)
+    n_sg = math.ceil(per_proc / size)
+    state = per_proc * per_param
+    out: dict[str, Any] = {
+        "model": cfg.model,
+        "param_dtype": model.param_dtype,
+        "processes": processes,
+        "params": n,
+        "params_per_process": per_proc,
+        "state_bytes_per_param": per_param,
+        "state_bytes": n * per_param,
+        "state_bytes_per_process": state,
+        "subgroups_per_process": n_sg,
+        "subgroup_bytes": size * per_param,
+        "host_cache": off.host_cache,
+        "pipeline_buffers": 0,
+        "retained_subgroups": n_sg,
+        "engine_host_bytes": state,
+        "tiers": {},
+        "problem": None,
+    }
+    if state > off.host_cache:
+        tiers = off.tiers[:1] if off.placement == "first" else off.tiers
+        per_buffer = 4 * size * (per_param // 4 + (0 if off.delayed_conversion else 1))
+        minimum = off.prefetch_depth * len(tiers) + 2
+        buffers = off.host_cache // per_buffer
+        retained = max(0, min(buffers - minimum, n_sg)) if off.retain else 0
+        out.update(pipeline_buffers=minimum, retained_subgroups=retained)
+        out["engine_host_bytes"] = max(buffers, minimum) * per_buffer
+        if not tiers:
+            out["problem"] = "the state exceeds offload.host_cache and offload.tiers is empty"
+        elif buffers < minimum:
+            out["problem"] = (
+                f"offload.host_cache holds {buffers} subgroup buffers, the pipeline needs "
+                f"{minimum} ({minimum * per_buffer:,} bytes): raise it, or lower "
+                "offload.subgroup_size or offload.prefetch_depth"
+            )
+        if tiers:
+            given = [(t.read_bandwidth, t.write_bandwidth) for t in tiers]
+            known = all(r and w for r, w in given)
+            bw = [placement.effective_bandwidth(r, w) for r, w in given] if known else None
+            bw = bw if bw and off.placement == "measured" else [1.0] * len(tiers)
+            kept = placement.retained_per_tier(bw, retained, off.retain_policy)
+            counts = placement.tier_counts(n_sg, bw, kept)
+            for tier, count, k in zip(tiers, counts, kept, strict=True):
+                out["tiers"][tier.path] = {
+                    "subgroups": count,
+                    "retained": k,
+                    "bytes": count * size * per_param,
+                }
+            out["tier_bandwidths"] = "given" if known else "assumed equal (probed at start)"
+    # The last subgroup is smaller: take the difference off the tier holding the most.
+    if out["tiers"]:
+        short = (n_sg * size - per_proc) * per_param
+        max(out["tiers"].values(), key=lambda t: t["subgroups"])["bytes"] -= short
+    grad_b = param_b = 2 if bf16 else 4
+    dt = "bf16" if bf16 else "fp32"
+    out["host_buffers"] = {
+        "optimizer engine (host cache)": out["engine_host_bytes"],
+        f"gradients handed to the update ({dt})": per_proc * grad_b,
+        f"params handed to the update ({dt})": per_proc * param_b,
+        "updates returned (fp32)": per_proc * 4,
+    }
+    out["host_bytes"] = sum(out["host_buffers"].values())
+    return out
+
+
+def _gb(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_dry_run(d: dict[str, Any]) -> str:
+    """The dry run as a two-column markdown table."""
+    rows = [
+        ("model", f"{d['model']} ({d['param_dtype']} params)"),
+        ("parameters", f"{d['params']:,}"),
+        ("processes", f"{d['processes']}"),
+        ("parameters per process", f"{d['params_per_process']:,}"),
+        ("optimizer state per parameter", f"{d['state_bytes_per_param']} B"),
+        ("optimizer state, all processes", _gb(d["state_bytes"])),
+        ("optimizer state per process", _gb(d["state_bytes_per_process"])),
+        (
+            "subgroups per process",
+            f"{d['subgroups_per_process']:,} of {_gb(d['subgroup_bytes'])}"
+            + (
+                " (the last smaller)"
+                if d["subgroups_per_process"] * d["subgroup_bytes"] > d["state_bytes_per_process"]
+                else ""
+            ),
+        ),
+    ]
+    if not d["tiers"]:
+        rows.append(("  all in the host cache", _gb(d["state_bytes_per_process"])))
+    else:
+        rows.append(("  pipeline buffers (subgroups)", f"{d['pipeline_buffers']}"))
+        rows.append(("  retained in host memory across steps", f"{d['retained_subgroups']:,}"))
+    for path, t in d["tiers"].items():
+        rows.append(
+            (
+                f"  on tier {path}",
+                f"{t['subgroups']:,} ({t['retained']} retained): {_gb(t['bytes'])}",
+            )
+        )
+    if d["tiers"]:
+        rows.append(("  tier bandwidths for placement", d["tier_bandwidths"]))
+    rows.append(("offload.host_cache", _gb(d["host_cache"])))
+    for name, nbytes in d["host_buffers"].items():
+        rows.append((f"host: {name}", _gb(nbytes)))
+    rows.append(("host memory needed per process", _gb(d["host_bytes"])))
+    if d["problem"]:
+        rows.append(("PROBLEM", d["problem"]))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'quantity':<{width}} | value |", f"|{'-' * (width + 2)}|---:|"]
+    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+# -- training ----------------------------------------------------------------------------------
+
+
+def build_dataset(cfg: RunConfig, vocab_size: int) -> TokenDataset:
+    d = cfg.data
+    cache = Path(d.cache_dir) if d.cache_dir else Path(cfg.run_dir).parent / "data-cache"
+    if d.source == "default":
+        return TokenDataset.from_default_corpus(cache)
+    if d.source == "text":
+        return TokenDataset.from_text_files(d.paths, cache)
+    return TokenDataset.from_token_file(
+        d.paths[0], dtype=d.token_dtype, vocab_size=vocab_size if d.check_vocab else None
+    )
+
+
+def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
     o = cfg.optimizer
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
@@ -117,80 +512,233 @@ def build_optimizer(cfg: RunConfig, run_dir: Path, use_optax: bool) -> optax.Gra
     def decay_mask(params):  # no weight decay on norms' scales (1-D leaves)
         return jax.tree.map(lambda x: x.ndim > 1, params)
 
+    kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if use_optax:
-        adamw = optax.adamw(
-            schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask
-        )
+        adamw = optax.adamw(schedule, **kwargs)
     else:
-        offload = dict(cfg.offload)
-        offload.setdefault("tiers", [str(run_dir / "tiers" / "t0"), str(run_dir / "tiers" / "t1")])
-        (run_dir / "tiers").mkdir(parents=True, exist_ok=True)
-        adamw = jax_mlpo.adamw(
-            schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask,
-            offload=jax_mlpo.OffloadConfig.from_dict(offload),
-        )  # fmt: skip
+        offload = resolve_offload(cfg)
+        for tier in offload.tiers:  # create parents of default tiers; explicit ones must exist
+            if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
+                Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
+        adamw = jax_mlpo.adamw(schedule, **kwargs, offload=offload)
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
 
 
-def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="experiments/configs/tiny.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument(
-        "--optimizer", choices=["offload", "optax"], default="offload",
-        help="offload: jax_mlpo.adamw (default); optax: in-memory optax.adamw, for comparison",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_config(args.config, args.set)
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+    """The two jitted halves of a training step, timed apart.
+
+    ``grad_step(params, rest, tokens) -> (loss, grads)`` is the forward and backward pass;
+    ``update_step(grads, opt_state, params) -> (params, opt_state)`` is the optimizer update.
+    With jax_mlpo the update's AdamW runs on the host inside an ordered ``io_callback``, so the
+    wall time of ``update_step`` is the update phase. Off CPU, the update donates its inputs.
+    """
+
+    @jax.jit
+    def grad_step(params: nnx.State, rest: nnx.State, tokens: jax.Array):
+        def loss_of(p: nnx.State) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, p, rest), tokens)
+
+        return jax.value_and_grad(loss_of)(params)
+
+    def update(grads: nnx.State, opt_state: Any, params: nnx.State):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    donate = (0, 1, 2) if jax.default_backend() != "cpu" else ()
+    return grad_step, jax.jit(update, donate_argnums=donate)
+
+
+def _update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:
+    """The offloaded update's host metrics, with per-tier throughput and the cache hit rate.
+
+    A tier's ``read_GBps``/``write_GBps`` are its bytes over the host update time (what the
+    update phase got from it); ``busy_GBps`` is read + write bytes over the time the tier had a
+    request in flight (what the tier delivered while working).
+    """
+    total = max(m.total_s, 1e-12)
+    busy = getattr(m, "tier_busy_s", {})
+    tiers = {}
+    for path in sorted(set(m.bytes_read) | set(m.bytes_written)):
+        read, written = m.bytes_read.get(path, 0), m.bytes_written.get(path, 0)
+        tiers[path] = {
+            "read_bytes": read,
+            "write_bytes": written,
+            "read_GBps": read / total / 1e9,
+            "write_GBps": written / total / 1e9,
+            "busy_s": busy.get(path, 0.0),
+            "busy_GBps": (read + written) / busy[path] / 1e9 if busy.get(path) else 0.0,
+        }
+    return {
+        "host_update_s": m.total_s,
+        "read_wait_s": m.read_wait_s,
+        "compute_s": m.compute_s,
+        "write_wait_s": m.write_wait_s,
+        "cache_hits": m.cache_hits,
+        "subgroups": m.subgroups,
+        "cache_hit_rate": m.cache_hits / max(m.subgroups, 1),
+        "tiers": tiers,
+    }
+
+
+def _progress(r: dict[str, Any]) -> dict[str, str]:
+    out = {
+        "loss": f"{r['loss']:.4f}",
+        "tok/s": f"{r['tokens_per_s']:,.0f}",
+        "fwd+bwd": f"{1e3 * r['fwd_bwd_s']:.0f}ms",
+        "update": f"{1e3 * r['update_s']:.0f}ms",
+    }
+    if "read_wait_s" in r:
+        waits = (r["read_wait_s"], r["compute_s"], r["write_wait_s"])
+        out["r/c/w"] = "/".join(f"{1e3 * w:.0f}" for w in waits) + "ms"
+        out["hit"] = f"{100 * r['cache_hit_rate']:.0f}%"
+        out["GB/s r/w"] = " ".join(
+            f"{t['read_GBps']:.2f}/{t['write_GBps']:.2f}" for t in r["tiers"].values()
+        )
+    return out
+
+
+def train(cfg: RunConfig, use_optax: bool) -> dict[str, Any]:
+    """Runs the config's steps; writes metrics, summary and plot under ``cfg.run_dir``."""
+    name = "optax" if use_optax else "offload"
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
-    (run_dir / "config.yaml").write_text(resolved)
-    logger.info("resolved config:\n%s", resolved)
-
-    model_cfg = get_preset(cfg.model).replace(**cfg.model_overrides, max_seq_len=cfg.seq_len)
-    model = Llama(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    model_cfg = resolve_model(cfg)
+    graphdef, params, rest = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
     logger.info("model %s: %s parameters", cfg.model, f"{param_count(model_cfg):,}")
-    dataset = build_dataset(cfg, run_dir.parent / "data-cache")
-    tx = build_optimizer(cfg, run_dir, args.optimizer == "optax")
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    dataset = build_dataset(cfg, model_cfg.vocab_size)
+    logger.info("data: %r", dataset)
+    tx = build_optimizer(cfg, use_optax)
+    opt_state = tx.init(params)
+    grad_step, update_step = make_steps(graphdef, tx)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    records: list[dict[str, Any]] = []
+    metrics_path = run_dir / f"metrics-{name}.jsonl"
+    bar = tqdm(total=cfg.steps, desc=f"pretrain[{name}]", unit="step", mininterval=0.5)
+    try:
+        with metrics_path.open("w") as log, logging_redirect_tqdm(), bar:
+            t_data = time.perf_counter()
+            for step, batch in batches(
+                dataset, cfg.batch_size, cfg.seq_len, cfg.seed, 0, end_step=cfg.steps
+            ):
+                tokens = jnp.asarray(batch)
+                t0 = time.perf_counter()
+                loss, grads = jax.block_until_ready(grad_step(params, rest, tokens))
+                t1 = time.perf_counter()
+                params, opt_state = jax.block_until_ready(update_step(grads, opt_state, params))
+                t2 = time.perf_counter()
+                r: dict[str, Any] = {
+                    "step": step + 1,
+                    "loss": float(loss),
+                    "step_s": t2 - t0,
+                    "fwd_bwd_s": t1 - t0,
+                    "update_s": t2 - t1,
+                    "data_s": t0 - t_data,
+                    "tokens_per_s": tokens_per_step / (t2 - t0),
+                }
+                if not use_optax:
+                    r.update(_update_record(jax_mlpo.engine_of(opt_state).metrics[-1]))
+                log.write(json.dumps(r) + "\n")
+                records.append(r)
+                bar.set_postfix(_progress(r), refresh=False)
+                bar.update()
+                if (step + 1) % cfg.log_every == 0 or step == 0:
+                    logger.info(
+                        "step %d %s",
+                        step + 1,
+                        " ".join(f"{k}={v}" for k, v in _progress(r).items()),
+                    )
+                if not math.isfinite(r["loss"]):
+                    raise SystemExit(f"loss became {r['loss']} at step {step + 1}")
+                t_data = time.perf_counter()
+    finally:
+        if not use_optax:
+            jax_mlpo.close(opt_state)
+    return _finish(cfg, name, records, metrics_path)
 
-    @nnx.jit
-    def train_step(model, optimizer, tokens):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-        optimizer.update(model, grads)
-        return loss
 
-    losses: list[float] = []
-    metrics_path = run_dir / f"metrics-{args.optimizer}.jsonl"
-    with metrics_path.open("w") as log, tqdm(total=cfg.steps, desc="pretrain", unit="step") as bar:
-        for step, batch in batches(
-            dataset, cfg.batch_size, cfg.seq_len, cfg.seed, end_step=cfg.steps
-        ):
-            t0 = time.perf_counter()
-            loss = float(train_step(model, optimizer, jnp.asarray(batch)))
-            record = {"step": step + 1, "loss": loss, "step_s": time.perf_counter() - t0}
-            record["tokens_per_s"] = cfg.batch_size * cfg.seq_len / record["step_s"]
-            if args.optimizer == "offload":
-                update = jax_mlpo.engine_of(optimizer.opt_state).metrics[-1]
-                record["update"] = update.as_dict()
-            log.write(json.dumps(record) + "\n")
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.4f}", step_ms=f"{1e3 * record['step_s']:.0f}")
-            bar.update()
-            if (step + 1) % cfg.log_every == 0 or step == 0:
-                logger.info(
-                    "step %d loss %.4f step %.1f ms", step + 1, loss, 1e3 * record["step_s"]
-                )
-            if not math.isfinite(loss):
-                raise SystemExit(f"loss became {loss} at step {step + 1}")
-    if args.optimizer == "offload":
-        jax_mlpo.close(optimizer.opt_state)
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    logger.info("mean loss of the first 10 steps %.4f, of the last 10 %.4f", first, last)
+def _finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    summary = report.summarize(records, cfg.report.skip_steps)
+    table = report.format_table(
+        summary, title=f"{cfg.model}, {name}, batch {cfg.batch_size} x {cfg.seq_len} tokens"
+    )
+    logger.info(
+        "summary (medians of steps %d..%d):\n%s", summary["first_step"], summary["last_step"], table
+    )
+    (run_dir / f"summary-{name}.md").write_text(table + "\n")
+    (run_dir / f"summary-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot = None
+    if cfg.report.plot:
+        try:
+            plot = report.plot_run(
+                records,
+                run_dir / f"pretrain-{name}.png",
+                skip=cfg.report.skip_steps,
+                title=f"{cfg.model} ({name})",
+            )
+            logger.info("plot in %s", plot)
+        except ImportError:
+            logger.warning("matplotlib is not installed, no plot: pip install -e '.[experiments]'")
     logger.info("metrics in %s", metrics_path)
-    return losses
+    losses = [r["loss"] for r in records]
+    return {"losses": losses, "summary": summary, "metrics": metrics_path, "plot": plot}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line entry point; returns the run's losses, summary and paths (or the dry run)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="experiments/configs/tiny.yaml")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for sections), value as YAML",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=["offload", "optax"],
+        default="offload",
+        help="offload: jax_mlpo.adamw (default); optax: in-memory optax.adamw, for comparison",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="report parameter, state and host memory sizes; allocate nothing",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes sharing the optimizer state (for --dry-run)",
+    )
+    args = parser.parse_args(argv)
+    if args.processes != 1 and not args.dry_run:
+        parser.error("--processes applies to --dry-run only: pretrain.py trains in one process")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("pretrain").setLevel(logging.INFO)
+    try:
+        cfg = load_config(args.config, args.set)
+        resolved = yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False)
+        logger.info("resolved config (%s):\n%s", args.config, resolved)
+        if args.dry_run:
+            plan = dry_run(cfg, args.processes)
+            logger.info("dry run, nothing allocated:\n%s", format_dry_run(plan))
+            return plan
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "config.yaml").write_text(resolved)
+        return train(cfg, args.optimizer == "optax")
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+
+
+def _plain(x: Any) -> Any:
+    """Tuples to lists, for yaml.safe_dump."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":
