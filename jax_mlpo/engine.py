@@ -92,6 +92,7 @@ class Engine:
         self._outs_shaped = [np.zeros(shape, F32) for shape in layout.shapes]
         self._outs = [out.reshape(-1) for out in self._outs_shaped]
         self._strikes = [0] * len(self.tiers)
+        self._ratio_sum = [0.0] * len(self.tiers)
         logger.info(
             "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state); %s",
             layout.num_params,
@@ -383,7 +384,13 @@ class Engine:
             raise
 
     def _check_model(self, metrics: StepMetrics) -> None:
-        """Re-plans when a tier's I/O time stays > 25% off the bandwidth model for 3 steps."""
+        """Re-plans when a tier's I/O time stays > 25% off the bandwidth model for 3 steps.
+
+        The tiers' bandwidths are rescaled by the mean ratio of observed to modelled time over
+        those steps. Subgroups move only if the new plan cuts the slowest tier's modelled time
+        by more than 10%: moving costs I/O, and latency-bound tiers (small blobs) would
+        otherwise make the plan swing back and forth.
+        """
         ratios = []
         for k, store in enumerate(self.tiers):
             path = store.tier.path
@@ -392,18 +399,42 @@ class Engine:
             observed = metrics.tier_busy_s[path]
             ratio = observed / model if model > 0 else 1.0
             ratios.append(ratio)
-            self._strikes[k] = self._strikes[k] + 1 if abs(ratio - 1.0) > 0.25 else 0
+            off = abs(ratio - 1.0) > 0.25
+            self._strikes[k] = self._strikes[k] + 1 if off else 0
+            self._ratio_sum[k] = self._ratio_sum[k] + ratio if off else 0.0
         if max(self._strikes, default=0) < 3:
             return
-        self.bandwidth = [(r / q, w / q) for (r, w), q in zip(self.bandwidth, ratios, strict=True)]
+        scale = [total / n if n else 1.0 for total, n in zip(self._ratio_sum, self._strikes,
+                                                              strict=True)]  # fmt: skip
+        self.bandwidth = [(r / q, w / q) for (r, w), q in zip(self.bandwidth, scale, strict=True)]
         self._strikes = [0] * len(self.tiers)
-        self._target = self._plan()
-        moves = sum(a != b for a, b in zip(self._target, self.tier_of, strict=True))
-        logger.info(
-            "jax_mlpo: tier I/O off the model by %s; re-planned, %d subgroup(s) migrate",
-            ", ".join(f"{q:.2f}x" for q in ratios),
+        self._ratio_sum = [0.0] * len(self.tiers)
+        plan = self._plan()
+        before, after = self._slowest_tier_time(self._target), self._slowest_tier_time(plan)
+        moves = sum(a != b for a, b in zip(plan, self._target, strict=True))
+        if moves and after < 0.9 * before:
+            self._target = plan
+        else:
+            moves = 0
+        logger.log(
+            logging.INFO if moves else logging.DEBUG,
+            "jax_mlpo: tier I/O time %s the model; bandwidths rescaled, %d subgroup(s) migrate",
+            ", ".join(f"{q:.2f}x" for q in scale),
             moves,
         )
+
+    def _slowest_tier_time(self, tier_of: Sequence[int]) -> float:
+        """Modelled per-step I/O time of the busiest tier if subgroups lived at ``tier_of``."""
+        time_of = [0.0] * len(self.tiers)
+        retained = scheduler.retain_set(
+            range(len(tier_of)), tier_of, self._retain_counts
+        )  # same count either way the order runs
+        for i, k in enumerate(tier_of):
+            if i not in retained:
+                read_bw, write_bw = self.bandwidth[k]
+                nbytes = self.layout.subgroups[i].state_bytes
+                time_of[k] += nbytes / read_bw + nbytes / write_bw
+        return max(time_of, default=0.0)
 
     def _result(self, future: concurrent.futures.Future, index: int) -> None:
         try:

@@ -225,3 +225,28 @@ def test_node_permits_never_exceeded_across_processes(tmp_path):
             peak = max(peak, active)
         assert peak <= limit, f"{direction}: {peak} processes at once, limit {limit}"
         assert len(events[direction]) == 2 * 3 * 40
+
+
+def test_replan_migrates_away_from_a_tier_that_slows_down(tmp_path):
+    tiers = [
+        jax_mlpo.FileTier(str(tmp_path / "a"), bandwidth_cap="40MB"),
+        jax_mlpo.FileTier(str(tmp_path / "b"), bandwidth_cap="40MB"),
+    ]
+    config = jax_mlpo.OffloadConfig(
+        host_cache=4 * BLOB, tiers=tiers, subgroup_size=SUBGROUP, prefetch_depth=1, retain=False
+    )
+    params = {"w": jnp.linspace(-1, 1, N_PARAMS, dtype=jnp.float32)}
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
+    engine.tiers[1]._bucket.rate = 4e6  # tier b becomes 10x slower than it measured
+    update = jax.jit(tx.update)
+    for _ in range(6):
+        updates, state = update({"w": jnp.full(N_PARAMS, 0.1)}, state, params)
+        jax.block_until_ready(updates)
+    # after 3 steps off the model, subgroups moved to tier a on their write-backs
+    assert engine.tier_of.count(1) <= 2, engine.tier_of
+    a_ratio = engine.bandwidth[0][0] / engine.bandwidth[1][0]
+    assert a_ratio > 2  # the model now sees tier b as the slower one
+    jax_mlpo.close(state)
