@@ -192,6 +192,8 @@ class OffloadConfig:
         model for 3 steps; moved subgroups migrate on their next write-back.
       node_permits_dir: directory of the node-level permits of tiers with
         ``node_max_concurrency`` (node-local, e.g. ``/dev/shm/jax_mlpo``).
+      io_timeout_s: seconds a tier request may take before the update fails with an error
+        naming the tier (instead of hanging on a dead file system); None waits forever.
     """
 
     host_cache: int | str = "1GiB"
@@ -205,6 +207,7 @@ class OffloadConfig:
     delayed_conversion: bool = True
     replan: bool = True
     node_permits_dir: str = "/dev/shm/jax_mlpo"
+    io_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_cache", parse_size(self.host_cache, "host_cache"))
@@ -237,6 +240,12 @@ class OffloadConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.io_timeout_s is not None and not (
+            isinstance(self.io_timeout_s, int | float) and self.io_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"io_timeout_s={self.io_timeout_s!r} must be a positive number of seconds or None"
+            )
         for name in ("retain", "delayed_conversion", "replan"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")

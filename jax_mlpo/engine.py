@@ -34,6 +34,14 @@ class EngineFailedError(RuntimeError):
     """A previous update failed midway; the host state is not consistent any more."""
 
 
+def _split(sg: Subgroup, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """Views of a subgroup's blob: the fp32 master p (or None), m and v."""
+    n = sg.size
+    if sg.has_master:
+        return blob[:n], blob[n : 2 * n], blob[2 * n : 3 * n]
+    return None, blob[:n], blob[n : 2 * n]
+
+
 def _touched(n: int) -> np.ndarray:
     buf = np.empty(n, F32)
     buf.fill(0.0)  # first touch now, not inside the first step
@@ -380,7 +388,8 @@ class Engine:
             pending += [f for f, _, _ in writes]
             for f in pending:
                 f.cancel()
-            concurrent.futures.wait(pending)
+            # a hung tier is abandoned after the timeout: the engine is failed from here on
+            concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
             raise
 
     def _check_model(self, metrics: StepMetrics) -> None:
@@ -437,10 +446,18 @@ class Engine:
         return max(time_of, default=0.0)
 
     def _result(self, future: concurrent.futures.Future, index: int) -> None:
+        timeout = self.config.io_timeout_s
         try:
-            future.result()
+            future.result(timeout=timeout)
         except TierIOError as e:
             raise type(e)(f"subgroup {index}: {e}") from e
+        except concurrent.futures.TimeoutError:
+            where = self.tiers[self.tier_of[index]].tier.path if self.tier_of else "?"
+            raise TierIOError(
+                f"subgroup {index}: tier {where!r} did not complete a request within "
+                f"io_timeout_s={timeout} s. The file system may be hung or overloaded: check "
+                "it, or raise io_timeout_s if it is just slow."
+            ) from None
 
     def _update_subgroup(
         self,
@@ -452,11 +469,7 @@ class Engine:
         hypers: tuple[AdamWHyper, AdamWHyper],
         init_master: bool,
     ) -> None:
-        n = sg.size
-        if sg.has_master:
-            p, m, v = blob[:n], blob[n : 2 * n], blob[2 * n : 3 * n]
-        else:
-            p, m, v = None, blob[:n], blob[n : 2 * n]
+        p, m, v = _split(sg, blob)
         for seg in sg.segments:
             s = slice(seg.start, seg.start + seg.size)
             leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
@@ -474,6 +487,85 @@ class Engine:
                 )  # fmt: skip
             else:
                 self._kernel(m[s], v[s], grad, param, out, hyper)
+
+    # -- state in the logical layout (checkpoints) ------------------------------------------
+
+    def _blobs(self):
+        """Yields (subgroup, blob) for every subgroup, reading the ones on tiers."""
+        scratch = np.empty(self.layout.max_state_elems, F32)
+        for sg in self.layout.subgroups:
+            if sg.index in self._cache:
+                yield sg, self._cache[sg.index]
+                continue
+            blob = scratch[: sg.state_elems]
+            self._result(self.tiers[self.tier_of[sg.index]].read(sg.index, blob), sg.index)
+            yield sg, blob
+
+    def state_dict(self) -> dict[str, list[np.ndarray]]:
+        """AdamW's state per parameter leaf, independent of subgroups and tiers.
+
+        Returns:
+          ``{"mu": [...], "nu": [...], "master": [...]}``, float32 arrays of each leaf's shape
+          (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
+          whose master copy is the params themselves).
+        """
+        self._check_usable()
+        out = {
+            name: [np.zeros(shape, F32) for shape in self.layout.shapes] for name in ("mu", "nu")
+        }
+        out["master"] = [
+            np.zeros(shape, F32) if dt == BF16 else None
+            for shape, dt in zip(self.layout.shapes, self.layout.dtypes, strict=True)
+        ]
+        for sg, blob in self._blobs():
+            p, m, v = _split(sg, blob)
+            for seg in sg.segments:
+                s = slice(seg.start, seg.start + seg.size)
+                leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
+                out["mu"][seg.leaf].reshape(-1)[leaf] = m[s]
+                out["nu"][seg.leaf].reshape(-1)[leaf] = v[s]
+                if seg.master:
+                    out["master"][seg.leaf].reshape(-1)[leaf] = p[s]
+        return out
+
+    def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
+        """Replaces AdamW's state with ``state`` (as :meth:`state_dict` gives it) at ``step``.
+
+        Raises:
+          ValueError: if the leaves' shapes differ from the layout's.
+        """
+        self._check_usable()
+        for name in ("mu", "nu"):
+            shapes = tuple(tuple(np.shape(x)) for x in state[name])
+            if shapes != self.layout.shapes:
+                raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
+        sgs = self.layout.subgroups
+        scratch = np.empty(self.layout.max_state_elems, F32)
+        for sg in sgs:
+            blob = self._cache.get(sg.index, scratch)
+            p, m, v = _split(sg, blob)
+            for seg in sg.segments:
+                s = slice(seg.start, seg.start + seg.size)
+                leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
+                m[s] = np.asarray(state["mu"][seg.leaf], F32).reshape(-1)[leaf]
+                v[s] = np.asarray(state["nu"][seg.leaf], F32).reshape(-1)[leaf]
+                if seg.master:
+                    master = state["master"][seg.leaf]
+                    if master is None:
+                        raise ValueError(f"leaf {seg.leaf} is bfloat16 but has no master copy")
+                    p[s] = np.asarray(master, F32).reshape(-1)[leaf]
+            if sg.index not in self._cache:
+                store = self.tiers[self.tier_of[sg.index]]
+                self._result(store.write(sg.index, blob[: sg.state_elems]), sg.index)
+        self.step_count = int(step)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineFailedError("this optimizer was closed (jax_mlpo.close); init a new one")
+        if self._failed is not None:
+            raise EngineFailedError(
+                f"an earlier update failed midway ({self._failed!r}); its state is inconsistent"
+            ) from self._failed
 
     def flush(self) -> None:
         """Writes the subgroups retained in host memory to their tiers (they stay cached)."""

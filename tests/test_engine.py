@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -415,3 +416,29 @@ def test_degenerate_layouts_match_optax(shapes, subgroup_size, tiered, tmp_path,
     assert engine.metrics[-1].subgroups == len(engine.layout.subgroups)
     if tiered:
         assert sum(engine.metrics[-1].bytes_read.values()) > 0
+
+
+def test_a_tier_that_stops_answering_times_out(tmp_path, states, fresh_effect_tokens):
+    config = OffloadConfig(
+        host_cache=4 * 8 * SUBGROUP, tiers=[str(tmp_path / "t")], subgroup_size=SUBGROUP,
+        prefetch_depth=1, placement="even", io_timeout_s=0.5,
+    )  # fmt: skip
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = make_params(jnp.float32)
+    state = tx.init(params)
+    states.append(state)
+    store = jax_mlpo.engine_of(state).tiers[0]
+    hang = threading.Event()
+    original = store._read
+
+    def hanging_read(*args):
+        hang.wait(5)  # a file system that stops answering
+        return original(*args)
+
+    store._read = hanging_read
+    grads = jax.tree.map(jnp.ones_like, params)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="did not complete a request within io_timeout_s=0.5"):
+        jax.block_until_ready(jax.jit(tx.update)(grads, state, params))
+    assert time.monotonic() - t0 < 4
+    hang.set()
