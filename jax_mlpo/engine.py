@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_mlpo import kernels, placement, scheduler
+from jax_mlpo import kernels, native, placement, scheduler
 from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.kernels import BF16, F32, AdamWHyper
 from jax_mlpo.layout import Layout, Subgroup
@@ -99,6 +99,16 @@ class Engine:
                 raise
         self._outs_shaped = [np.zeros(shape, F32) for shape in layout.shapes]
         self._outs = [out.reshape(-1) for out in self._outs_shaped]
+        # Host buffers the device copies gradients and params into (XLA FFI copies; see
+        # transform.py); gradient buffers follow the gradients' dtypes, known at the update.
+        self.staged_params = [np.zeros(shape, dt) for shape, dt in zip(
+            layout.shapes, layout.dtypes, strict=True)]  # fmt: skip
+        self.staged_grads: list[np.ndarray] = []
+        self._stage_descriptors = np.zeros((2 * len(layout.shapes), 4), np.uint32)
+        self.out_descriptors = np.stack(
+            [native.host_descriptor(x) if x.size else np.zeros(4, np.uint32) for x in self._outs]
+            or [np.zeros(4, np.uint32)]
+        )
         self._strikes = [0] * len(self.tiers)
         self._ratio_sum = [0.0] * len(self.tiers)
         logger.info(
@@ -111,6 +121,19 @@ class Engine:
             else f"{len(self._buffers)} host buffers, {sum(self._retain_counts)} retained across "
             f"steps, tiers {[self.tier_of.count(k) for k in range(len(self.tiers))]} subgroups",
         )
+
+    def staging(self, grad_dtypes: Sequence[np.dtype]) -> np.ndarray:
+        """Descriptors (``uint32[2 * leaves, 4]``) of the host buffers the next update's
+        gradients (first) and params are copied into; zero rows for empty leaves."""
+        if [g.dtype for g in self.staged_grads] != [np.dtype(d) for d in grad_dtypes]:
+            self.staged_grads = [
+                np.zeros(shape, dt)
+                for shape, dt in zip(self.layout.shapes, grad_dtypes, strict=True)
+            ]
+            for k, x in enumerate(self.staged_grads + self.staged_params):
+                if x.size:
+                    self._stage_descriptors[k] = native.host_descriptor(x)
+        return self._stage_descriptors
 
     @property
     def failed(self) -> bool:

@@ -2,14 +2,16 @@
 
 The transformation's state is two int32 scalars (the step count and a handle to the host engine
 that owns p, m and v). ``update`` evaluates the learning rate and the bias corrections on the
-device, exactly as optax does, and hands the gradients and params to the engine through an
-ordered ``io_callback``: it runs once per executed update, in program order, eagerly and under
-``jax.jit`` alike (``pure_callback`` could be dropped or repeated, which would corrupt state).
+device, exactly as optax does; XLA FFI copies move the gradients and params into host buffers
+the engine owns, and an ordered ``io_callback`` runs the engine: once per executed update, in
+program order, eagerly and under ``jax.jit`` alike (``pure_callback`` could be dropped or
+repeated, which would corrupt state). The update comes back the same way.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import sys
 import threading
@@ -21,6 +23,7 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
+from jax_mlpo import native
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
@@ -146,13 +149,21 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
-def _host_update(handle, count, scalars, b1, b2, eps, n, *leaves):
+def _stage(handle, grad_dtypes):
+    return _engine(handle).staging(grad_dtypes)
+
+
+def _host_update(handle, count, scalars, tokens, b1, b2, eps):
+    del tokens  # only orders this callback after the copies into the staging buffers
     lr, bc1, bc2 = (float(x) for x in np.asarray(scalars))
     hyper = AdamWHyper(bc1=bc1, bc2=bc2, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=0.0)
-    grads = [np.asarray(x).reshape(-1) for x in leaves[:n]]
-    params = [np.asarray(x).reshape(-1) for x in leaves[n:]]
-    outs = _engine(handle).step(int(np.asarray(count)), hyper, grads, params)
-    return outs
+    engine = _engine(handle)
+    flat = (
+        [x.reshape(-1) for x in engine.staged_grads],
+        [x.reshape(-1) for x in engine.staged_params],
+    )
+    engine.step(int(np.asarray(count)), hyper, *flat)
+    return engine.out_descriptors
 
 
 def adamw(
@@ -243,15 +254,32 @@ def adamw(
         scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2)])
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        out_types = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32) for p in param_leaves]
-
-        def callback(handle, count, scalars, *leaves):
-            return _host_update(handle, count, scalars, b1, b2, eps, len(grads), *leaves)
-
-        outs = io_callback(
-            callback, out_types, state.handle, state.count, scalars, *grads, *param_leaves,
+        n = len(grads)
+        # The host engine reads gradients and params from buffers it owns and writes the update
+        # into others: XLA FFI copies move them (on GPU, cudaMemcpyAsync on XLA's stream). The
+        # ordered callbacks only pass descriptors, and the data dependencies order the copies.
+        grad_dtypes = tuple(np.dtype(g.dtype) for g in grads)
+        descriptors = io_callback(
+            functools.partial(_stage, grad_dtypes=grad_dtypes),
+            jax.ShapeDtypeStruct((2 * n, 4), jnp.uint32), state.handle, ordered=True,
+        )  # fmt: skip
+        tokens = [
+            native.copy_to_host(x, descriptors[k])
+            for k, x in enumerate(grads + param_leaves)
+            if x.size
+        ]
+        out_descriptors = io_callback(
+            functools.partial(_host_update, b1=b1, b2=b2, eps=eps),
+            jax.ShapeDtypeStruct((max(n, 1), 4), jnp.uint32),
+            state.handle, state.count, scalars, jnp.stack(tokens) if tokens else scalars,
             ordered=True,
         )  # fmt: skip
+        outs = [
+            native.copy_from_host(out_descriptors[k], jnp.shape(p), jnp.float32)
+            if np.size(p)
+            else jnp.zeros(jnp.shape(p), jnp.float32)
+            for k, p in enumerate(param_leaves)
+        ]
         return treedef.unflatten(outs), OffloadedAdamWState(count=count_inc, handle=state.handle)
 
     return optax.GradientTransformation(init_fn, update_fn)

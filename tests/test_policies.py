@@ -122,9 +122,10 @@ def test_placement_proportions(bandwidths, retained, policy):
 
 
 def test_measured_placement_follows_the_probe(tmp_path):
+    # no fsync: the page cache is far faster than the caps even when the disk is busy
     tiers = [
-        jax_mlpo.FileTier(str(tmp_path / "fast"), bandwidth_cap="40MB"),
-        jax_mlpo.FileTier(str(tmp_path / "slow"), bandwidth_cap="10MB"),
+        jax_mlpo.FileTier(str(tmp_path / "fast"), bandwidth_cap="40MB", sync=False),
+        jax_mlpo.FileTier(str(tmp_path / "slow"), bandwidth_cap="10MB", sync=False),
     ]
     config = jax_mlpo.OffloadConfig(
         host_cache=4 * BLOB * 4, tiers=tiers, subgroup_size=SUBGROUP * 4, prefetch_depth=1,
@@ -228,9 +229,10 @@ def test_node_permits_never_exceeded_across_processes(tmp_path):
 
 
 def test_replan_migrates_away_from_a_tier_that_slows_down(tmp_path):
+    given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB", sync=False)
     tiers = [
-        jax_mlpo.FileTier(str(tmp_path / "a"), bandwidth_cap="40MB"),
-        jax_mlpo.FileTier(str(tmp_path / "b"), bandwidth_cap="40MB"),
+        jax_mlpo.FileTier(str(tmp_path / "a"), **given),
+        jax_mlpo.FileTier(str(tmp_path / "b"), **given),
     ]
     config = jax_mlpo.OffloadConfig(
         host_cache=4 * BLOB, tiers=tiers, subgroup_size=SUBGROUP, prefetch_depth=1, retain=False
