@@ -8,11 +8,12 @@ Two ways in:
   the kernel runs; calls over more than 64K elements are split over a thread pool
   (``JAX_MLPO_NUM_THREADS``, default: the CPUs this process may use).
 * **XLA FFI targets**, usable inside ``jax.jit``: :func:`adamw_update` (in place through
-  ``input_output_aliases``; donate m, v, param) and :func:`copy_to_host` / :func:`copy_from_host`
-  between XLA buffers and host buffers owned by jax_mlpo, named by a runtime descriptor
-  (:func:`host_descriptor`) so that a new buffer does not recompile. On a GPU backend the same
-  targets copy with ``cudaMemcpyAsync`` on XLA's stream (``jax_mlpo._native_cuda``, loaded only
-  when a GPU is present); :func:`cuda_host_register` page-locks a buffer for them.
+  ``input_output_aliases``; donate m, v, and param when updated) and :func:`copy_to_host` /
+  :func:`copy_from_host` between XLA buffers and host buffers owned by jax_mlpo, named by a
+  runtime descriptor (:func:`host_descriptor`) so that a new buffer does not recompile. On a
+  GPU backend the same targets copy with ``cudaMemcpyAsync`` on XLA's stream
+  (``jax_mlpo._native_cuda``, loaded only when a GPU is present); :func:`cuda_host_register`
+  page-locks a buffer for them.
 
 The library picks AVX-512, AVX2 or baseline x86-64 loops at load time (:func:`isa`).
 """
@@ -51,6 +52,7 @@ __all__ = [
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+_SCALARS = ctypes.c_float * 10
 _ADAMW_ERRORS = {
     1: "a required array is missing",
     2: "the written arrays (m, v, update_out, param_bf16_out, and param when update_param) must "
@@ -77,7 +79,7 @@ for _name, _args, _ret in [
     ("jax_mlpo_num_threads", [], ctypes.c_int),
     ("jax_mlpo_set_num_threads", [ctypes.c_int], ctypes.c_int),
     ("jax_mlpo_adamw_step", [_P, _P, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _I64,
-                             ctypes.POINTER(ctypes.c_float), ctypes.c_int], ctypes.c_int),
+                             _SCALARS, ctypes.c_int], ctypes.c_int),
     ("jax_mlpo_bf16_to_f32", [_P, _P, _I64], None),
     ("jax_mlpo_f32_to_bf16", [_P, _P, _I64], None),
     ("jax_mlpo_triad", [_P, _P, _P, ctypes.c_float, _I64], None),
@@ -91,9 +93,7 @@ for _target, _symbol in [
     ("jax_mlpo_to_host", "JaxMlpoToHost"),
     ("jax_mlpo_from_host", "JaxMlpoFromHost"),
 ]:
-    jax.ffi.register_ffi_target(
-        _target, jax.ffi.pycapsule(getattr(_LIB, _symbol)), platform="cpu"
-    )
+    jax.ffi.register_ffi_target(_target, jax.ffi.pycapsule(getattr(_LIB, _symbol)), platform="cpu")
 
 
 def isa() -> str:
@@ -129,7 +129,7 @@ def set_num_threads(n: int | None) -> int:
 
 
 def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
+    return arr.ctypes.data
 
 
 def _array(
@@ -216,13 +216,13 @@ def adamw_step(
         ptr[name] = None if arr is None else _address(arr)
     if delta_base is not None and update_out is None:
         raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
-    f32 = np.float32
-    # The scalars exactly as the reference computes them (float64 expressions rounded once).
+    # The scalars exactly as the reference computes them: the same Python expressions, rounded
+    # once to float32 (ctypes' double -> float conversion rounds to nearest even, like numpy).
     scale = hyper.grad_scale != 1.0
-    scalars = (ctypes.c_float * 10)(
-        f32(1.0 - hyper.b1), f32(hyper.b1), f32(1.0 - hyper.b2), f32(hyper.b2),
-        f32(hyper.bc1), f32(hyper.bc2), f32(hyper.eps), f32(hyper.weight_decay),
-        f32(-hyper.lr), f32(hyper.grad_scale) if scale else f32(1.0),
+    scalars = _SCALARS(
+        float(1.0 - hyper.b1), float(hyper.b1), float(1.0 - hyper.b2), float(hyper.b2),
+        float(hyper.bc1), float(hyper.bc2), float(hyper.eps), float(hyper.weight_decay),
+        float(-hyper.lr), float(hyper.grad_scale) if scale else 1.0,
     )  # fmt: skip
     rc = _LIB.jax_mlpo_adamw_step(
         _address(m), _address(v), _address(grad), int(grad.dtype == BF16), _address(param),
@@ -291,12 +291,21 @@ def adamw_update(
     hyper: AdamWHyper,
     *,
     update_param: bool = False,
+    update_buffer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Fused AdamW as an XLA FFI call (CPU), in place when m, v and param are donated.
+    """Fused AdamW as an XLA FFI call (CPU), in place when m, v (and param) are donated.
 
     ``hyper.lr``, ``bc1`` and ``bc2`` are runtime float32 scalars (a schedule does not
     recompile); ``b1``, ``b2``, ``eps``, ``weight_decay`` and ``grad_scale`` must be Python
     floats (compile-time attributes). Same bits as :func:`adamw_step`.
+
+    Args:
+      m, v, grad, param: as in :func:`adamw_step` (grad float32 or bfloat16), any equal shape.
+      hyper: the step's scalars.
+      update_param: whether the returned params include the update (then donate ``param``;
+        otherwise it is only read and returned as is).
+      update_buffer: a float32 buffer (e.g. last step's update, donated) to write the update
+        into; saves XLA faulting in a fresh buffer every step. Its contents are ignored.
 
     Returns:
       ``(m, v, param, update)``: new moments, params (updated when ``update_param``, else the
@@ -304,18 +313,28 @@ def adamw_update(
     """
     f32 = np.float32
     out = jax.ShapeDtypeStruct(jnp.shape(m), jnp.float32)
-    call = jax.ffi.ffi_call(
-        "jax_mlpo_adamw", (out, out, out, out), input_output_aliases={0: 0, 1: 1, 3: 2}
-    )
     scalars = [jnp.asarray(x, jnp.float32).reshape(()) for x in (hyper.lr, hyper.bc1, hyper.bc2)]
+    # Inputs m, v, grad, param, lr, bc1, bc2 [, update buffer]; results m, v, update [, param].
+    args = [m, v, grad, param, *scalars]
+    aliases = {0: 0, 1: 1}
+    if update_buffer is not None:
+        args.append(update_buffer)
+        aliases[7] = 2
+    if update_param:
+        aliases[3] = 3
+    call = jax.ffi.ffi_call(
+        "jax_mlpo_adamw", (out,) * (4 if update_param else 3), input_output_aliases=aliases
+    )
     scale = hyper.grad_scale != 1.0
-    return call(
-        m, v, grad, param, *scalars,
+    results = call(
+        *args,
         b1=f32(hyper.b1), c1=f32(1.0 - hyper.b1), b2=f32(hyper.b2), c2=f32(1.0 - hyper.b2),
         eps=f32(hyper.eps), weight_decay=f32(hyper.weight_decay),
         grad_scale=f32(hyper.grad_scale) if scale else f32(1.0),
         has_wd=bool(hyper.weight_decay != 0.0), update_param=bool(update_param),
     )  # fmt: skip
+    m, v, update = results[:3]
+    return m, v, results[3] if update_param else param, update
 
 
 def host_descriptor(buf: np.ndarray, *, writable: bool = True) -> np.ndarray:

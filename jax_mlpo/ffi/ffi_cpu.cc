@@ -25,29 +25,58 @@ void Alias(const float* in, float* out, size_t n) {
   if (in != out) Copy(out, in, n * sizeof(float));
 }
 
+// Inputs m, v, grad, param, lr, bc1, bc2 [, update buffer]; results m, v, update [, param].
+// The optional input is a donated float32 buffer for the update (its contents are ignored): XLA
+// then reuses its pages instead of faulting in a fresh buffer every step. The optional result is
+// the updated param, present exactly when update_param (otherwise param is only read and need not
+// be donated or copied).
 ffi::Error AdamWImpl(F32Buffer m, F32Buffer v, ffi::AnyBuffer grad, F32Buffer param, F32Scalar lr,
-                     F32Scalar bc1, F32Scalar bc2, F32Result m_out, F32Result v_out,
-                     F32Result param_out, F32Result update_out, float b1, float c1, float b2,
-                     float c2, float eps, float weight_decay, float grad_scale, bool has_wd,
+                     F32Scalar bc1, F32Scalar bc2, ffi::RemainingArgs extra_args,
+                     F32Result m_out, F32Result v_out, F32Result update_out,
+                     ffi::RemainingRets extra_rets, float b1, float c1, float b2, float c2,
+                     float eps, float weight_decay, float grad_scale, bool has_wd,
                      bool update_param) {
   const size_t n = m.element_count();
   if (v.element_count() != n || grad.element_count() != n || param.element_count() != n ||
       m_out->element_count() != n || v_out->element_count() != n ||
-      param_out->element_count() != n || update_out->element_count() != n) {
+      update_out->element_count() != n) {
     return ffi::Error::InvalidArgument("jax_mlpo_adamw: m, v, grad, param differ in size");
   }
   const ffi::DataType gtype = grad.element_type();
   if (gtype != ffi::DataType::F32 && gtype != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("jax_mlpo_adamw: grad must be float32 or bfloat16");
   }
+  if (extra_args.size() > 1) {
+    return ffi::Error::InvalidArgument("jax_mlpo_adamw: at most one extra input (update buffer)");
+  }
+  if (extra_args.size() == 1) {
+    auto buffer = extra_args.get<F32Buffer>(0);
+    if (buffer.has_error()) return buffer.error();
+    if (buffer->element_count() != n) {
+      return ffi::Error::InvalidArgument("jax_mlpo_adamw: the update buffer differs in size");
+    }
+  }
+  if (extra_rets.size() != (update_param ? 1u : 0u)) {
+    return ffi::Error::InvalidArgument(
+        "jax_mlpo_adamw: a param result is expected exactly when update_param");
+  }
+  float* p = param.typed_data();  // only read unless update_param
+  if (update_param) {
+    auto param_out = extra_rets.get<F32Buffer>(0);
+    if (param_out.has_error()) return param_out.error();
+    if ((*param_out)->element_count() != n) {
+      return ffi::Error::InvalidArgument("jax_mlpo_adamw: the param result differs in size");
+    }
+    Alias(p, (*param_out)->typed_data(), n);
+    p = (*param_out)->typed_data();
+  }
   Alias(m.typed_data(), m_out->typed_data(), n);
   Alias(v.typed_data(), v_out->typed_data(), n);
-  Alias(param.typed_data(), param_out->typed_data(), n);
   AdamWArgs a{};
   a.m = m_out->typed_data();
   a.v = v_out->typed_data();
   a.grad = grad.untyped_data();
-  a.param = param_out->typed_data();
+  a.param = p;
   a.update_out = update_out->typed_data();
   a.c1 = c1;
   a.b1 = b1;
@@ -120,10 +149,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoAdamW, jax_mlpo::AdamWImpl,
                                   .Arg<jax_mlpo::F32Scalar>()   // lr
                                   .Arg<jax_mlpo::F32Scalar>()   // bc1
                                   .Arg<jax_mlpo::F32Scalar>()   // bc2
+                                  .RemainingArgs()              // [update buffer (donated)]
                                   .Ret<jax_mlpo::F32Buffer>()   // m_out (aliases m)
                                   .Ret<jax_mlpo::F32Buffer>()   // v_out (aliases v)
-                                  .Ret<jax_mlpo::F32Buffer>()   // param_out (aliases param)
-                                  .Ret<jax_mlpo::F32Buffer>()   // update
+                                  .Ret<jax_mlpo::F32Buffer>()   // update [aliases the buffer]
+                                  .RemainingRets()              // [param_out (aliases param)]
                                   .Attr<float>("b1")
                                   .Attr<float>("c1")
                                   .Attr<float>("b2")

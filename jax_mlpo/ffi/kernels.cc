@@ -6,7 +6,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -31,11 +30,11 @@ constexpr size_t kMinParallelBytes = size_t{1} << 20;
 constexpr size_t kChunkAlignBytes = 4096;
 
 // XLA runs handlers on threads that flush denormals to zero; the numpy reference does not.
-// Run every kernel with the IEEE default MXCSR (all exceptions masked, round to nearest, no
-// FTZ/DAZ) and restore the caller's afterwards.
+// Run every kernel with IEEE floating point (round to nearest, no FTZ/DAZ, exceptions masked)
+// and restore the caller's state afterwards.
 class IeeeFpScope {
  public:
-#ifdef JAX_MLPO_X86
+#if defined(JAX_MLPO_X86)
   IeeeFpScope() : saved_(_mm_getcsr()) {
     if ((saved_ & ~kFlags) != kDefault) _mm_setcsr(kDefault);
   }
@@ -44,8 +43,22 @@ class IeeeFpScope {
   }
 
  private:
-  static constexpr unsigned kDefault = 0x1f80, kFlags = 0x3f;
+  static constexpr unsigned kDefault = 0x1f80, kFlags = 0x3f;  // MXCSR; flags: sticky bits
   unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeFpScope() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    if (saved_ & kMask) Set(saved_ & ~kMask);
+  }
+  ~IeeeFpScope() {
+    if (saved_ & kMask) Set(saved_);
+  }
+
+ private:
+  static void Set(uint64_t fpcr) { asm volatile("msr fpcr, %0" : : "r"(fpcr)); }
+  // FZ (bit 24), rounding mode (23:22), FZ16 (19), trap enables (15, 12:8).
+  static constexpr uint64_t kMask = (1u << 24) | (3u << 22) | (1u << 19) | (1u << 15) | (0x1fu << 8);
+  uint64_t saved_;
 #endif
 };
 
@@ -154,9 +167,10 @@ class ThreadPool {
   void* ctx_ = nullptr;
 };
 
-// One parallel call at a time (others wait); guards the pool and its reconfiguration.
+// One parallel call at a time (others wait); guards the pool and its reconfiguration. The pool
+// is never destroyed at exit (XLA threads may still run kernels while statics are destroyed).
 std::mutex g_pool_mu;
-std::unique_ptr<ThreadPool> g_pool;
+ThreadPool* g_pool = nullptr;
 int g_num_threads = 0;  // 0: not decided yet
 
 int NumThreadsLocked() {
@@ -169,7 +183,7 @@ int NumThreadsLocked() {
 void AtForkPrepare() { g_pool_mu.lock(); }
 void AtForkParent() { g_pool_mu.unlock(); }
 void AtForkChild() {
-  (void)g_pool.release();
+  g_pool = nullptr;
   g_pool_mu.unlock();
 }
 const int g_atfork = pthread_atfork(AtForkPrepare, AtForkParent, AtForkChild);
@@ -185,9 +199,9 @@ void ParallelFor(size_t n, size_t min_parallel, size_t align, const Body& body) 
     const size_t threads = size_t(NumThreadsLocked());
     const size_t count = std::min(threads, std::max<size_t>(1, n / (min_parallel / 2)));
     if (count > 1) {
-      if (!g_pool || g_pool->size() != int(threads)) {
-        g_pool.reset();
-        g_pool = std::make_unique<ThreadPool>(int(threads));
+      if (g_pool == nullptr || g_pool->size() != int(threads)) {
+        delete g_pool;  // joins its workers; we hold g_pool_mu, so none is running a task
+        g_pool = new ThreadPool(int(threads));
       }
       size_t chunk = (n + count - 1) / count;
       chunk = (chunk + align - 1) / align * align;
