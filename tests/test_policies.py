@@ -65,7 +65,9 @@ def slots(trace_of_step, name: str) -> list[int]:
 
 def test_retained_subgroups_skip_io_across_the_step_boundary(tmp_path):
     # 2 tiers x depth 1 + 2 = 4 pipeline buffers; 4 more buffers are retained across steps
-    engine, state, traces = run_steps(make_tx(tmp_path, buffers=8, replan=False), steps=4)
+    engine, state, traces = run_steps(
+        make_tx(tmp_path, buffers=8, replan=False, retain_policy="slow_tiers"), steps=4
+    )
     n = N_PARAMS // SUBGROUP
     everything = set(range(n))
     for step in range(3):
