@@ -60,6 +60,11 @@ def _engine(handle: Any) -> Engine:
         ) from None
 
 
+def _unwrap(handle: Any) -> Any:
+    """The array inside a flax.nnx variable (nnx.Optimizer wraps state leaves), else itself."""
+    return handle.get_value() if hasattr(handle, "get_value") else handle
+
+
 def _states(opt_state: Any) -> list[OffloadedAdamWState]:
     found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OffloadedAdamWState))
     return [s for s in found if isinstance(s, OffloadedAdamWState)]
@@ -76,7 +81,7 @@ def engine_of(opt_state: Any) -> Engine:
             "opt_state contains no jax_mlpo OffloadedAdamWState (with flax.nnx, pass "
             "optimizer.opt_state)"
         )
-    return _engine(getattr(states[0].handle, "value", states[0].handle))
+    return _engine(_unwrap(states[0].handle))
 
 
 def close(opt_state: Any) -> None:
@@ -98,7 +103,7 @@ def close(opt_state: Any) -> None:
             "optimizer.opt_state)"
         )
     for state in states:
-        key = int(np.asarray(getattr(state.handle, "value", state.handle)))
+        key = int(np.asarray(_unwrap(state.handle)))
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)
         if engine is not None:
