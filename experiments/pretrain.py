@@ -5,11 +5,13 @@ Usage:
       [--set steps=100 --set offload.host_cache=4MiB] [--optimizer optax]
   python experiments/pretrain.py --config experiments/configs/7b-node.yaml --set model=280B \
       --dry-run --processes 64
+  python experiments/pretrain.py --config ... --set checkpoint.every=50 [--resume]
 
 The run directory holds the resolved config (config.yaml), the per-step metrics
 (metrics-<optimizer>.jsonl), the summary table (summary-<optimizer>.md and .json), the plot
-(pretrain-<optimizer>.png) and, unless tiers are given, the optimizer's file tiers (tiers/).
-See docs/pretrain.md.
+(pretrain-<optimizer>.png), unless tiers are given the optimizer's file tiers (tiers/) and, with
+``checkpoint.every``, the checkpoints (checkpoints-<optimizer>/: params, optimizer state, data
+position; ``--resume`` continues from the latest). See docs/pretrain.md.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_mlpo  # noqa: E402
 from experiments import report  # noqa: E402
 from experiments.data import TokenDataset, batches  # noqa: E402
+from jax_mlpo import checkpoint  # noqa: E402
 from models import Llama, LlamaConfig, get_preset, loss_fn, param_count  # noqa: E402
 
 logger = logging.getLogger("pretrain")
@@ -94,6 +97,16 @@ class ReportConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps and at the last step; 0: no checkpoints."""
+    dir: str | None = None
+    """Where the checkpoints go; None means <run_dir>/checkpoints-<optimizer>."""
+    keep: int = 2
+    """Checkpoints kept (the oldest are deleted)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     run_dir: str = "runs/tiny"
     """Output directory: config, metrics, summary, plot and default tiers."""
@@ -114,6 +127,8 @@ class RunConfig:
     offload: dict = dataclasses.field(default_factory=dict)
     """jax_mlpo.OffloadConfig fields; tiers default to <run_dir>/tiers/t0 and t1."""
     report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Params, optimizer state and data position, saved in the background (jax_mlpo.checkpoint)."""
 
 
 def _describe(value: Any) -> str:
@@ -262,10 +277,13 @@ def _check(cfg: RunConfig) -> None:
         "optimizer.weight_decay": cfg.optimizer.weight_decay,
         "optimizer.min_lr_ratio": cfg.optimizer.min_lr_ratio,
         "report.skip_steps": cfg.report.skip_steps,
+        "checkpoint.every": cfg.checkpoint.every,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value!r}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.seq_len < 2:
         raise ConfigError(f"config key 'seq_len' must be >= 2 (input + target), got {cfg.seq_len}")
     for key in ("b1", "b2"):
@@ -597,11 +615,56 @@ def _progress(r: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def train(cfg: RunConfig, use_optax: bool) -> dict[str, Any]:
-    """Runs the config's steps; writes metrics, summary and plot under ``cfg.run_dir``."""
+def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:
+    """The run's checkpoint manager, or None without ``checkpoint.every`` and ``--resume``.
+
+    Raises:
+        ConfigError: for a new run (no ``--resume``) into a directory that holds checkpoints,
+            which it would otherwise mix with its own.
+    """
+    c = cfg.checkpoint
+    if not c.every and not resume:
+        return None
+    directory = Path(c.dir) if c.dir else Path(cfg.run_dir) / f"checkpoints-{name}"
+    mngr = checkpoint.manager(directory, max_to_keep=c.keep)
+    latest = mngr.latest_step()
+    if not resume and latest is not None:
+        mngr.close()
+        raise ConfigError(
+            f"checkpoint directory {str(directory)!r} holds checkpoints (latest: step "
+            f"{latest}) of an earlier run: pass --resume to continue it, or set "
+            "checkpoint.dir (or run_dir) elsewhere to start a new run"
+        )
+    return mngr
+
+
+def _restore(cfg: RunConfig, mngr: Any, params: Any, opt_state: Any) -> tuple[int, Any, Any]:
+    """(data step, params, opt_state) of the latest checkpoint; step 0 and the inputs if none."""
+    if mngr.latest_step() is None:
+        logger.warning("--resume: no checkpoint in %s, starting at step 0", mngr.directory)
+        return 0, params, opt_state
+    step, params, opt_state, extra = checkpoint.restore(mngr, params, opt_state)
+    if extra.get("seed") != cfg.seed:
+        raise ConfigError(
+            f"checkpoint {step} in {mngr.directory} was written with seed {extra.get('seed')}, "
+            f"this config has seed {cfg.seed} (other batches): resume with the run's config, "
+            "or start a new run elsewhere"
+        )
+    logger.info("resumed from step %d (%s)", step, mngr.directory)
+    return int(extra["data_step"]), params, opt_state
+
+
+def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, Any]:
+    """Runs the config's steps; writes metrics, summary and plot under ``cfg.run_dir``.
+
+    With ``checkpoint.every`` it saves params, optimizer state and the data position every
+    that many steps and at the end; ``resume`` continues from the latest checkpoint (the
+    batches of step ``k`` depend only on ``(seed, k)``, so the run goes on exactly).
+    """
     name = "optax" if use_optax else "offload"
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
     model_cfg = resolve_model(cfg)
     graphdef, params, rest = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
     logger.info("model %s: %s parameters", cfg.model, f"{param_count(model_cfg):,}")
@@ -609,16 +672,27 @@ def train(cfg: RunConfig, use_optax: bool) -> dict[str, Any]:
     logger.info("data: %r", dataset)
     tx = build_optimizer(cfg, use_optax)
     opt_state = tx.init(params)
+    start = 0
+    try:
+        if resume:
+            start, params, opt_state = _restore(cfg, mngr, params, opt_state)
+    except BaseException:
+        mngr.close()
+        if not use_optax:
+            jax_mlpo.close(opt_state)
+        raise
     grad_step, update_step = make_steps(graphdef, tx)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    records: list[dict[str, Any]] = []
     metrics_path = run_dir / f"metrics-{name}.jsonl"
-    bar = tqdm(total=cfg.steps, desc=f"pretrain[{name}]", unit="step", mininterval=0.5)
+    records = _earlier_records(metrics_path, start)
+    bar = tqdm(
+        total=cfg.steps, initial=start, desc=f"pretrain[{name}]", unit="step", mininterval=0.5
+    )
     try:
-        with metrics_path.open("w") as log, logging_redirect_tqdm(), bar:
+        with metrics_path.open("a" if start else "w") as log, logging_redirect_tqdm(), bar:
             t_data = time.perf_counter()
             for step, batch in batches(
-                dataset, cfg.batch_size, cfg.seq_len, cfg.seed, 0, end_step=cfg.steps
+                dataset, cfg.batch_size, cfg.seq_len, cfg.seed, start, end_step=cfg.steps
             ):
                 tokens = jnp.asarray(batch)
                 t0 = time.perf_counter()
@@ -637,6 +711,11 @@ def train(cfg: RunConfig, use_optax: bool) -> dict[str, Any]:
                 }
                 if not use_optax:
                     r.update(_update_record(jax_mlpo.engine_of(opt_state).metrics[-1]))
+                every = cfg.checkpoint.every
+                if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                    extra = {"data_step": step + 1, "seed": cfg.seed}
+                    checkpoint.save(mngr, step + 1, params, opt_state, extra)
+                    r["checkpoint_s"] = time.perf_counter() - t2  # the snapshot; writes go on
                 log.write(json.dumps(r) + "\n")
                 records.append(r)
                 bar.set_postfix(_progress(r), refresh=False)
@@ -651,9 +730,23 @@ def train(cfg: RunConfig, use_optax: bool) -> dict[str, Any]:
                     raise SystemExit(f"loss became {r['loss']} at step {step + 1}")
                 t_data = time.perf_counter()
     finally:
-        if not use_optax:
-            jax_mlpo.close(opt_state)
+        try:
+            if mngr is not None:
+                mngr.wait_until_finished()  # the last checkpoint is durable
+                mngr.close()
+        finally:
+            if not use_optax:
+                jax_mlpo.close(opt_state)
     return _finish(cfg, name, records, metrics_path)
+
+
+def _earlier_records(metrics_path: Path, start: int) -> list[dict[str, Any]]:
+    """A resumed run's metrics up to its checkpoint; the file is cut back to them."""
+    if not start or not metrics_path.exists():
+        return []
+    records = [r for r in report.load_metrics(metrics_path) if r["step"] <= start]
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
 
 
 def _finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -> dict[str, Any]:
@@ -702,6 +795,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="offload: jax_mlpo.adamw (default); optax: in-memory optax.adamw, for comparison",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in checkpoint.dir (params, optimizer state, "
+        "data position); starts at step 0 if there is none",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="report parameter, state and host memory sizes; allocate nothing",
@@ -727,7 +826,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return plan
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / "config.yaml").write_text(resolved)
-        return train(cfg, args.optimizer == "optax")
+        return train(cfg, args.optimizer == "optax", resume=args.resume)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
 

@@ -4,6 +4,8 @@ An optax AdamW whose optimizer state (fp32 master params and moments) lives off 
 in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
+from jax_mlpo import checkpoint
+from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, OffloadConfig, parse_size
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.metrics import StepMetrics
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "CorruptBlobError",
+    "CorruptCheckpointError",
     "EngineFailedError",
     "FileTier",
     "OffloadConfig",
@@ -25,6 +28,7 @@ __all__ = [
     "TierIOError",
     "TierInUseError",
     "adamw",
+    "checkpoint",
     "close",
     "engine_of",
     "parse_size",

@@ -86,6 +86,9 @@ class FileTier:
         ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
       node_max_concurrency: requests in flight on this tier per direction across all processes
         of the node (e.g. 1 for a shared parallel file system), or None for no node limit.
+      permits_key: what the node-level permits are shared by (default: the path). The
+        processes of a multi-process run use per-process subdirectories of one tier and share
+        its permits through this key.
     """
 
     path: str
@@ -96,6 +99,7 @@ class FileTier:
     read_bandwidth: int | str | None = None
     write_bandwidth: int | str | None = None
     node_max_concurrency: int | None = None
+    permits_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike) or not str(self.path):

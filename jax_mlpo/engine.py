@@ -172,7 +172,7 @@ class Engine:
             kinds["probe"] = [probe_elems] * 4
         for tier in tiers:
             permits = TierPermits(
-                tier.path,
+                tier.permits_key or tier.path,
                 tier.max_concurrency,
                 tier.max_concurrency,
                 config.node_permits_dir if tier.node_max_concurrency else None,

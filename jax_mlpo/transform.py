@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import logging
 import sys
 import threading
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
-from jax_mlpo import native
+from jax_mlpo import distributed, native
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
@@ -40,6 +41,7 @@ class OffloadedAdamWState(NamedTuple):
 _ENGINES: dict[int, Engine] = {}
 _NEXT_HANDLE = itertools.count(1)
 _REGISTRY_LOCK = threading.Lock()
+_FAILED_SINCE_RESET = False  # a failed engine was closed: its effect token may still be poisoned
 
 
 def _register(engine: Engine) -> int:
@@ -49,8 +51,15 @@ def _register(engine: Engine) -> int:
     return handle
 
 
+def _key(handle: Any) -> int:
+    # A multi-process state's handle is int32[processes], sharded: this process's is its shard.
+    if isinstance(handle, jax.Array) and not handle.is_fully_addressable:
+        handle = handle.addressable_shards[0].data
+    return int(np.asarray(handle).reshape(-1)[0])
+
+
 def _engine(handle: Any) -> Engine:
-    key = int(np.asarray(handle))
+    key = _key(handle)
     try:
         return _ENGINES[key]
     except KeyError:
@@ -103,10 +112,13 @@ def close(opt_state: Any) -> None:
             "optimizer.opt_state)"
         )
     for state in states:
-        key = int(np.asarray(_unwrap(state.handle)))
+        key = _key(_unwrap(state.handle))
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)
         if engine is not None:
+            if engine.failed:
+                global _FAILED_SINCE_RESET
+                _FAILED_SINCE_RESET = True
             engine.close()
 
 
@@ -116,7 +128,13 @@ def _close_all() -> None:
         engines = list(_ENGINES.values())
         _ENGINES.clear()
     for engine in engines:
-        engine.close()
+        try:
+            engine.close()
+        except RuntimeError as e:  # the interpreter already shut the I/O thread pools down
+            logging.getLogger(__name__).warning(
+                "jax_mlpo: optimizer not closed before exit, retained subgroups not flushed (%s)",
+                e,
+            )
 
 
 def _drop_poisoned_effect_tokens() -> None:
@@ -127,9 +145,12 @@ def _drop_poisoned_effect_tokens() -> None:
     been reported, the token only blocks recovery (a new optimizer restored from a checkpoint),
     so drop it. This uses a private JAX API, hence the guard.
     """
+    global _FAILED_SINCE_RESET
     with _REGISTRY_LOCK:
-        if not any(engine.failed for engine in _ENGINES.values()):
-            return
+        failed = _FAILED_SINCE_RESET or any(engine.failed for engine in _ENGINES.values())
+        _FAILED_SINCE_RESET = False
+    if not failed:
+        return
     try:
         from jax._src import dispatch
 
@@ -234,6 +255,18 @@ def adamw(
     def init_fn(params):
         _refuse_discarding_wrappers()
         _drop_poisoned_effect_tokens()
+        if distributed.is_multiprocess():
+            # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
+            # of its own shards, in per-process tier directories.
+            mesh = distributed.data_parallel_mesh()
+            local = distributed.local_params(params, jax.process_count())
+            layout = build_layout(local, offload.subgroup_size, resolve_mask(mask, params))
+            config = distributed.process_config(offload, jax.process_index())
+            engine = Engine(layout, config, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            return OffloadedAdamWState(
+                count=distributed.replicated(np.int32(0), mesh),
+                handle=distributed.global_handle(_register(engine), mesh),
+            )
         layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params))
         engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
         return OffloadedAdamWState(
@@ -259,6 +292,15 @@ def adamw(
         scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2)])
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
+        if state.handle.ndim:  # multi-process: each process updates its own shards
+            outs = distributed.sharded_update(
+                host_update, grads, param_leaves, state.handle, state.count, scalars
+            )
+        else:
+            outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
+        return treedef.unflatten(outs), OffloadedAdamWState(count=count_inc, handle=state.handle)
+
+    def host_update(grads, param_leaves, handle, count, scalars):
         n = len(grads)
         # The host engine reads gradients and params from buffers it owns and writes the update
         # into others: XLA FFI copies move them (on GPU, cudaMemcpyAsync on XLA's stream). The
@@ -266,7 +308,7 @@ def adamw(
         grad_dtypes = tuple(np.dtype(g.dtype) for g in grads)
         descriptors = io_callback(
             functools.partial(_stage, grad_dtypes=grad_dtypes),
-            jax.ShapeDtypeStruct((2 * n, 4), jnp.uint32), state.handle, ordered=True,
+            jax.ShapeDtypeStruct((2 * n, 4), jnp.uint32), handle, ordered=True,
         )  # fmt: skip
         tokens = [
             native.copy_to_host(x, descriptors[k])
@@ -276,15 +318,14 @@ def adamw(
         out_descriptors = io_callback(
             functools.partial(_host_update, b1=b1, b2=b2, eps=eps),
             jax.ShapeDtypeStruct((max(n, 1), 4), jnp.uint32),
-            state.handle, state.count, scalars, jnp.stack(tokens) if tokens else scalars,
+            handle, count, scalars, jnp.stack(tokens) if tokens else scalars,
             ordered=True,
         )  # fmt: skip
-        outs = [
+        return [
             native.copy_from_host(out_descriptors[k], jnp.shape(p), jnp.float32)
             if np.size(p)
             else jnp.zeros(jnp.shape(p), jnp.float32)
             for k, p in enumerate(param_leaves)
         ]
-        return treedef.unflatten(outs), OffloadedAdamWState(count=count_inc, handle=state.handle)
 
     return optax.GradientTransformation(init_fn, update_fn)

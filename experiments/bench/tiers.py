@@ -78,7 +78,9 @@ def main() -> None:
     configs = list(
         itertools.product(args.modes.split(","), [int(c) for c in args.concurrency.split(",")])
     )
-    results: dict[str, dict[str, list[float]]] = {f"{m}/c{c}": {"w": [], "r": []} for m, c in configs}
+    results: dict[str, dict[str, list[float]]] = {
+        f"{m}/c{c}": {"w": [], "r": []} for m, c in configs
+    }
     cold_reads = True
     for rep in range(args.repeats):
         for mode, conc in configs:  # interleaved, so slow phases of the disk hit every config

@@ -226,7 +226,11 @@ class FileTierStore:
                 "Restore the optimizer state from your last checkpoint."
             )
         elif "No space left" in text or "ENOSPC" in text:
-            hint = "the file system is full. Free space there or configure another tier."
+            hint = (
+                "the file system is full. Free space there or configure another tier, then "
+                "restore the optimizer state from your last checkpoint (an update that failed "
+                "midway leaves it partly updated)."
+            )
         elif "Permission denied" in text or "EACCES" in text:
             hint = "permission denied. Fix the directory's permissions or choose another path."
         else:

@@ -1,0 +1,135 @@
+"""One process of a data-parallel jax_mlpo run (spawned by tests/test_distributed.py).
+
+Usage: dist_worker.py PROCESS_ID NUM_PROCESSES PORT TIER_ROOT OUT_DIR STEPS
+
+Trains a small MLP for STEPS steps with optax.chain(clip_by_global_norm, jax_mlpo.adamw) on two
+file tiers under TIER_ROOT, on a global batch of GLOBAL_BATCH rows split over the processes.
+With NUM_PROCESSES == 1 it is the single-process reference (no jax.distributed). Process 0
+writes the final params (gathered) to OUT_DIR/params.npz; every process writes
+OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
+
+import jax  # noqa: E402
+
+GLOBAL_BATCH = 16
+# First dimensions 64, 64 and 16 split over 1, 2 or 4 processes; "odd" (3, 5) is replicated.
+SHAPES = {"w1": (64, 64), "b1": (64,), "w2": (64, 16), "b2": (16,), "odd": (3, 5)}
+
+
+def init_params():
+    import numpy as np
+
+    rng = np.random.RandomState(0)
+    return {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def batch(step: int):
+    import numpy as np
+
+    rng = np.random.RandomState(1000 + step)
+    x = rng.standard_normal((GLOBAL_BATCH, 64)).astype(np.float32)
+    y = rng.standard_normal((GLOBAL_BATCH, 16)).astype(np.float32)
+    return x, y
+
+
+def loss_fn(params, x, y):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    out = h @ params["w2"] + params["b2"] + jnp.sum(params["odd"] ** 2)
+    return jnp.mean((out - y) ** 2)
+
+
+def main() -> None:
+    pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
+    if nproc > 1:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=nproc,
+            process_id=pid,
+            initialization_timeout=60,
+        )
+    import numpy as np
+    import optax
+    from jax.experimental import multihost_utils
+
+    import jax_mlpo
+    from jax_mlpo import distributed
+
+    offload = jax_mlpo.OffloadConfig(
+        host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
+        tiers=[
+            jax_mlpo.FileTier(os.path.join(tier_root, "fast"), read_bandwidth="2GB",
+                              write_bandwidth="2GB", sync=False),
+            jax_mlpo.FileTier(os.path.join(tier_root, "slow"), read_bandwidth="1GB",
+                              write_bandwidth="1GB", sync=False),
+        ],
+        subgroup_size=64,
+        replan=False,  # no migrations: each subgroup's blob is on one tier only
+    )  # fmt: skip
+    tx = optax.chain(
+        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
+        jax_mlpo.adamw(
+            optax.linear_schedule(1e-2, 1e-3, steps),
+            weight_decay=0.1,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+            offload=offload,
+        ),
+    )
+    params = init_params()
+    if nproc > 1:
+        mesh = distributed.data_parallel_mesh()
+        params = distributed.shard_params(params, mesh)
+        data_sharding = distributed.batch_sharding(mesh)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rows = GLOBAL_BATCH // nproc
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        if nproc > 1:
+            local = slice(pid * rows, (pid + 1) * rows)
+            x, y = (jax.make_array_from_process_local_data(data_sharding, a[local]) for a in (x, y))
+        params, opt_state, loss = train_step(params, opt_state, x, y)
+        losses.append(float(np.asarray(loss.addressable_data(0))))  # replicated
+
+    engine = jax_mlpo.engine_of(opt_state)
+    info = {
+        "process": pid,
+        "state_bytes": engine.layout.state_bytes,
+        "shapes": [list(s) for s in engine.layout.shapes],
+        "tiers": [t.tier.path for t in engine.tiers],
+        "tier_bytes": {t.tier.path: t.bytes_written for t in engine.tiers},
+        "step_count": engine.step_count,
+        "losses": losses,
+        "host_only": engine.host_only,
+    }
+    if nproc > 1:
+        params = multihost_utils.process_allgather(params, tiled=True)
+    jax_mlpo.close(opt_state)
+    with open(os.path.join(out_dir, f"proc{pid}.json"), "w") as f:
+        json.dump(info, f)
+    if pid == 0:
+        np.savez(os.path.join(out_dir, "params.npz"), **jax.tree.map(np.asarray, params))
+    if nproc > 1:
+        multihost_utils.sync_global_devices("jax_mlpo_test_done")
+
+
+if __name__ == "__main__":
+    main()

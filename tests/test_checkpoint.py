@@ -1,0 +1,452 @@
+"""jax_mlpo.checkpoint: exact resume in a new process, restore onto another layout, kill -9 at
+random points of training, a full disk, and flipped bytes in checkpoints and tier blobs.
+
+The job is tests/crash_worker.py's: an MLP of 263K params under optax.chain(clip_by_global_norm,
+add_noise, jax_mlpo.adamw), so a checkpoint also carries add_noise's count and PRNG key and
+adamw's count; the subprocesses run that file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import crash_worker as job
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mlpo
+from jax_mlpo import checkpoint
+
+WORKER = Path(__file__).with_name("crash_worker.py")
+
+
+@pytest.fixture(scope="module")
+def worker_env(tmp_path_factory) -> dict[str, str]:
+    """Subprocess environment: CPU, and a compilation cache shared by the workers."""
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def run_worker(specs, env) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(specs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def start_job(spec: dict):
+    """tx, update function, params and a fresh opt_state for ``spec``."""
+    tx = job.make_tx(job.offload_config(spec))
+    params = job.make_params(jnp.dtype(spec["dtype"]))
+    return tx, job.make_update(tx), params, tx.init(params)
+
+
+def spec_for(root: Path, dtype: str, tiers: int, cache: str, retain: bool, **kw) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    return {
+        "dtype": dtype,
+        "tiers": [str(root / f"tier{i}") for i in range(tiers)],
+        "cache": cache,
+        "retain": retain,
+        "ckpt": str(root / "ckpt"),
+        "out": str(root / "out.npz"),
+        **kw,
+    }
+
+
+def assert_bits_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k, strict=True)
+
+
+def logical_state(opt_state) -> dict:
+    engine = jax_mlpo.engine_of(opt_state)
+    return {"step": engine.step_count, **engine.state_dict()}
+
+
+def assert_states_equal(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"]
+    for name in ("mu", "nu", "master"):
+        for a, b in zip(got[name], want[name], strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a, b, strict=True)
+
+
+# -- exact resume in a new process ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    tiers: int
+    cache: str  # "all" (host only), "part" (pipeline + 2 retained), "none" (pipeline only)
+    retain: bool
+
+
+# Each value of each dimension at least once: where the state lives (host memory only, one
+# tier, two tiers), retention across steps (on, off) and param dtype (float32, bfloat16).
+RESUME_CASES = [
+    Case("host-only-fp32", "float32", 0, "all", True),
+    Case("1tier-noretain-bf16", "bfloat16", 1, "none", False),
+    Case("2tiers-retain-bf16", "bfloat16", 2, "part", True),
+]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, worker_env):
+    """Each case: 2 steps, save, 2 more steps here; then one new process (for all cases)
+    restores each checkpoint and replays steps 3 and 4."""
+    root = tmp_path_factory.mktemp("resume")
+    expected, specs = {}, []
+    for case in RESUME_CASES:
+        spec = spec_for(root / case.name, case.dtype, case.tiers, case.cache, case.retain, steps=4)
+        _, update, params, opt_state = start_job(spec)
+        mngr = checkpoint.manager(spec["ckpt"])
+        params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+        checkpoint.save(mngr, 2, params, opt_state, {"step": 2})
+        # the next steps run while the checkpoint is written: the snapshot is already taken
+        params, opt_state, losses = job.train(update, params, opt_state, 2, 4)
+        mngr.wait_until_finished()
+        mngr.close()
+        jax_mlpo.close(opt_state)  # the new process takes the same tier directories
+        expected[case.name] = (losses, job.as_bits(params))
+        specs.append(spec)
+    run_worker(specs, worker_env)
+    replayed = {}
+    for case, spec in zip(RESUME_CASES, specs, strict=True):
+        with np.load(spec["out"]) as out:
+            replayed[case.name] = {k: out[k] for k in out.files}
+    return expected, replayed
+
+
+@pytest.mark.parametrize("case", RESUME_CASES, ids=[c.name for c in RESUME_CASES])
+def test_exact_resume_in_a_new_process(case, resume_runs):
+    expected, replayed = resume_runs
+    losses, params = expected[case.name]
+    out = replayed[case.name]
+    assert int(out["start"]) == 2
+    assert out["losses"].tolist() == losses  # float equality: bit for bit
+    assert_bits_equal({k: out[k] for k in params}, params)
+
+
+# -- restore onto another layout --------------------------------------------------------------
+
+
+def test_restore_onto_other_subgroups_tiers_and_host_cache(tmp_path):
+    spec = spec_for(tmp_path / "a", "bfloat16", 1, "part", True)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    mngr = checkpoint.manager(spec["ckpt"], async_save=False)
+    checkpoint.save(mngr, 2, params, opt_state, {"step": 2})
+    saved_state = logical_state(opt_state)
+    want, opt_state, _ = job.train(update, params, opt_state, 2, 3)
+    jax_mlpo.close(opt_state)
+
+    # 14 subgroups instead of 9, on 3 tiers instead of 1, a host cache of the pipeline only
+    other = spec_for(tmp_path / "b", "bfloat16", 3, "none", False, subgroup_size=20_011)
+    _, update, fresh, opt_state = start_job(other)
+    step, got, opt_state, extra = checkpoint.restore(mngr, fresh, opt_state)
+    assert (step, extra) == (2, {"step": 2})
+    assert int(opt_state[1].count) == int(opt_state[2].count) == 2  # add_noise, adamw
+    assert_states_equal(logical_state(opt_state), saved_state)
+    got, opt_state, _ = job.train(update, got, opt_state, 2, 3)
+    assert_bits_equal(job.as_bits(got), job.as_bits(want))
+    jax_mlpo.close(opt_state)
+
+    # float32 params have no master copy: the bfloat16 checkpoint does not fit them
+    fp32 = spec_for(tmp_path / "d", "float32", 0, "all", True)
+    _, _, fresh, opt_state = start_job(fp32)
+    with pytest.raises(ValueError, match="does not fit the target tree"):
+        checkpoint.restore(mngr, fresh, opt_state)
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+def test_save_is_asynchronous_and_snapshots_the_state(tmp_path, monkeypatch):
+    """save returns once the state is in host memory; later updates do not leak into it."""
+    spec = spec_for(tmp_path, "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 1)
+    write_manifest = checkpoint.OffloadCheckpointHandler._write_manifest
+    release = threading.Event()
+
+    async def held_manifest(self, directory, host):
+        release.wait(timeout=60)  # the write stays in flight until the test releases it
+        await write_manifest(self, directory, host)
+
+    monkeypatch.setattr(checkpoint.OffloadCheckpointHandler, "_write_manifest", held_manifest)
+    mngr = checkpoint.manager(spec["ckpt"])
+    saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
+    checkpoint.save(mngr, 1, params, opt_state)  # returns with the write in flight
+    _, opt_state, _ = job.train(update, params, opt_state, 1, 3)  # rewrites every tier blob
+    assert not (Path(spec["ckpt"]) / "1").exists()  # published once every file is written
+    release.set()
+    mngr.wait_until_finished()
+    assert mngr.latest_step() == 1 and (Path(spec["ckpt"]) / "1").is_dir()
+    jax_mlpo.close(opt_state)
+    _, _, fresh, opt_state = start_job(spec)
+    restored = checkpoint.restore(mngr, fresh, opt_state)
+    assert_bits_equal(job.as_bits(restored.params), saved_params)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    # a state that is not the latest of its optimizer is refused
+    clip, noise, adam = restored.opt_state
+    stale = (clip, noise, adam._replace(count=jnp.zeros([], jnp.int32)))
+    with pytest.raises(jax_mlpo.StaleStateError, match="at step 0, but its offloaded state"):
+        checkpoint.save(mngr, 5, restored.params, stale)
+    jax_mlpo.close(restored.opt_state)
+    mngr.close()
+
+
+# -- kill -9 ------------------------------------------------------------------------------------
+
+
+def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
+    """Training with a checkpoint every step and slowed tier writes, killed 10 times at random
+    points (restore, update phases, checkpoint writes), resumes to the uninterrupted params."""
+    steps, trials = 30, 10  # a trial advances the run by 0-5 steps, typically 1
+    spec = spec_for(tmp_path / "run", "bfloat16", 2, "part", True, steps=steps, save_every=1)
+    spec["slow_writes"] = 0.03
+    rng = random.Random(0)
+    resumed_at = []
+    for trial in range(trials):
+        stderr = tmp_path / f"trial{trial}.err"
+        with open(stderr, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(spec)],
+                env=worker_env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        lines = []
+        # kill a random delay after tx.init (restore), after the restore (compilation and
+        # the first update), or after the first or second update of this process
+        wait_for, delay = rng.choice([0, 1, 2, 2, 3]), rng.uniform(0.0, 0.4)
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("start"):
+                resumed_at.append(int(line.split()[1]))
+            if len(lines) > wait_for:  # "init", "start <step>", then "step <n>" per update
+                break
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        # killed: neither finished nor failed (e.g. on a checkpoint it could not restore)
+        assert proc.returncode == -signal.SIGKILL, (lines, stderr.read_text()[-3000:])
+    run_worker(spec, worker_env)
+    assert resumed_at[0] == 0 and max(resumed_at) > 0, resumed_at  # it made progress
+
+    ref = spec_for(tmp_path / "ref", "bfloat16", 2, "part", True)
+    _, update, params, opt_state = start_job(ref)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, steps)
+    jax_mlpo.close(opt_state)
+    with np.load(spec["out"]) as out:
+        assert_bits_equal({k: out[k] for k in job.SHAPES}, job.as_bits(params))
+
+
+# -- a full disk ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs (needs root); unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Fills the file system with a ballast file, to the last block."""
+    fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while os.write(fd, b"\0" * size):
+                    pass
+            except OSError:  # ENOSPC: try smaller writes
+                pass
+    finally:
+        os.close(fd)
+
+
+# orbax leaves tensorstore callbacks for an event loop it closed after a failed read or write
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_path):
+    spec = spec_for(small_disk, "float32", 1, "none", False)  # every subgroup written per step
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    mngr = checkpoint.manager(spec["ckpt"])  # on the same disk
+    checkpoint.save(mngr, 2, params, opt_state, {"step": 2})
+    mngr.wait_until_finished()
+    saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
+
+    fill(small_disk)
+    tier = spec["tiers"][0]
+    with pytest.raises(Exception, match="No space left on device") as info:
+        job.train(update, params, opt_state, 2, 3)
+    message = str(info.value)
+    assert f"tier {tier!r}" in message and "/state-" in message  # the tier and the blob file
+    assert "the file system is full. Free space there or configure another tier" in message
+    with pytest.raises(jax_mlpo.EngineFailedError, match="Restore from your last checkpoint"):
+        checkpoint.save(mngr, 3, params, opt_state)  # never a half-updated state
+
+    # restore onto another disk; a checkpoint write on the full one fails and changes nothing
+    other = spec_for(tmp_path / "other", "float32", 1, "none", False)
+    # init while the failed optimizer is open: its init drops JAX's poisoned effect token
+    # (transform._drop_poisoned_effect_tokens only looks at engines not yet closed)
+    _, update, fresh, new_state = start_job(other)
+    jax_mlpo.close(opt_state)
+    restored = checkpoint.restore(mngr, fresh, new_state)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    with pytest.raises(Exception, match="No space left on device|RESOURCE_EXHAUSTED"):
+        checkpoint.save(mngr, 3, restored.params, restored.opt_state)
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == [2]
+    mngr.close()
+    jax_mlpo.close(restored.opt_state)
+
+    _, _, fresh, opt_state = start_job(other)
+    mngr = checkpoint.manager(spec["ckpt"])
+    restored = checkpoint.restore(mngr, fresh, opt_state)
+    assert restored.step == 2
+    assert_bits_equal(job.as_bits(restored.params), saved_params)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    mngr.close()
+    jax_mlpo.close(restored.opt_state)
+
+
+# -- flipped bytes ------------------------------------------------------------------------------
+
+
+def flip(path: Path, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x5A]))
+
+
+# orbax leaves tensorstore callbacks for an event loop it closed after a failed read or write
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_every_flipped_byte_is_detected(tmp_path):
+    """A byte flipped anywhere in a checkpoint either fails the restore or, where restore does
+    not read it (orbax's bookkeeping: timestamps, stale OCDBT nodes), leaves the restored state
+    bit for bit the saved one. Flips in a tier blob fail the read (crc32c)."""
+    spec = spec_for(tmp_path / "run", "bfloat16", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    mngr = checkpoint.manager(spec["ckpt"], async_save=False)
+    checkpoint.save(mngr, 2, params, opt_state, {"step": 2, "seed": 7})
+    mngr.close()
+    saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
+
+    # tier blobs: every flip is caught by the blob's crc32c on the next read
+    store = jax_mlpo.engine_of(opt_state).tiers[0]
+    blob = Path(store.blob_path(0))
+    size = blob.stat().st_size
+    out = np.empty((size - 4) // 4, np.float32)
+    rng = random.Random(0)
+    for pos in sorted({0, 1, size - 5, size - 4, size - 1, *rng.sample(range(size), 40)}):
+        flip(blob, pos)
+        with pytest.raises(jax_mlpo.CorruptBlobError, match="does not match its checksum"):
+            store.read(0, out).result()
+        flip(blob, pos)
+    store.read(0, out).result()
+    jax_mlpo.close(opt_state)
+
+    # checkpoint files: sampled positions in every file, always the first and last byte
+    target = spec_for(tmp_path / "target", "bfloat16", 0, "all", True)
+    _, _, fresh, opt_state = start_job(target)
+    step_dir = Path(spec["ckpt"]) / "2"
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file())
+    outcomes: dict[Path, list[str]] = {path: [] for path in files}
+    for path in files:
+        size = path.stat().st_size
+        positions = {0, size - 1, *rng.sample(range(size), min(size, 8 if size > 10_000 else 2))}
+        for pos in sorted(positions):
+            flip(path, pos)
+            reader = checkpoint.manager(spec["ckpt"], async_save=False)
+            try:
+                restored = checkpoint.restore(reader, fresh, opt_state)
+            except checkpoint.CorruptCheckpointError:
+                outcomes[path].append("sha256")
+            except Exception:  # noqa: BLE001 - orbax or tensorstore refused to read it
+                outcomes[path].append("orbax")
+            else:
+                assert restored.extra == {"step": 2, "seed": 7}, (path, pos)
+                assert_bits_equal(job.as_bits(restored.params), saved_params)
+                assert_states_equal(logical_state(restored.opt_state), saved_state)
+                outcomes[path].append("harmless")
+            finally:
+                reader.close()
+                flip(path, pos)
+    for item in ("params", "opt_state", "extra"):
+        assert set(outcomes[step_dir / item / checkpoint.CHECKSUMS_FILE]) == {"sha256"}
+    for item in ("params", "opt_state"):
+        # orbax's array files have no checksum: flips in the data are caught by the manifest
+        data = max((p for p in files if p.parts[-4:-2] == (item, "ocdbt.process_0")),
+                   key=lambda p: p.stat().st_size)  # fmt: skip
+        assert "sha256" in outcomes[data], outcomes[data]
+    # and the untouched checkpoint still restores
+    restored = checkpoint.restore(checkpoint.manager(spec["ckpt"]), fresh, opt_state)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    jax_mlpo.close(opt_state)
+
+
+# -- experiments/pretrain.py --resume --------------------------------------------------------
+
+
+def test_pretrain_resume_continues_the_run_exactly(tmp_path):
+    from experiments import pretrain
+
+    def main(*extra: str) -> dict:
+        config = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "tiny.yaml"
+        sets = [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'data'}", "steps=6"]
+        sets += ["checkpoint.every=3", "report.plot=false", "model_overrides={layers: 1}"]
+        sets += ["seq_len=32", "batch_size=2"]
+        return pretrain.main(["--config", str(config), *[a for s in sets for a in ("--set", s)],
+                              *extra])  # fmt: skip
+
+    full = main()
+    ckpt = tmp_path / "run" / "checkpoints-offload"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
+    with pytest.raises(SystemExit, match="pass --resume to continue it"):
+        main()
+    shutil.rmtree(ckpt / "6")  # as if the run had died after step 5
+    resumed = main("--resume")
+    assert resumed["losses"] == full["losses"]  # steps 1-3 from the metrics, 4-6 recomputed
+    records = [json.loads(line) for line in resumed["metrics"].read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert "checkpoint_s" in records[2] and "checkpoint_s" in records[5]
