@@ -199,6 +199,8 @@ class OffloadConfig:
         model for 3 steps; moved subgroups migrate on their next write-back.
       node_permits_dir: directory of the node-level permits of tiers with
         ``node_max_concurrency`` (node-local, e.g. ``/dev/shm/jax_mlpo``).
+      fallback_on_full: when a tier runs out of space (ENOSPC), write the subgroup to another
+        tier with room instead of failing the update.
       io_timeout_s: seconds a tier request may take before the update fails with an error
         naming the tier (instead of hanging on a dead file system); None waits forever.
     """
@@ -214,6 +216,7 @@ class OffloadConfig:
     delayed_conversion: bool = True
     replan: bool = True
     node_permits_dir: str = "/dev/shm/jax_mlpo"
+    fallback_on_full: bool = True
     io_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
@@ -253,7 +256,7 @@ class OffloadConfig:
             raise ConfigError(
                 f"io_timeout_s={self.io_timeout_s!r} must be a positive number of seconds or None"
             )
-        for name in ("retain", "delayed_conversion", "replan"):
+        for name in ("retain", "delayed_conversion", "replan", "fallback_on_full"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         seen: dict[str, str] = {}

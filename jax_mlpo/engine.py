@@ -348,7 +348,11 @@ class Engine:
             while writes and (block or writes[0][0].done()):
                 future, buf, i = writes.popleft()
                 t0 = time.monotonic()
-                self._result(future, i)
+                try:
+                    self._result(future, i)
+                except TierIOError as e:
+                    if not self._fall_back(i, buf[: sgs[i].state_elems], e):
+                        raise
                 metrics.write_wait_s += time.monotonic() - t0
                 free.append(buf)
                 block = False
@@ -414,6 +418,30 @@ class Engine:
             # a hung tier is abandoned after the timeout: the engine is failed from here on
             concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
             raise
+
+    def _fall_back(self, index: int, blob: np.ndarray, error: TierIOError) -> bool:
+        """Writes a subgroup whose tier is full to another tier; False if none takes it.
+
+        The blob left behind on the full tier is never read again (``tier_of`` moves), and the
+        buffer still holds the subgroup's state, so nothing is lost.
+        """
+        if not self.config.fallback_on_full or "No space left" not in str(error):
+            return False
+        full = self.tier_of[index]
+        for k, store in enumerate(self.tiers):
+            if k == full:
+                continue
+            try:
+                self._result(store.write(index, blob), index)
+            except TierIOError:
+                continue
+            self.tier_of[index] = self._target[index] = k
+            logger.warning(
+                "jax_mlpo: tier %r is full; subgroup %d moved to tier %r",
+                self.tiers[full].tier.path, index, store.tier.path,
+            )  # fmt: skip
+            return True
+        return False
 
     def _check_model(self, metrics: StepMetrics) -> None:
         """Re-plans when a tier's I/O time stays > 25% off the bandwidth model for 3 steps.

@@ -347,6 +347,28 @@ def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_pat
     jax_mlpo.close(restored.opt_state)
 
 
+def test_a_full_tier_falls_back_to_another_and_the_run_matches(small_disk, tmp_path):
+    (tmp_path / "b").mkdir()
+    spec = spec_for(tmp_path / "run", "float32", 2, "none", False)
+    spec["tiers"] = [str(small_disk / "tier0"), str(tmp_path / "b" / "tier1")]
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, losses = job.train(update, params, opt_state, 0, 2)
+    engine = jax_mlpo.engine_of(opt_state)
+    on_small = engine.tier_of.count(0)
+    assert on_small > 0
+    fill(small_disk)
+    params, opt_state, more = job.train(update, params, opt_state, 2, 4)  # no error
+    assert engine.tier_of.count(0) < on_small  # the full tier's subgroups moved on write-back
+
+    reference = spec_for(tmp_path / "ref", "float32", 2, "none", False)
+    _, update, ref_params, ref_state = start_job(reference)
+    ref_params, ref_state, ref_losses = job.train(update, ref_params, ref_state, 0, 4)
+    assert losses + more == ref_losses
+    assert_bits_equal(job.as_bits(params), job.as_bits(ref_params))
+    jax_mlpo.close(opt_state)
+    jax_mlpo.close(ref_state)
+
+
 # -- flipped bytes ------------------------------------------------------------------------------
 
 
