@@ -53,8 +53,8 @@ def rows(tiers, cache: int, subgroup: int, depth: int) -> dict[str, jax_mlpo.Off
         ),
         "+ delayed grad conversion (e)": dataclasses.replace(base, delayed_conversion=True),
         "all principles": all_on,
-        "all principles (retain equal per tier)": dataclasses.replace(
-            all_on, retain_policy="equal"
+        "all principles (retain slow tiers first)": dataclasses.replace(
+            all_on, retain_policy="slow_tiers"
         ),
     }
 
