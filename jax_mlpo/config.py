@@ -86,6 +86,8 @@ class FileTier:
         ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
       node_max_concurrency: requests in flight on this tier per direction across all processes
         of the node (e.g. 1 for a shared parallel file system), or None for no node limit.
+      chunk_bytes: blobs larger than this are stored as several checksummed chunk files, read
+        and written concurrently (within ``max_concurrency``).
       permits_key: what the node-level permits are shared by (default: the path). The
         processes of a multi-process run use per-process subdirectories of one tier and share
         its permits through this key.
@@ -100,6 +102,7 @@ class FileTier:
     write_bandwidth: int | str | None = None
     node_max_concurrency: int | None = None
     permits_key: str | None = None
+    chunk_bytes: int | str = "8MiB"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike) or not str(self.path):
@@ -135,6 +138,13 @@ class FileTier:
                 f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
                 "must be an int >= 1, or None for no node-level limit"
             )
+        chunk = parse_size(self.chunk_bytes, f"FileTier.chunk_bytes ({self.path})")
+        if chunk < 4 or chunk % 4:
+            raise ConfigError(
+                f"FileTier.chunk_bytes={self.chunk_bytes!r} for {self.path}: must be a positive "
+                "multiple of 4 bytes (float32 elements), e.g. '8MiB'"
+            )
+        object.__setattr__(self, "chunk_bytes", chunk)
         if self.io_mode not in ("default", "direct", "memmap"):
             raise ConfigError(
                 f"FileTier.io_mode={self.io_mode!r} for {self.path}: must be 'default', "

@@ -46,6 +46,33 @@ def fd_count() -> int:
 
 # -- data round trips ---------------------------------------------------------------------------
 
+
+def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = [10_000, 1024, 3]  # 1024-element chunks: 10 chunks (the last partial), 1, 1
+    store = open_store(tmp_path / "tier", lengths, sync=False, chunk_bytes=4096)
+    try:
+        blobs = [random_blob(rng, n) for n in lengths]
+        for slot, blob in enumerate(blobs):
+            store.write(slot, blob).result()
+        for slot, blob in enumerate(blobs):
+            out = np.empty(len(blob), np.float32)
+            store.read(slot, out).result()
+            assert same_bytes(out, blob), f"slot {slot}"
+        chunks = sorted(Path(store.blob_path(0)).parent.iterdir())
+        assert len(chunks) == 10
+        # zarr stores the partial last chunk whole: 10 chunks of 1024 elements
+        assert sum(p.stat().st_size - CRC for p in chunks) == 4 * 10 * 1024
+        victim = chunks[7]
+        data = bytearray(victim.read_bytes())
+        data[5] ^= 0x01
+        victim.write_bytes(bytes(data))
+        with pytest.raises(CorruptBlobError, match="checksum"):
+            store.read(0, np.empty(lengths[0], np.float32)).result()
+    finally:
+        store.close()
+
+
 LENGTHS = [1, 7, 4096, 7, 100_000, 3, 4096]
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
+from jax_mlpo.tiers.permits import TierPermits
 
 logger = logging.getLogger("bench.tiers")
 
@@ -39,11 +40,16 @@ def drop_page_cache() -> bool:
         return False
 
 
-def run_once(directory: str, mode: str, concurrency: int, blob_elems: int, blobs: int):
+def run_once(
+    directory: str, mode: str, concurrency: int, chunk_mib: int, blob_elems: int, blobs: int
+):
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
+    tier = FileTier(
+        directory, max_concurrency=concurrency, io_mode=mode, chunk_bytes=chunk_mib * 2**20
+    )
     store = FileTierStore(
-        FileTier(directory, max_concurrency=concurrency, io_mode=mode), [blob_elems] * blobs
+        tier, {"state": [blob_elems] * blobs}, TierPermits(directory, concurrency, concurrency)
     )
     try:
         bufs = [np.full(blob_elems, i, np.float32) for i in range(min(blobs, 4))]
@@ -71,23 +77,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", default="default,direct")
     parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--chunk-mib", default="64", help="chunk sizes to compare (MiB)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     blob_elems = args.blob_mib * 2**20 // 4
     configs = list(
-        itertools.product(args.modes.split(","), [int(c) for c in args.concurrency.split(",")])
+        itertools.product(
+            args.modes.split(","),
+            [int(c) for c in args.concurrency.split(",")],
+            [int(c) for c in args.chunk_mib.split(",")],
+        )
     )
     results: dict[str, dict[str, list[float]]] = {
-        f"{m}/c{c}": {"w": [], "r": []} for m, c in configs
+        f"{m}/c{c}/{k}MiB": {"w": [], "r": []} for m, c, k in configs
     }
     cold_reads = True
     for rep in range(args.repeats):
-        for mode, conc in configs:  # interleaved, so slow phases of the disk hit every config
-            w, r, cold = run_once(args.dir, mode, conc, blob_elems, args.blobs)
+        for mode, conc, chunk in configs:  # interleaved: slow phases of the disk hit every config
+            w, r, cold = run_once(args.dir, mode, conc, chunk, blob_elems, args.blobs)
             cold_reads &= cold
-            results[f"{mode}/c{conc}"]["w"].append(w)
-            results[f"{mode}/c{conc}"]["r"].append(r)
+            results[f"{mode}/c{conc}/{chunk}MiB"]["w"].append(w)
+            results[f"{mode}/c{conc}/{chunk}MiB"]["r"].append(r)
         logger.info("repeat %d/%d done", rep + 1, args.repeats)
     table = {
         k: {
@@ -100,10 +111,10 @@ def main() -> None:
     }
     print(f"{args.blobs} blobs of {args.blob_mib} MiB, fsync'd writes, "
           f"{'cold' if cold_reads else 'page-cache'} reads, medians of {args.repeats}")  # fmt: skip
-    print(f"{'config':<14}{'write GB/s':>12}{'(min-max)':>16}{'read GB/s':>12}{'(min-max)':>16}")
+    print(f"{'config':<20}{'write GB/s':>12}{'(min-max)':>16}{'read GB/s':>12}{'(min-max)':>16}")
     for k, v in table.items():
         wr, rr = v["write_range"], v["read_range"]
-        print(f"{k:<14}{v['write_gbps']:>12.2f}{f'{wr[0]:.2f}-{wr[1]:.2f}':>16}"
+        print(f"{k:<20}{v['write_gbps']:>12.2f}{f'{wr[0]:.2f}-{wr[1]:.2f}':>16}"
               f"{v['read_gbps']:>12.2f}{f'{rr[0]:.2f}-{rr[1]:.2f}':>16}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -69,8 +69,9 @@ def context_spec(tier: FileTier) -> dict[str, Any]:
     }
 
 
-def array_spec(path: str, slots: int, slot_elems: int) -> dict[str, Any]:
-    """The zarr3 spec of a tier's blob array: one checksummed chunk per slot."""
+def array_spec(path: str, slots: int, slot_elems: int, chunk_elems: int) -> dict[str, Any]:
+    """The zarr3 spec of a tier's blob array: a row per slot, cut into checksummed chunks of at
+    most ``chunk_elems`` (so one blob is several requests in flight)."""
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},
@@ -78,7 +79,10 @@ def array_spec(path: str, slots: int, slot_elems: int) -> dict[str, Any]:
         "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": [slots, slot_elems],
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, slot_elems]}},
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [1, min(slot_elems, chunk_elems)]},
+            },
             "data_type": "float32",
             "codecs": [
                 {"name": "bytes", "configuration": {"endian": "little"}},
@@ -137,7 +141,9 @@ class FileTierStore:
                 self._where[kind] = where
                 for n in sizes:
                     name = f"{kind}-{n}"
-                    spec = array_spec(os.path.join(self.directory, name), counts[n], n)
+                    spec = array_spec(
+                        os.path.join(self.directory, name), counts[n], n, tier.chunk_bytes // 4
+                    )
                     self._arrays.append(
                         ts.open(spec, create=True, delete_existing=True, context=context).result()
                     )
