@@ -1,0 +1,482 @@
+"""Update phase side by side: jax_mlpo against DeepSpeed ZeRO-Infinity's NVMe optimizer swappers.
+
+Same fp32 state on disk (master params p and moments m, v: jax_mlpo gets bf16 params so that
+its tiers hold p, m, v as DeepSpeed's do; plus fp32 gradients where the system writes them),
+same subgroup size, same pinned host memory budget, same disk directory for both systems:
+
+- ``deepspeed partitioned`` / ``deepspeed pipelined``: DeepSpeed's own PartitionedOptimizerSwapper
+  and PipelinedOptimizerSwapper with DeepSpeedCPUAdam, driven standalone as ``stage3.py`` drives
+  them (``ds_update.py``, run in the DeepSpeed venv ``.peer-venv``). ZeRO-3 swaps the fp32
+  gradients out in backward and back in with the state: ``grad_write_s`` is the backward part,
+  ``update_s`` the optimizer step (swap in, CPU Adam, swap out, per subgroup).
+- ``jax_mlpo baseline``: every principle off (one path, ascending, nothing retained, fp32
+  gradients written to the tier in the update and read back); its ``total_s`` includes that
+  gradient write.
+- ``jax_mlpo all (2 dirs)``: all principles, two tier directories on the same disk (DeepSpeed has
+  one ``nvme_path``; two directories on one disk give the placement nothing to exploit, but it is
+  the configuration all principles are built for); ``jax_mlpo all (1 dir)``: all principles on
+  the single directory DeepSpeed uses.
+
+Host memory budget: DeepSpeed pipelined needs ``buffer_count`` = 3 subgroups x 4 tensors (p, m,
+v, gradient) = 12 buffers of one subgroup each, 48 bytes per subgroup element; every system gets
+that budget (the partitioned swapper uses only 4 of its 12 buffers at a time, jax_mlpo's
+``host_cache`` is set to the same bytes). jax_mlpo tiers use O_DIRECT (``io_mode="direct"``), as
+DeepSpeed's async_io does, so neither reads from the page cache.
+
+Each system runs in its own process per round; rounds interleave the systems (A B C ... A B C
+...), each run has warm-up steps then ``--steps`` measured steps, a run's figure is its median
+step, and the table gives the median and min-max over the rounds. Each round also measures the
+disk (fio, O_DIRECT, 1 MiB requests, queue depth 8 as DeepSpeed's aio config); memcpy and STREAM
+triad are measured at the start and the end.
+
+Usage (after ``bash experiments/bench/install_deepspeed_peer.sh``):
+  .venv/bin/python experiments/bench/deepspeed_peer.py --state 1GiB --subgroup 8388608 \
+      --rounds 5 --json experiments/results/deepspeed_update.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+logger = logging.getLogger("bench.deepspeed_peer")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER_PYTHON = os.path.join(ROOT, ".peer-venv", "bin", "python")
+SYSTEMS = ("ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir")
+LABELS = {
+    "ds-partitioned": "deepspeed partitioned",
+    "ds-pipelined": "deepspeed pipelined",
+    "jax-baseline": "jax_mlpo baseline",
+    "jax-all-2dirs": "jax_mlpo all (2 dirs)",
+    "jax-all-1dir": "jax_mlpo all (1 dir)",
+}
+
+
+def drop_page_cache() -> bool:
+    """Writes back and drops the page cache (root only), so that the next reads hit the disk."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def proc_io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
+
+
+# ---- jax_mlpo worker (runs in the jax venv) ------------------------------------------------
+
+
+def jax_worker(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_mlpo
+
+    n = args.elems
+    dtype = jnp.bfloat16 if args.jax_dtype == "bf16" else jnp.float32
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal(n, np.float32), dtype)}
+    grads = {"w": jnp.asarray(rng.standard_normal(n, np.float32) * 1e-3, dtype)}
+    ntiers = 2 if args.worker == "jax-all-2dirs" else 1
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    tiers = tuple(
+        jax_mlpo.FileTier(os.path.join(args.dir, f"tier{k}"), io_mode=args.io_mode)
+        for k in range(ntiers)
+    )
+    config = jax_mlpo.OffloadConfig(
+        host_cache=args.cache,
+        tiers=tiers,
+        subgroup_size=args.subgroup,
+        prefetch_depth=args.prefetch_depth,
+    )
+    if args.worker == "jax-baseline":
+        config = config.baseline()
+    t0 = time.perf_counter()
+    tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    init_s = time.perf_counter() - t0
+    steps = []
+    for step in range(args.warmup + args.steps):
+        dropped = drop_page_cache()  # outside the timing: every step reads from the disk
+        io0 = proc_io()
+        t0 = time.perf_counter()
+        updates, state = update(grads, state, params)
+        jax.block_until_ready(updates)
+        dt = time.perf_counter() - t0
+        io1 = proc_io()
+        del updates
+        m = jax_mlpo.engine_of(state).metrics[-1]
+        row = {
+            "update_s": dt,
+            "engine_s": m.total_s,
+            "grad_write_s": m.grad_write_s,
+            "read_wait_s": m.read_wait_s,
+            "write_wait_s": m.write_wait_s,
+            "compute_s": m.compute_s,
+            "cache_hits": m.cache_hits,
+            "tier_bytes_read": sum(m.bytes_read.values()),
+            "tier_bytes_written": sum(m.bytes_written.values()),
+            "tier_busy_s": {os.path.basename(k): v for k, v in m.tier_busy_s.items()},
+            "bytes_read": io1["read"] - io0["read"],
+            "bytes_written": io1["write"] - io0["write"],
+            "page_cache_dropped": dropped,
+        }
+        logger.info("%s step %d: %s", args.worker, step, row)
+        if step >= args.warmup:
+            steps.append(row)
+    engine = jax_mlpo.engine_of(state)
+    out = {
+        "system": LABELS[args.worker],
+        "jax_mlpo_tiers": [os.path.basename(t.tier.path) for t in engine.tiers],
+        "subgroups_per_tier": [engine.tier_of.count(k) for k in range(len(engine.tiers))],
+        "host_cache": config.host_cache,
+        "dtype": args.jax_dtype,
+        "retained": sum(jax_mlpo.engine_of(state)._retain_counts),
+        "init_s": init_s,
+        "steps": steps,
+    }
+    for key in ("update_s", "engine_s", "grad_write_s", "read_wait_s", "compute_s"):
+        out[key] = statistics.median(s[key] for s in steps)
+    jax_mlpo.close(state)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return out
+
+
+# ---- hardware limits -------------------------------------------------------------------------
+
+
+def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
+    """Sequential O_DIRECT write then read of one file: 1 MiB requests, queue depth 8 (libaio)."""
+    if shutil.which("fio") is None:
+        return {"error": "fio not installed (apt-get install fio)"}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "fio.dat")
+    out = {}
+    for rw in ("write", "read"):
+        cmd = [
+            "fio",
+            "--name=seq",
+            f"--filename={path}",
+            f"--rw={rw}",
+            "--bs=1M",
+            "--iodepth=8",
+            "--ioengine=libaio",
+            "--direct=1",
+            f"--size={size}",
+            "--output-format=json",
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        job = json.loads(res.stdout)["jobs"][0][rw]
+        out[f"{rw}_gbps"] = job["bw_bytes"] / 1e9
+    os.remove(path)
+    return out
+
+
+def memory_bandwidth(n: int = 1 << 26, repeats: int = 7) -> dict:
+    """memcpy (8 B/elem) and STREAM triad (12 B/elem) with jax_mlpo's native kernels."""
+    import numpy as np
+
+    from jax_mlpo import native
+
+    a, b, c = (np.full(n, 1.0, np.float32) for _ in range(3))
+    res = {}
+    for key, nbytes, fn in (
+        ("memcpy_gbps", 8 * n, lambda: native.parallel_copy(a, b)),
+        ("triad_gbps", 12 * n, lambda: native.stream_triad(a, b, c, 3.0)),
+    ):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        res[key] = nbytes / statistics.median(times) / 1e9
+    res["threads"] = native.num_threads()
+    return res
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def run_system(system: str, args, directory: str) -> dict:
+    common = ["--subgroup", str(args.subgroup), "--steps", str(args.steps)]
+    if system.startswith("ds-"):
+        env = dict(
+            os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".torch_ext")
+        )
+        cmd = [
+            PEER_PYTHON,
+            os.path.join(ROOT, "experiments", "bench", "ds_update.py"),
+            "--swapper",
+            system[3:],
+            "--dir",
+            directory,
+            "--elems",
+            str(args.elems),
+            "--buffer-count",
+            str(args.buffer_count),
+            "--warmup",
+            str(args.ds_warmup),
+            *common,
+        ]
+    else:
+        env = dict(os.environ)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            system,
+            "--dir",
+            directory,
+            "--elems",
+            str(args.elems),
+            "--cache",
+            str(args.cache_bytes),
+            "--warmup",
+            str(args.jax_warmup),
+            "--io-mode",
+            args.io_mode,
+            "--prefetch-depth",
+            str(args.prefetch_depth),
+            "--jax-dtype",
+            args.jax_dtype,
+            *common,
+        ]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if res.returncode != 0:
+        raise RuntimeError(f"{system} failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["process_s"] = time.perf_counter() - t0
+    return out
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--state", default="1GiB", help="m, v bytes (8 B/param), as update_phase")
+    parser.add_argument("--subgroup", type=int, default=8 << 20, help="elements per subgroup")
+    parser.add_argument(
+        "--buffer-count",
+        type=int,
+        default=12,
+        help="DeepSpeed pinned buffers (pipelined needs 3 x 4 with grads)",
+    )
+    parser.add_argument("--prefetch-depth", type=int, default=1)
+    parser.add_argument(
+        "--jax-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="jax_mlpo params and grads: bf16 puts fp32 p, m, v in the tiers (12 B/param, as "
+        "DeepSpeed); fp32 params stay with the caller and only m, v are offloaded (8 B/param)",
+    )
+    parser.add_argument("--io-mode", default="direct", help="jax_mlpo FileTier.io_mode")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    parser.add_argument("--ds-warmup", type=int, default=1, help="after DeepSpeed's initial pass")
+    parser.add_argument("--jax-warmup", type=int, default=4, help="covers a re-plan")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--dir", default="/tmp/jax_mlpo-ds-peer", help="the one disk directory both systems use"
+    )
+    parser.add_argument("--json", default=None)
+    # worker mode (internal)
+    parser.add_argument("--worker", choices=[s for s in SYSTEMS if s.startswith("jax")])
+    parser.add_argument("--elems", type=int)
+    parser.add_argument("--cache", type=int)
+    parser.add_argument("--warmup", type=int)
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+    if args.worker:
+        print(json.dumps(jax_worker(args)))
+        return
+
+    from jax_mlpo.config import parse_size
+
+    args.elems = parse_size(args.state, "--state") // 8
+    args.cache_bytes = args.buffer_count * args.subgroup * 4
+    systems = args.systems.split(",")
+    if not os.path.exists(PEER_PYTHON) and any(s.startswith("ds-") for s in systems):
+        sys.exit(f"{PEER_PYTHON} missing: run experiments/bench/install_deepspeed_peer.sh first")
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "disk_dir": args.dir,
+        "filesystem": subprocess.run(
+            ["df", "-hT", os.path.dirname(args.dir)], capture_output=True, text=True
+        ).stdout.splitlines()[-1],
+    }
+    limits = {"memory_start": memory_bandwidth(), "disk": []}
+    logger.info("memory: %s", limits["memory_start"])
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for rnd in range(args.rounds):
+        disk = fio_bandwidth(os.path.join(args.dir, "fio"))
+        shutil.rmtree(args.dir, ignore_errors=True)
+        limits["disk"].append(disk)
+        logger.info("round %d disk: %s", rnd, disk)
+        for system in systems:
+            out = run_system(system, args, os.path.join(args.dir, system))
+            out["round"] = rnd
+            runs[system].append(out)
+            logger.info(
+                "round %d %s: update %.2f s (grad write %.2f s) process %.0f s",
+                rnd,
+                system,
+                out["update_s"],
+                out["grad_write_s"],
+                out["process_s"],
+            )
+    limits["memory_end"] = memory_bandwidth()
+    limits["disk_summary"] = (
+        {
+            k: summarize([d[k] for d in limits["disk"] if k in d])
+            for k in ("write_gbps", "read_gbps")
+        }
+        if all("error" not in d for d in limits["disk"])
+        else limits["disk"]
+    )
+
+    rows = {}
+    for system, outs in runs.items():
+        row = {"label": LABELS[system]}
+        for key in ("update_s", "engine_s", "grad_write_s", "adam_s", "compute_s", "read_wait_s"):
+            if key in outs[0]:
+                row[key] = summarize([o[key] for o in outs])
+        steps = [s for o in outs for s in o["steps"]]
+        row["bytes_read_per_step"] = statistics.median(s["bytes_read"] for s in steps)
+        row["bytes_written_per_step"] = statistics.median(s["bytes_written"] for s in steps)
+        if "cache_hits" in steps[0]:
+            row["cache_hits"] = statistics.median(s["cache_hits"] for s in steps)
+        for key in (
+            "subgroups",
+            "pinned_bytes",
+            "host_cache",
+            "disk_bytes",
+            "files",
+            "subgroups_per_tier",
+            "retained",
+            "dtype",
+            "deepspeed",
+            "torch",
+        ):
+            if key in outs[0]:
+                row[key] = outs[0][key]
+        rows[system] = row
+
+    ratios = {}
+
+    def ratio(name: str, num: str, num_key: str, den: str, den_key: str, add_grad=False):
+        if num not in runs or den not in runs:
+            return
+        per_round = []
+        for a, b in zip(runs[num], runs[den], strict=True):
+            top = a[num_key] + (a["grad_write_s"] if add_grad else 0.0)
+            per_round.append(top / b[den_key])
+        ratios[name] = summarize(per_round)
+
+    for jax_sys, tag in (
+        ("jax-all-2dirs", ""),
+        ("jax-all-1dir", "_1dir"),
+        ("jax-baseline", "_baseline"),
+    ):
+        ratio(
+            f"speedup_vs_deepspeed_pipelined{tag}_host",
+            "ds-pipelined",
+            "update_s",
+            jax_sys,
+            "engine_s",
+        )
+        ratio(
+            f"speedup_vs_deepspeed_pipelined{tag}_full",
+            "ds-pipelined",
+            "update_s",
+            jax_sys,
+            "update_s",
+        )
+        ratio(
+            f"speedup_vs_deepspeed_pipelined{tag}_host_with_grad_write",
+            "ds-pipelined",
+            "update_s",
+            jax_sys,
+            "engine_s",
+            add_grad=True,
+        )
+        ratio(
+            f"speedup_vs_deepspeed_partitioned{tag}_host",
+            "ds-partitioned",
+            "update_s",
+            jax_sys,
+            "engine_s",
+        )
+    ratio(
+        "deepspeed_partitioned_over_pipelined",
+        "ds-partitioned",
+        "update_s",
+        "ds-pipelined",
+        "update_s",
+    )
+
+    print(
+        f"\nstate: {args.elems} fp32 params ({args.state} of m, v; p, m, v on disk = "
+        f"{12 * args.elems / 2**30:.2f} GiB), subgroup {args.subgroup} elements, pinned host "
+        f"budget {args.cache_bytes / 2**20:.0f} MiB, {args.rounds} interleaved rounds x "
+        f"{args.steps} steps; medians over rounds [min-max]"
+    )
+    print(
+        f"{'system':<26}{'update s (host)':>22}{'tx.update s':>20}{'grad write s':>20}"
+        f"{'read GB':>9}{'write GB':>9}"
+    )
+    for row in rows.values():
+        host = row.get("engine_s", row["update_s"])
+        full = row["update_s"] if "engine_s" in row else None
+
+        def fmt(s):
+            return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]" if s else "-"
+
+        print(
+            f"{row['label']:<26}{fmt(host):>22}{fmt(full):>20}{fmt(row['grad_write_s']):>20}"
+            f"{row['bytes_read_per_step'] / 1e9:>9.2f}{row['bytes_written_per_step'] / 1e9:>9.2f}"
+        )
+    print("disk (fio O_DIRECT 1 MiB QD8):", json.dumps(limits["disk_summary"]))
+    print("memory:", json.dumps(limits["memory_start"]), json.dumps(limits["memory_end"]))
+    for k, v in ratios.items():
+        print(f"{k} = {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
+    if args.json:
+        result = {
+            "args": vars(args),
+            "machine": machine,
+            "limits": limits,
+            "rows": rows,
+            "ratios": ratios,
+            "runs": runs,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
