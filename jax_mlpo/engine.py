@@ -1,8 +1,10 @@
 """The host update pipeline: make a subgroup resident, run AdamW on it, write it back.
 
 Reads of the next subgroups are in flight while the current one computes, and write-backs drain
-behind it. Subgroups that fit in the host cache stay resident and are neither read nor written.
-All host memory the pipeline uses is allocated (and touched) once, when the engine is created.
+behind it. The subgroups the next step starts with stay in host memory across the step boundary
+(retention; the whole state when it fits the host budget). Subgroups live on tiers placed by
+the bandwidth model, re-planned online. All host memory the pipeline uses is allocated (and
+touched) once, when the engine is created.
 """
 
 from __future__ import annotations
