@@ -47,6 +47,8 @@ import subprocess
 import sys
 import time
 
+from sysio import drop_page_cache, median_time, proc_io
+
 logger = logging.getLogger("bench.deepspeed_peer")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,23 +61,6 @@ LABELS = {
     "jax-all-2dirs": "jax_mlpo all (2 dirs)",
     "jax-all-1dir": "jax_mlpo all (1 dir)",
 }
-
-
-def drop_page_cache() -> bool:
-    """Writes back and drops the page cache (root only), so that the next reads hit the disk."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
-def proc_io() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        fields = dict(line.split(": ") for line in f.read().splitlines())
-    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
 # ---- jax_mlpo worker (runs in the jax venv) ------------------------------------------------
@@ -115,7 +100,7 @@ def jax_worker(args) -> dict:
     init_s = time.perf_counter() - t0
     steps = []
     for step in range(args.warmup + args.steps):
-        dropped = drop_page_cache()  # outside the timing: every step reads from the disk
+        dropped = drop_page_cache(level=1)  # outside the timing: every step reads from the disk
         io0 = proc_io()
         t0 = time.perf_counter()
         updates, state = update(grads, state, params)
@@ -202,13 +187,7 @@ def memory_bandwidth(n: int = 1 << 26, repeats: int = 7) -> dict:
         ("memcpy_gbps", 8 * n, lambda: native.parallel_copy(a, b)),
         ("triad_gbps", 12 * n, lambda: native.stream_triad(a, b, c, 3.0)),
     ):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        res[key] = nbytes / statistics.median(times) / 1e9
+        res[key] = nbytes / median_time(fn, repeats) / 1e9
     res["threads"] = native.num_threads()
     return res
 

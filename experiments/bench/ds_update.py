@@ -29,23 +29,7 @@ import statistics
 import sys
 import time
 
-
-def drop_page_cache() -> bool:
-    """Writes back and drops the page cache (root only), so that the next reads hit the disk."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
-def proc_io() -> dict[str, int]:
-    """Bytes this process read from and wrote to storage (page cache misses, O_DIRECT)."""
-    with open("/proc/self/io") as f:
-        fields = dict(line.split(": ") for line in f.read().splitlines())
-    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
+from sysio import drop_page_cache, proc_io
 
 
 def main() -> None:
@@ -168,7 +152,7 @@ def main() -> None:
 
     steps = []
     for step in range(args.warmup + args.steps):
-        dropped = drop_page_cache()  # outside the timing: every step reads from the disk
+        dropped = drop_page_cache(level=1)  # outside the timing: every step reads from the disk
         io0 = proc_io()
         t0 = time.perf_counter()
         if not args.no_grad_swap:

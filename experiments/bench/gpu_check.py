@@ -21,7 +21,6 @@ import logging
 import pathlib
 import statistics
 import sys
-import time
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -51,6 +50,7 @@ native = import_native()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from sysio import median_time  # noqa: E402
 
 from jax_mlpo.kernels import BF16, F32, AdamWHyper  # noqa: E402
 
@@ -72,16 +72,6 @@ def check(ok: bool, what: str) -> None:
 def same_bits(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def raw_memcpy_seconds(dst: int, src: int, nbytes: int, kind: int, repeats: int) -> float:

@@ -22,22 +22,13 @@ import statistics
 import time
 
 import numpy as np
+from sysio import drop_page_cache
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.permits import TierPermits
 
 logger = logging.getLogger("bench.tiers")
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def run_once(

@@ -1,0 +1,45 @@
+"""Standard-library helpers shared by the benchmarks (also run in the DeepSpeed venv, which has
+no jax_mlpo): page-cache control, per-process I/O counters, median timing."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+
+def drop_page_cache(level: int = 3) -> bool:
+    """Writes back and drops the page cache (root only), so the next reads hit the disk.
+
+    Args:
+      level: what ``/proc/sys/vm/drop_caches`` drops: 1 page cache, 3 also dentries/inodes.
+
+    Returns:
+      Whether the cache could be dropped.
+    """
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write(f"{level}\n")
+        return True
+    except OSError:
+        return False
+
+
+def proc_io() -> dict[str, int]:
+    """Bytes this process read from and wrote to storage (page cache misses, O_DIRECT)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
