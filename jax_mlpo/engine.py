@@ -103,9 +103,10 @@ class Engine:
         self._outs = [out.reshape(-1) for out in self._outs_shaped]
         # Host buffers the device copies gradients and params into (XLA FFI copies; see
         # transform.py); gradient buffers follow the gradients' dtypes, known at the update.
-        self.staged_params = [np.zeros(shape, dt) for shape, dt in zip(
+        # flat views, as the kernel reads them, made once
+        self._staged_params = [np.zeros(shape, dt).reshape(-1) for shape, dt in zip(
             layout.shapes, layout.dtypes, strict=True)]  # fmt: skip
-        self.staged_grads: list[np.ndarray] = []
+        self._staged_grads: list[np.ndarray] = []
         self._stage_descriptors = np.zeros((2 * len(layout.shapes), 4), np.uint32)
         self.out_descriptors = np.stack(
             [native.host_descriptor(x) if x.size else np.zeros(4, np.uint32) for x in self._outs]
@@ -127,15 +128,20 @@ class Engine:
     def staging(self, grad_dtypes: Sequence[np.dtype]) -> np.ndarray:
         """Descriptors (``uint32[2 * leaves, 4]``) of the host buffers the next update's
         gradients (first) and params are copied into; zero rows for empty leaves."""
-        if [g.dtype for g in self.staged_grads] != [np.dtype(d) for d in grad_dtypes]:
-            self.staged_grads = [
-                np.zeros(shape, dt)
+        if [g.dtype for g in self._staged_grads] != [np.dtype(d) for d in grad_dtypes]:
+            self._staged_grads = [
+                np.zeros(shape, dt).reshape(-1)
                 for shape, dt in zip(self.layout.shapes, grad_dtypes, strict=True)
             ]
-            for k, x in enumerate(self.staged_grads + self.staged_params):
+            for k, x in enumerate(self._staged_grads + self._staged_params):
                 if x.size:
                     self._stage_descriptors[k] = native.host_descriptor(x)
         return self._stage_descriptors
+
+    def step_staged(self, count: int, hyper: AdamWHyper) -> np.ndarray:
+        """:meth:`step` on the staged gradients and params; returns the update's descriptors."""
+        self.step(count, hyper, self._staged_grads, self._staged_params)
+        return self.out_descriptors
 
     @property
     def failed(self) -> bool:
@@ -324,13 +330,14 @@ class Engine:
                 self._result(future, j)
                 free.append(buf)
             sg = self.layout.subgroups[i]
-            buf = free.popleft()[: sg.size]
+            full = free.popleft()
+            buf = full[: sg.size]
             t0 = time.monotonic()
             for seg in sg.segments:
                 leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
                 buf[seg.start : seg.start + seg.size] = grads[seg.leaf][leaf]
             metrics.compute_s += time.monotonic() - t0
-            pending.append((self.tiers[self.tier_of[i]].write(i, buf, kind="grad"), buf.base, i))
+            pending.append((self.tiers[self.tier_of[i]].write(i, buf, kind="grad"), full, i))
         t0 = time.monotonic()
         for future, _, j in pending:
             self._result(future, j)

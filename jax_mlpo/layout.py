@@ -12,7 +12,7 @@ master copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselv
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -160,8 +160,3 @@ def build_layout(
                 close()
     close()
     return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size)
-
-
-def flat_views(leaves: Sequence[Any], convert: Callable[[Any], np.ndarray] = np.asarray):
-    """1-D numpy views of leaves (zero-copy for CPU jax arrays and contiguous numpy arrays)."""
-    return [convert(x).reshape(-1) for x in leaves]

@@ -183,13 +183,7 @@ def _host_update(handle, count, scalars, tokens, b1, b2, eps):
     del tokens  # only orders this callback after the copies into the staging buffers
     lr, bc1, bc2 = (float(x) for x in np.asarray(scalars))
     hyper = AdamWHyper(bc1=bc1, bc2=bc2, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=0.0)
-    engine = _engine(handle)
-    flat = (
-        [x.reshape(-1) for x in engine.staged_grads],
-        [x.reshape(-1) for x in engine.staged_params],
-    )
-    engine.step(int(np.asarray(count)), hyper, *flat)
-    return engine.out_descriptors
+    return _engine(handle).step_staged(int(np.asarray(count)), hyper)
 
 
 def adamw(
