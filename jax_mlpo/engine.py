@@ -24,6 +24,7 @@ from jax_mlpo.layout import Layout, Subgroup
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore, TierIOError
 from jax_mlpo.tiers.permits import TierPermits
+from jax_mlpo.tiers.posix import aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def _split(sg: Subgroup, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarra
 
 
 def _touched(n: int) -> np.ndarray:
-    buf = np.empty(n, F32)
+    buf = aligned_empty(n, F32)  # page-aligned: the tiers' O_DIRECT requests use it in place
     buf.fill(0.0)  # first touch now, not inside the first step
     return buf
 

@@ -394,11 +394,12 @@ def test_every_flipped_byte_is_detected(tmp_path):
     mngr.close()
     saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
 
-    # tier blobs: every flip is caught by the blob's crc32c on the next read
-    store = jax_mlpo.engine_of(opt_state).tiers[0]
+    # tier blobs: every flip (data, padding, trailer) is caught by a crc32c on the next read
+    engine = jax_mlpo.engine_of(opt_state)
+    store = engine.tiers[0]
     blob = Path(store.blob_path(0))
     size = blob.stat().st_size
-    out = np.empty((size - 4) // 4, np.float32)
+    out = np.empty(engine.layout.subgroups[0].state_elems, np.float32)
     rng = random.Random(0)
     for pos in sorted({0, 1, size - 5, size - 4, size - 1, *rng.sample(range(size), 40)}):
         flip(blob, pos)

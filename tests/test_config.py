@@ -103,7 +103,10 @@ def test_offload_config_errors(kwargs, message):
 
 
 TIER_ERRORS = [
-    ("io_mode", dict(io_mode="bogus"), r"FileTier\.io_mode='bogus' for /t: must be 'default'"),
+    ("io_mode", dict(io_mode="bogus"), r"FileTier\.io_mode='bogus' for /t: must be one of"),
+    ("io_mode-memmap-posix", dict(io_mode="memmap"), r"io_mode='memmap' .*io_engine='posix'"),
+    ("io_engine", dict(io_engine="aio"), r"FileTier\.io_engine='aio' for /t: must be 'posix'"),
+    ("queue_depth-zero", dict(queue_depth=0), r"FileTier\.queue_depth=0 for /t: .*>= 1"),
     ("concurrency-zero", dict(max_concurrency=0), r"FileTier\.max_concurrency=0 for /t: .*>= 1"),
     ("concurrency-float", dict(max_concurrency=2.0), r"FileTier\.max_concurrency=2\.0"),
     ("cap-zero", dict(bandwidth_cap=0), r"FileTier\.bandwidth_cap=0 for /t: must be positive"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 
 from jax_mlpo.config import FileTier
-from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TokenBucket
+from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError, TokenBucket
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
 from jax_mlpo.tiers.permits import TierPermits
+from jax_mlpo.tiers.posix import ALIGN, aligned_empty
 
-CRC = 4  # bytes the crc32c codec appends to every blob file
+CRC = 4  # bytes the crc32c codec appends to every chunk file (tensorstore engine)
+ENGINES = ["posix", "tensorstore"]
 LOCK_MODULE = Path(__file__).resolve().parents[1] / "jax_mlpo" / "tiers" / "lock.py"
 
 
@@ -40,6 +43,17 @@ def open_store(path, lengths, **tier_kwargs) -> FileTierStore:
     return FileTierStore(tier, {"state": list(lengths)}, permits)
 
 
+def posix_file_bytes(n: int, chunk_bytes: int = 8 << 20) -> int:
+    """Size of a posix-engine blob file: the data padded to 4 KiB, then a 4 KiB-padded trailer
+    (24-byte header, a crc32c per chunk, the trailer's own crc32c)."""
+    chunks = max(1, -(-4 * n // chunk_bytes))
+    return -(-4 * n // ALIGN) * ALIGN + -(-(24 + 4 * chunks + 4) // ALIGN) * ALIGN
+
+
+def blob_file_bytes(engine: str, n: int) -> int:
+    return posix_file_bytes(n) if engine == "posix" else 4 * n + CRC
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -47,27 +61,49 @@ def fd_count() -> int:
 # -- data round trips ---------------------------------------------------------------------------
 
 
-def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(tmp_path):
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(engine, aligned, tmp_path):
     rng = np.random.default_rng(1)
     lengths = [10_000, 1024, 3]  # 1024-element chunks: 10 chunks (the last partial), 1, 1
-    store = open_store(tmp_path / "tier", lengths, sync=False, chunk_bytes=4096)
+    store = open_store(tmp_path / "tier", lengths, sync=False, chunk_bytes=4096, io_engine=engine)
+
+    def buffer(n: int) -> np.ndarray:
+        # page-aligned buffers go to O_DIRECT in place; others through the bounce buffer
+        return aligned_empty(n) if aligned else np.empty(n + 1, np.float32)[1:]
+
     try:
         blobs = [random_blob(rng, n) for n in lengths]
         for slot, blob in enumerate(blobs):
-            store.write(slot, blob).result()
+            src = buffer(len(blob))
+            src[:] = blob
+            store.write(slot, src).result()
         for slot, blob in enumerate(blobs):
-            out = np.empty(len(blob), np.float32)
+            out = buffer(len(blob))
             store.read(slot, out).result()
             assert same_bytes(out, blob), f"slot {slot}"
-        chunks = sorted(Path(store.blob_path(0)).parent.iterdir())
-        assert len(chunks) == 10
-        # zarr stores the partial last chunk whole: 10 chunks of 1024 elements
-        assert sum(p.stat().st_size - CRC for p in chunks) == 4 * 10 * 1024
-        victim = chunks[7]
-        data = bytearray(victim.read_bytes())
-        data[5] ^= 0x01
-        victim.write_bytes(bytes(data))
-        with pytest.raises(CorruptBlobError, match="checksum"):
+        if engine == "posix":
+            (path,) = store.blob_files(0)
+            assert store._blobs._direct  # /tmp supports O_DIRECT here; tmpfs would not
+            assert os.path.getsize(path) == posix_file_bytes(10_000, 4096)
+            # flip one byte in chunk 7 of 10: that chunk is named
+            with open(path, "r+b") as f:
+                f.seek(7 * 4096 + 5)
+                byte = f.read(1)
+                f.seek(7 * 4096 + 5)
+                f.write(bytes([byte[0] ^ 0x01]))
+            match = "chunk 7"
+        else:
+            chunks = [Path(p) for p in store.blob_files(0)]
+            assert len(chunks) == 10
+            # zarr stores the partial last chunk whole: 10 chunks of 1024 elements
+            assert sum(p.stat().st_size - CRC for p in chunks) == 4 * 10 * 1024
+            victim = sorted(chunks)[7]
+            data = bytearray(victim.read_bytes())
+            data[5] ^= 0x01
+            victim.write_bytes(bytes(data))
+            match = "checksum"
+        with pytest.raises(CorruptBlobError, match=match):
             store.read(0, np.empty(lengths[0], np.float32)).result()
     finally:
         store.close()
@@ -76,9 +112,10 @@ def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(tmp_path)
 LENGTHS = [1, 7, 4096, 7, 100_000, 3, 4096]
 
 
-def test_round_trip_is_byte_exact(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_round_trip_is_byte_exact(engine, tmp_path):
     rng = np.random.default_rng(0)
-    store = open_store(tmp_path / "tier", LENGTHS, sync=False)
+    store = open_store(tmp_path / "tier", LENGTHS, sync=False, io_engine=engine)
     try:
         blobs = [random_blob(rng, n) for n in LENGTHS]
         for slot, blob in enumerate(blobs):
@@ -87,8 +124,8 @@ def test_round_trip_is_byte_exact(tmp_path):
             out = np.full(len(blob), np.nan, np.float32)
             store.read(slot, out).result()
             assert same_bytes(out, blob), f"slot {slot}"
-            # one file per blob, holding exactly the blob and its checksum
-            assert os.path.getsize(store.blob_path(slot)) == 4 * len(blob) + CRC
+            # one file per blob, holding the blob and its checksum(s)
+            assert os.path.getsize(store.blob_path(slot)) == blob_file_bytes(engine, len(blob))
         # overwriting one blob leaves the others alone
         blobs[3] = random_blob(rng, LENGTHS[3])
         store.write(3, blobs[3]).result()
@@ -102,10 +139,18 @@ def test_round_trip_is_byte_exact(tmp_path):
         store.close()
 
 
-def test_concurrent_reads_and_writes_are_byte_exact(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_concurrent_reads_and_writes_are_byte_exact(engine, tmp_path):
     rng = np.random.default_rng(1)
     lengths = [1000, 333, 4096, 1, 2048] * 5
-    store = open_store(tmp_path / "tier", lengths, max_concurrency=4, sync=False)
+    store = open_store(
+        tmp_path / "tier",
+        lengths,
+        max_concurrency=4,
+        sync=False,
+        chunk_bytes=4096,
+        io_engine=engine,
+    )
     try:
         blobs = [random_blob(rng, n) for n in lengths]
         writes = [store.write(slot, blob) for slot, blob in enumerate(blobs)]  # all outstanding
@@ -171,8 +216,9 @@ def test_requests_in_flight_bounded_per_direction(tmp_path):
         store.close()
 
 
-def test_blob_kinds_are_separate(tmp_path):
-    tier = FileTier(str(tmp_path / "tier"), sync=False)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_blob_kinds_are_separate(engine, tmp_path):
+    tier = FileTier(str(tmp_path / "tier"), sync=False, io_engine=engine)
     kinds = {"state": [30, 30, 9], "grad": [10, 10, 3]}
     store = FileTierStore(tier, kinds, TierPermits(tier.path, 2, 2))
     try:
@@ -186,26 +232,43 @@ def test_blob_kinds_are_separate(tmp_path):
             out = np.empty(len(x), np.float32)
             store.read(s, out, kind=k).result()
             assert same_bytes(out, x), (k, s)
-            assert os.path.getsize(store.blob_path(s, kind=k)) == 4 * len(x) + CRC
+            assert os.path.getsize(store.blob_path(s, kind=k)) == blob_file_bytes(engine, len(x))
     finally:
         store.close()
 
 
 # -- corruption ---------------------------------------------------------------------------------
 
-CORRUPTIONS = [
-    ("data-first", lambda size: 0),
-    ("data-last", lambda size: size - CRC - 1),
-    ("crc", lambda size: size - 2),
-]
+CORRUPTIONS = {
+    "tensorstore": [
+        ("data-first", lambda n, size: 0),
+        ("data-last", lambda n, size: size - CRC - 1),
+        ("crc", lambda n, size: size - 2),
+    ],
+    "posix": [
+        ("data-first", lambda n, size: 0),
+        ("data-last", lambda n, size: 4 * n - 1),
+        ("trailer-magic", lambda n, size: -(-4 * n // ALIGN) * ALIGN),
+        ("trailer-length", lambda n, size: -(-4 * n // ALIGN) * ALIGN + 8),
+        ("chunk-crc", lambda n, size: -(-4 * n // ALIGN) * ALIGN + 25),
+        ("data-padding", lambda n, size: 4 * n + 1),
+        ("trailer-padding", lambda n, size: size - 100),
+        ("trailer-crc", lambda n, size: size - 2),
+    ],
+}
+CORRUPTION_CASES = [(e, n, w) for e, cases in CORRUPTIONS.items() for n, w in cases]
 
 
-@pytest.mark.parametrize("where", [w for _, w in CORRUPTIONS], ids=[n for n, _ in CORRUPTIONS])
-def test_flipped_byte_is_detected(where, tmp_path):
+@pytest.mark.parametrize(
+    "engine,where",
+    [(e, w) for e, _, w in CORRUPTION_CASES],
+    ids=[f"{e}-{n}" for e, n, _ in CORRUPTION_CASES],
+)
+def test_flipped_byte_is_detected(engine, where, tmp_path):
     rng = np.random.default_rng(2)
     lengths = [64, 5, 64, 1]
     tier_path = str(tmp_path / "tier")
-    store = open_store(tier_path, lengths, sync=False)
+    store = open_store(tier_path, lengths, sync=False, io_engine=engine)
     try:
         blobs = [random_blob(rng, n) for n in lengths]
         for slot, blob in enumerate(blobs):
@@ -213,9 +276,9 @@ def test_flipped_byte_is_detected(where, tmp_path):
         for slot in range(len(lengths)):
             path = Path(store.blob_path(slot))
             original = path.read_bytes()
-            assert len(original) == 4 * lengths[slot] + CRC
+            assert len(original) == blob_file_bytes(engine, lengths[slot])
             corrupt = bytearray(original)
-            corrupt[where(len(original))] ^= 0x10
+            corrupt[where(lengths[slot], len(original))] ^= 0x10
             path.write_bytes(bytes(corrupt))
             with pytest.raises(CorruptBlobError) as info:
                 store.read(slot, np.empty(lengths[slot], np.float32)).result()
@@ -232,6 +295,98 @@ def test_flipped_byte_is_detected(where, tmp_path):
             out = np.empty(lengths[slot], np.float32)
             store.read(slot, out).result()
             assert same_bytes(out, blobs[slot])
+    finally:
+        store.close()
+
+
+def test_torn_write_is_detected(tmp_path):
+    # A crash after a rewrite's chunks landed but before its trailer did: new data, old checksums.
+    rng = np.random.default_rng(3)
+    store = open_store(tmp_path / "tier", [3000], sync=False, chunk_bytes=4096)
+    try:
+        old, new = random_blob(rng, 3000), random_blob(rng, 3000)
+        store.write(0, old).result()
+        with open(store.blob_path(0), "r+b") as f:
+            f.write(new[:1024].tobytes())  # the first chunk of the rewrite only
+        with pytest.raises(CorruptBlobError, match="1 of 3 chunks fail their crc32c"):
+            store.read(0, np.empty(3000, np.float32)).result()
+        store.write(0, new).result()  # a complete rewrite heals it
+        out = np.empty(3000, np.float32)
+        store.read(0, out).result()
+        assert same_bytes(out, new)
+    finally:
+        store.close()
+
+
+def test_truncated_and_missing_blob_files_are_named(tmp_path):
+    store = open_store(tmp_path / "tier", [3000, 10], sync=False)
+    try:
+        store.write(0, np.ones(3000, np.float32)).result()
+        path = store.blob_path(0)
+        os.truncate(path, 4096)
+        with pytest.raises(CorruptBlobError, match=r"state-0\.blob is 4096 bytes.*truncated"):
+            store.read(0, np.empty(3000, np.float32)).result()
+        with pytest.raises(TierIOError, match=r"never written.*state-1\.blob.*Restore"):
+            store.read(1, np.empty(10, np.float32)).result()
+    finally:
+        store.close()
+
+
+def test_posix_tier_without_o_direct_uses_the_page_cache(tmp_path, caplog, monkeypatch):
+    # A file system that refuses O_DIRECT (EINVAL at open, as older tmpfs and some network file
+    # systems do): the tier says so once and still round-trips exactly through the page cache.
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr("jax_mlpo.tiers.posix.os.open", refusing_open)
+    rng = np.random.default_rng(4)
+    store = open_store(tmp_path / "tier", [5000, 3], sync=True, chunk_bytes=8192)
+    try:
+        blobs = [random_blob(rng, 5000), random_blob(rng, 3)]
+        with caplog.at_level("WARNING", logger="jax_mlpo.tiers.posix"):
+            for slot, blob in enumerate(blobs):
+                store.write(slot, blob).result()
+        assert [r.message for r in caplog.records] == [
+            f"{tmp_path / 'tier'} does not support O_DIRECT (tmpfs?); this tier uses the page cache"
+        ]
+        for slot, blob in enumerate(blobs):
+            out = aligned_empty(len(blob))
+            store.read(slot, out).result()
+            assert same_bytes(out, blob)
+    finally:
+        store.close()
+
+
+def test_reads_are_served_before_queued_writes(tmp_path):
+    # One request in flight: reads submitted after a burst of writes still go first.
+    n, slots = 4096, 6
+    store = open_store(
+        tmp_path / "tier",
+        [n] * 2 * slots,
+        max_concurrency=8,
+        queue_depth=1,
+        chunk_bytes=4096,
+        sync=False,
+    )
+    try:
+        for f in [store.write(s, np.full(n, s, np.float32)) for s in range(slots, 2 * slots)]:
+            f.result()
+        store.trace = []
+        writes = [store.write(s, np.full(n, s, np.float32)) for s in range(slots)]
+        time.sleep(0.001)
+        outs = [np.empty(n, np.float32) for _ in range(2)]
+        reads = [store.read(slots + s, out) for s, out in enumerate(outs)]
+        for f in writes + reads:
+            f.result()
+        ends = {(k, s): t1 for k, s, _, t1 in store.trace}
+        last_read = max(ends[("read", slots + s)] for s in range(2))
+        assert last_read < max(ends[("write", s)] for s in range(slots))
+        for s, out in enumerate(outs):
+            assert np.all(out == slots + s)
     finally:
         store.close()
 
@@ -365,8 +520,10 @@ def test_no_file_descriptor_leak(node_permits, tmp_path):
         node = dict(node_dir=str(tmp_path / "permits"), node_reads=2, node_writes=2)
         permits = TierPermits(tier.path, 2, 2, **(node if node_permits else {}))
         store = FileTierStore(tier, {"state": [10, 7, 10]}, permits)
-        store.write(0, np.ones(10, np.float32)).result()
+        store.write(1, np.ones(7, np.float32)).result()
         store.read(1, np.empty(7, np.float32)).result()
+        with pytest.raises(TierIOError, match="never written"):  # the error path closes too
+            store.read(2, np.empty(10, np.float32)).result()
         store.close()
 
     for i in range(3):  # warm up tensorstore's own long-lived resources

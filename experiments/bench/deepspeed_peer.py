@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 
-from sysio import drop_page_cache, median_time, proc_io
+from sysio import drop_page_cache, fio_bandwidth, median_time, proc_io
 
 logger = logging.getLogger("bench.deepspeed_peer")
 
@@ -146,33 +146,6 @@ def jax_worker(args) -> dict:
 
 
 # ---- hardware limits -------------------------------------------------------------------------
-
-
-def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
-    """Sequential O_DIRECT write then read of one file: 1 MiB requests, queue depth 8 (libaio)."""
-    if shutil.which("fio") is None:
-        return {"error": "fio not installed (apt-get install fio)"}
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "fio.dat")
-    out = {}
-    for rw in ("write", "read"):
-        cmd = [
-            "fio",
-            "--name=seq",
-            f"--filename={path}",
-            f"--rw={rw}",
-            "--bs=1M",
-            "--iodepth=8",
-            "--ioengine=libaio",
-            "--direct=1",
-            f"--size={size}",
-            "--output-format=json",
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        job = json.loads(res.stdout)["jobs"][0][rw]
-        out[f"{rw}_gbps"] = job["bw_bytes"] / 1e9
-    os.remove(path)
-    return out
 
 
 def memory_bandwidth(n: int = 1 << 26, repeats: int = 7) -> dict:

@@ -3,8 +3,11 @@ no jax_mlpo): page-cache control, per-process I/O counters, median timing."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -43,3 +46,30 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
+    """Sequential O_DIRECT write then read of one file: 1 MiB requests, queue depth 8 (libaio)."""
+    if shutil.which("fio") is None:
+        return {"error": "fio not installed (apt-get install fio)"}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "fio.dat")
+    out = {}
+    for rw in ("write", "read"):
+        cmd = [
+            "fio",
+            "--name=seq",
+            f"--filename={path}",
+            f"--rw={rw}",
+            "--bs=1M",
+            "--iodepth=8",
+            "--ioengine=libaio",
+            "--direct=1",
+            f"--size={size}",
+            "--output-format=json",
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        job = json.loads(res.stdout)["jobs"][0][rw]
+        out[f"{rw}_gbps"] = job["bw_bytes"] / 1e9
+    os.remove(path)
+    return out

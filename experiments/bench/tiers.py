@@ -1,19 +1,21 @@
-"""File tier throughput: tensorstore io_mode (page cache vs O_DIRECT) x in-flight requests.
+"""File tier throughput against the disk's raw bandwidth, measured in the same run.
 
 Writes then reads N subgroup blobs through :class:`jax_mlpo.tiers.file.FileTierStore` with all
-requests submitted at once (the tier's ``max_concurrency`` bounds those in flight), dropping the
-page cache before each read pass when permitted (root), so reads come from the disk. Each
-configuration runs ``--repeats`` times, interleaved, and the table gives medians.
+requests submitted at once (the tier's ``max_concurrency`` bounds the blobs in flight), from
+page-aligned buffers as the engine's, dropping the page cache before each read pass when
+permitted (root), so reads come from the disk. Each configuration (I/O engine and mode) runs
+``--repeats`` times, interleaved with fio (O_DIRECT, 1 MiB requests, queue depth 8: the raw
+sequential bandwidth, as DeepSpeed's aio config uses it) on the same directory; the table gives
+medians and ``tier_efficiency`` = tier GB/s / fio GB/s of the same repeat (median over repeats).
 
 Usage:
-  python experiments/bench/tiers.py --dir /tmp/tierbench --blob-mib 32 --blobs 16 --repeats 5 \
-      [--json experiments/results/tiers.json]
+  python experiments/bench/tiers.py --dir /tmp/jax_mlpo-tierbench --blob-mib 96 --blobs 16 \
+      --repeats 5 [--json experiments/results/tiers.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -21,37 +23,47 @@ import shutil
 import statistics
 import time
 
-import numpy as np
-from sysio import drop_page_cache
+from sysio import drop_page_cache, fio_bandwidth
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.permits import TierPermits
+from jax_mlpo.tiers.posix import aligned_empty
 
 logger = logging.getLogger("bench.tiers")
 
 
-def run_once(
-    directory: str, mode: str, concurrency: int, chunk_mib: int, blob_elems: int, blobs: int
-):
+def run_once(directory: str, config: str, args: argparse.Namespace) -> tuple[float, float, bool]:
+    """GB/s of writing then reading ``args.blobs`` blobs with one tier configuration."""
+    engine, mode = config.split(":")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     tier = FileTier(
-        directory, max_concurrency=concurrency, io_mode=mode, chunk_bytes=chunk_mib * 2**20
+        directory,
+        io_engine=engine,
+        io_mode=mode,
+        max_concurrency=args.concurrency,
+        queue_depth=args.queue_depth,
+        chunk_bytes=args.chunk_mib * 2**20,
     )
+    blob_elems = args.blob_mib * 2**20 // 4
     store = FileTierStore(
-        tier, {"state": [blob_elems] * blobs}, TierPermits(directory, concurrency, concurrency)
+        tier,
+        {"state": [blob_elems] * args.blobs},
+        TierPermits(directory, args.concurrency, args.concurrency),
     )
     try:
-        bufs = [np.full(blob_elems, i, np.float32) for i in range(min(blobs, 4))]
-        total = blob_elems * 4 * blobs
+        bufs = [aligned_empty(blob_elems) for _ in range(min(args.blobs, 4))]
+        for i, b in enumerate(bufs):
+            b.fill(i)
+        total = blob_elems * 4 * args.blobs
         t0 = time.perf_counter()
-        for f in [store.write(i, bufs[i % len(bufs)]) for i in range(blobs)]:
+        for f in [store.write(i, bufs[i % len(bufs)]) for i in range(args.blobs)]:
             f.result()
         write_s = time.perf_counter() - t0
         cold = drop_page_cache()
         t0 = time.perf_counter()
-        for f in [store.read(i, bufs[i % len(bufs)]) for i in range(blobs)]:
+        for f in [store.read(i, bufs[i % len(bufs)]) for i in range(args.blobs)]:
             f.result()
         read_s = time.perf_counter() - t0
     finally:
@@ -62,55 +74,87 @@ def run_once(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default="/tmp/jax_mlpo-tierbench/tier")
-    parser.add_argument("--blob-mib", type=int, default=32)
+    parser.add_argument("--dir", default="/tmp/jax_mlpo-tierbench")
+    parser.add_argument("--blob-mib", type=int, default=96, help="one blob (a subgroup's p, m, v)")
     parser.add_argument("--blobs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modes", default="default,direct")
-    parser.add_argument("--concurrency", default="1,4,8")
-    parser.add_argument("--chunk-mib", default="64", help="chunk sizes to compare (MiB)")
+    parser.add_argument(
+        "--configs",
+        default="posix:direct,posix:default,tensorstore:direct,tensorstore:default",
+        help="io_engine:io_mode pairs to compare",
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="FileTier.max_concurrency")
+    parser.add_argument("--queue-depth", type=int, default=8, help="FileTier.queue_depth")
+    parser.add_argument("--chunk-mib", type=int, default=8, help="FileTier.chunk_bytes in MiB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    blob_elems = args.blob_mib * 2**20 // 4
-    configs = list(
-        itertools.product(
-            args.modes.split(","),
-            [int(c) for c in args.concurrency.split(",")],
-            [int(c) for c in args.chunk_mib.split(",")],
-        )
-    )
+    configs = args.configs.split(",")
     results: dict[str, dict[str, list[float]]] = {
-        f"{m}/c{c}/{k}MiB": {"w": [], "r": []} for m, c, k in configs
+        c: {"w": [], "r": [], "w_eff": [], "r_eff": []} for c in configs
     }
+    fio: dict[str, list[float]] = {"write_gbps": [], "read_gbps": []}
     cold_reads = True
     for rep in range(args.repeats):
-        for mode, conc, chunk in configs:  # interleaved: slow phases of the disk hit every config
-            w, r, cold = run_once(args.dir, mode, conc, chunk, blob_elems, args.blobs)
+        raw = fio_bandwidth(os.path.join(args.dir, "fio"))
+        if "error" in raw:
+            raise SystemExit(raw["error"])
+        for k in fio:
+            fio[k].append(raw[k])
+        for config in configs:  # interleaved: slow phases of the disk hit every config
+            w, r, cold = run_once(os.path.join(args.dir, "tier"), config, args)
             cold_reads &= cold
-            results[f"{mode}/c{conc}/{chunk}MiB"]["w"].append(w)
-            results[f"{mode}/c{conc}/{chunk}MiB"]["r"].append(r)
-        logger.info("repeat %d/%d done", rep + 1, args.repeats)
+            res = results[config]
+            res["w"].append(w)
+            res["r"].append(r)
+            res["w_eff"].append(w / raw["write_gbps"])
+            res["r_eff"].append(r / raw["read_gbps"])
+        logger.info("repeat %d/%d done (fio %s)", rep + 1, args.repeats, raw)
+    med = statistics.median
     table = {
-        k: {
-            "write_gbps": statistics.median(v["w"]),
-            "read_gbps": statistics.median(v["r"]),
+        c: {
+            "write_gbps": med(v["w"]),
+            "read_gbps": med(v["r"]),
             "write_range": [min(v["w"]), max(v["w"])],
             "read_range": [min(v["r"]), max(v["r"])],
+            "write_efficiency": med(v["w_eff"]),
+            "read_efficiency": med(v["r_eff"]),
         }
-        for k, v in results.items()
+        for c, v in results.items()
     }
-    print(f"{args.blobs} blobs of {args.blob_mib} MiB, fsync'd writes, "
-          f"{'cold' if cold_reads else 'page-cache'} reads, medians of {args.repeats}")  # fmt: skip
-    print(f"{'config':<20}{'write GB/s':>12}{'(min-max)':>16}{'read GB/s':>12}{'(min-max)':>16}")
-    for k, v in table.items():
-        wr, rr = v["write_range"], v["read_range"]
-        print(f"{k:<20}{v['write_gbps']:>12.2f}{f'{wr[0]:.2f}-{wr[1]:.2f}':>16}"
-              f"{v['read_gbps']:>12.2f}{f'{rr[0]:.2f}-{rr[1]:.2f}':>16}")  # fmt: skip
+    limits = {k: med(v) for k, v in fio.items()} | {
+        f"{k}_range": [min(v), max(v)] for k, v in fio.items()
+    }
+    print(
+        f"{args.blobs} blobs of {args.blob_mib} MiB, {args.chunk_mib} MiB requests, "
+        f"max_concurrency {args.concurrency}, queue_depth {args.queue_depth}, fsync'd writes, "
+        f"{'cold' if cold_reads else 'page-cache'} reads; medians of {args.repeats} interleaved "
+        "repeats"
+    )
+    print(
+        f"raw (fio O_DIRECT 1 MiB QD8): write {limits['write_gbps']:.2f} GB/s "
+        f"[{min(fio['write_gbps']):.2f}-{max(fio['write_gbps']):.2f}], "
+        f"read {limits['read_gbps']:.2f} GB/s "
+        f"[{min(fio['read_gbps']):.2f}-{max(fio['read_gbps']):.2f}]"
+    )
+    print(f"{'config':<22}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}")
+    for c, v in table.items():
+        print(
+            f"{c:<22}{v['write_gbps']:>11.2f}{v['write_efficiency']:>6.2f}"
+            f"{v['read_gbps']:>11.2f}{v['read_efficiency']:>6.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"blob_mib": args.blob_mib, "blobs": args.blobs, "cold_reads": cold_reads,
-                       "results": table}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "args": vars(args),
+                    "cold_reads": cold_reads,
+                    "fio": limits,
+                    "results": table,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""A file tier: subgroup blobs in a zarr3 array on tensorstore's ``file`` driver.
+"""A file tier: a directory of checksummed subgroup blobs, read and written asynchronously.
 
-Each tier directory holds a zarr3 array ``<kind>-<n>`` of shape ``(blobs, n)`` float32 per kind of
-blob and blob length ``n`` (usually two lengths: full subgroups and the shorter last one), with
-one chunk per blob, so every subgroup blob is one file of exactly its size, written and read whole
-(large sequential I/O). The ``crc32c`` codec stores a checksum with every chunk and tensorstore
-verifies it on every read. Requests run on a per-tier thread pool, each holding a read or write
-permit (:mod:`jax_mlpo.tiers.permits`) and blocking in tensorstore with the GIL released.
+:class:`FileTierStore` is what the engine sees of a tier: ``read``/``write`` of whole blobs as
+futures, each holding a read or write permit (:mod:`jax_mlpo.tiers.permits`, in the process and
+on the node) and paced by the tier's bandwidth cap, with byte counts, busy time and an optional
+trace. The bytes move through the tier's I/O engine: :mod:`jax_mlpo.tiers.posix` (chunked
+``pread``/``pwrite`` with O_DIRECT, the default) or :mod:`jax_mlpo.tiers.zarr` (tensorstore).
+Errors name the tier, the blob's file, the cause and what to do.
 """
 
 from __future__ import annotations
@@ -14,22 +14,17 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from jax_mlpo.config import FileTier
+from jax_mlpo.tiers.errors import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierLock
 from jax_mlpo.tiers.permits import TierPermits
+from jax_mlpo.tiers.posix import PosixBlobs
+from jax_mlpo.tiers.zarr import ZarrBlobs
 
-
-class TierIOError(OSError):
-    """A read or write on a tier failed; the message names the tier, the file and what to do."""
-
-
-class CorruptBlobError(TierIOError):
-    """A blob failed its checksum: what is on disk is not what was written."""
+__all__ = ["CorruptBlobError", "FileTierStore", "TierIOError", "TokenBucket"]
 
 
 class TokenBucket:
@@ -59,47 +54,13 @@ class TokenBucket:
             time.sleep(delay)
 
 
-def context_spec(tier: FileTier) -> dict[str, Any]:
-    """The tensorstore context of a tier: its own I/O concurrency, sync and mode, no cache."""
-    return {
-        "file_io_concurrency": {"limit": tier.max_concurrency},
-        "file_io_sync": tier.sync,
-        "file_io_mode": {"mode": tier.io_mode},
-        "cache_pool": {"total_bytes_limit": 0},
-    }
-
-
-def array_spec(path: str, slots: int, slot_elems: int, chunk_elems: int) -> dict[str, Any]:
-    """The zarr3 spec of a tier's blob array: a row per slot, cut into checksummed chunks of at
-    most ``chunk_elems`` (so one blob is several requests in flight)."""
-    return {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": path},
-        # An all-zero blob (fresh moments) is still written: the file is the state, not a hint.
-        "store_data_equal_to_fill_value": True,
-        "metadata": {
-            "shape": [slots, slot_elems],
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": [1, min(slot_elems, chunk_elems)]},
-            },
-            "data_type": "float32",
-            "codecs": [
-                {"name": "bytes", "configuration": {"endian": "little"}},
-                {"name": "crc32c"},
-            ],
-            "fill_value": 0,
-        },
-    }
-
-
 class FileTierStore:
     """The open, locked blob arrays of one :class:`~jax_mlpo.config.FileTier`.
 
     A tier holds blobs of several kinds: ``"state"`` (a subgroup's ``[p | m | v]``), ``"grad"``
     (fp32 gradients, only when gradient conversion is not delayed) and ``"probe"`` (bandwidth
-    probe). Slot ``i`` of a kind is subgroup ``i``; any tier can hold any subgroup (zarr3 stores
-    only the chunks written), which lets placement move a subgroup by writing it elsewhere.
+    probe). Slot ``i`` of a kind is subgroup ``i``; any tier can hold any subgroup (a blob takes
+    space once written), which lets placement move a subgroup by writing it elsewhere.
 
     Args:
       tier: the tier's configuration.
@@ -125,36 +86,21 @@ class FileTierStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
         )
-        # (kind, slot) -> (array, row); one array per kind and blob length, rows per length
-        self._where: dict[str, list[tuple[int, int]]] = {}
-        self._arrays: list[ts.TensorStore] = []
-        self._names: list[str] = []
+        self._blobs: PosixBlobs | ZarrBlobs | None = None
         try:
-            context = ts.Context(context_spec(tier))
-            for kind, lengths in kinds.items():
-                sizes = sorted(set(lengths))
-                counts = dict.fromkeys(sizes, 0)
-                where = []
-                for n in lengths:
-                    where.append((len(self._arrays) + sizes.index(n), counts[n]))
-                    counts[n] += 1
-                self._where[kind] = where
-                for n in sizes:
-                    name = f"{kind}-{n}"
-                    spec = array_spec(
-                        os.path.join(self.directory, name), counts[n], n, tier.chunk_bytes // 4
-                    )
-                    self._arrays.append(
-                        ts.open(spec, create=True, delete_existing=True, context=context).result()
-                    )
-                    self._names.append(name)
+            engine = PosixBlobs if tier.io_engine == "posix" else ZarrBlobs
+            self._blobs = engine(self.directory, tier, kinds)
         except Exception as e:
             self.close()
-            raise TierIOError(self._explain(e, "creating the blob arrays in")) from e
+            raise TierIOError(self._explain(e, "creating the blob files in")) from e
 
     def blob_path(self, slot: int, kind: str = "state") -> str:
-        array, row = self._where[kind][slot]
-        return os.path.join(self.directory, self._names[array], "c", str(row), "0")
+        """The file that holds blob ``slot`` of ``kind`` (its first chunk for tensorstore)."""
+        return self._blobs.path(slot, kind)
+
+    def blob_files(self, slot: int, kind: str = "state") -> list[str]:
+        """Every file that holds a part of blob ``slot`` of ``kind``."""
+        return self._blobs.files(slot, kind)
 
     def read(self, slot: int, out: np.ndarray, kind: str = "state") -> concurrent.futures.Future:
         """Reads blob ``slot`` of ``kind`` into ``out`` (float32, 1-D, its length), async."""
@@ -167,20 +113,16 @@ class FileTierStore:
         """
         return self._pool.submit(self._write, slot, data, kind)
 
-    def _blob(self, slot: int, kind: str) -> ts.TensorStore:
-        array, row = self._where[kind][slot]
-        return self._arrays[array][row]
-
     def _read(self, slot: int, out: np.ndarray, kind: str) -> None:
         with self.permits.hold("read"):
             deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
             t0 = self._begin()
             try:
-                ts.array(out, copy=False).write(self._blob(slot, kind)).result()
+                self._blobs.read(slot, kind, out)
                 if self._bucket:
                     self._bucket.wait_until(deadline)
             except Exception as e:
-                cls = CorruptBlobError if "DATA_LOSS" in str(e) else TierIOError
+                cls = CorruptBlobError if isinstance(e, CorruptBlobError) else TierIOError
                 raise cls(
                     self._explain(e, f"reading blob {self.blob_path(slot, kind)} from")
                 ) from e
@@ -192,7 +134,7 @@ class FileTierStore:
             deadline = self._bucket.reserve(data.nbytes) if self._bucket else 0.0
             t0 = self._begin()
             try:
-                self._blob(slot, kind).write(data).result()
+                self._blobs.write(slot, kind, data)
                 if self._bucket:
                     self._bucket.wait_until(deadline)
             except Exception as e:
@@ -226,7 +168,7 @@ class FileTierStore:
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)
-        if "DATA_LOSS" in text:
+        if isinstance(error, CorruptBlobError):
             hint = (
                 "the blob on disk does not match its checksum (corrupted or half-written). "
                 "Restore the optimizer state from your last checkpoint."
@@ -237,6 +179,11 @@ class FileTierStore:
                 "restore the optimizer state from your last checkpoint (an update that failed "
                 "midway leaves it partly updated)."
             )
+        elif isinstance(error, FileNotFoundError):
+            hint = (
+                "the blob's file is missing (deleted, or the tier directory was replaced while "
+                "in use). Restore the optimizer state from your last checkpoint."
+            )
         elif "Permission denied" in text or "EACCES" in text:
             hint = "permission denied. Fix the directory's permissions or choose another path."
         else:
@@ -246,5 +193,7 @@ class FileTierStore:
     def close(self) -> None:
         """Waits for in-flight I/O and releases the tier's lock and permits."""
         self._pool.shutdown(wait=True)
+        if self._blobs is not None:
+            self._blobs.close()
         self.permits.close()
         self._lock.release()
