@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -43,6 +44,11 @@ def _split(sg: Subgroup, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarra
     if sg.has_master:
         return blob[:n], blob[n : 2 * n], blob[2 * n : 3 * n]
     return None, blob[:n], blob[n : 2 * n]
+
+
+def _remove(buffers: list[np.ndarray], buf: np.ndarray) -> None:
+    """Removes ``buf`` itself (not an equal array) from ``buffers``."""
+    del buffers[next(k for k, b in enumerate(buffers) if b is buf)]
 
 
 def _touched(n: int) -> np.ndarray:
@@ -85,6 +91,8 @@ class Engine:
         sgs = layout.subgroups
         # subgroup -> its buffer, for subgroups resident in host memory (dirty: newer than disk)
         self._cache: dict[int, np.ndarray] = {}
+        # subgroup -> a free buffer still holding its state as last written (clean)
+        self._clean: dict[int, np.ndarray] = {}
         self.tiers: list[FileTierStore] = []
         self.tier_of: list[int] = []  # where each subgroup's blob is on disk
         self._target: list[int] = []  # where it goes on its next write-back (re-planning)
@@ -345,14 +353,26 @@ class Engine:
         metrics.write_wait_s += time.monotonic() - t0
 
     def _run(self, order, retain, grads, params, hypers, init_master, metrics) -> None:
+        """The pipeline of one step: reads ahead, updates in ``order``, writes back.
+
+        Host buffers are a cache of subgroups: dirty retained ones (``self._cache``, not on disk
+        yet) and, with retention and delayed conversion, clean ones (``self._clean``: written
+        back, still in a free buffer). Either is updated without a read. A read takes an empty
+        buffer, or evicts the clean subgroup needed last (Belady), never one needed before the
+        subgroup it reads. With the alternating order the subgroups the last step wrote last
+        are the first this step needs, so the whole cache is reused, not just the retained part.
+        """
         sgs = self.layout.subgroups
         delayed = self.config.delayed_conversion or self.host_only
-        upcoming = [i for i in order if i not in self._cache]
+        reuse = delayed and self.config.retain
+        clean = self._clean
+        holder = {id(buf): i for i, buf in clean.items()}  # clean buffer -> its subgroup
+        position = {i: n for n, i in enumerate(order)}
+        cursor = -1  # position in order of the subgroup being updated
         cached_ids = {id(b) for b in self._cache.values()}
-        free = collections.deque(b for b in self._buffers if id(b) not in cached_ids)
+        free = [b for b in self._buffers if id(b) not in cached_ids]
         reads: dict[int, tuple[list[concurrent.futures.Future], np.ndarray]] = {}
         writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
-        next_read = 0
 
         def reclaim(block: bool) -> None:
             while writes and (block or writes[0][0].done()):
@@ -365,48 +385,83 @@ class Engine:
                         raise
                 metrics.write_wait_s += time.monotonic() - t0
                 free.append(buf)
+                if reuse:
+                    clean[i] = buf
+                    holder[id(buf)] = i
                 block = False
 
-        def issue(block: bool) -> bool:
-            nonlocal next_read
-            if not free:
-                reclaim(block)
-            if not free:
+        def next_use(j: int) -> float:
+            n = position[j]
+            return n if n > cursor else math.inf  # updated already: needed next step at most
+
+        def take(u: int, block: bool) -> np.ndarray | None:
+            """A buffer to read subgroup ``u`` into (None: only by evicting something sooner)."""
+            reclaim(block=False)
+            while True:
+                best, best_key = None, -1.0
+                for buf in free:
+                    j = holder.get(id(buf))
+                    key = math.inf if j is None else next_use(j)
+                    if key > best_key:
+                        best, best_key = buf, key
+                if best is not None and (block or best_key > position[u]):
+                    break
+                if not block or not writes:
+                    return None
+                reclaim(block=True)
+            _remove(free, best)
+            j = holder.pop(id(best), None)
+            if j is not None:
+                del clean[j]
+            return best
+
+        def issue(u: int, block: bool) -> bool:
+            buf = take(u, block)
+            if buf is None:
                 return False
-            i = upcoming[next_read]
-            store = self.tiers[self.tier_of[i]]
-            buf = free.popleft()
-            futures = [store.read(i, buf[: sgs[i].state_elems])]
+            store = self.tiers[self.tier_of[u]]
+            futures = [store.read(u, buf[: sgs[u].state_elems])]
             if not delayed:
-                grad = self._grad_buffers[id(buf)][: sgs[i].size]
-                futures.append(store.read(i, grad, kind="grad"))
-            reads[i] = (futures, buf)
-            next_read += 1
+                grad = self._grad_buffers[id(buf)][: sgs[u].size]
+                futures.append(store.read(u, grad, kind="grad"))
+            reads[u] = (futures, buf)
             return True
 
         def in_flight(tier: int) -> int:
             return sum(1 for j in reads if self.tier_of[j] == tier)
 
         try:
-            for i in order:
+            for cursor, i in enumerate(order):
+                hit = True
                 if i in self._cache:
                     buf = self._cache.pop(i)
                     futures = []
-                    metrics.cache_hits += 1
+                elif i in clean:
+                    buf = clean.pop(i)
+                    del holder[id(buf)]
+                    _remove(free, buf)
+                    futures = []
                 else:
-                    if i not in reads:
-                        issue(block=True)
+                    hit = False
+                    if i not in reads and not issue(i, block=True):
+                        raise RuntimeError(f"jax_mlpo: no host buffer for subgroup {i}")
                     futures, buf = reads.pop(i)
-                while next_read < len(upcoming):
-                    tier = self.tier_of[upcoming[next_read]]
-                    if in_flight(tier) >= self.config.prefetch_depth or not issue(block=False):
+                metrics.cache_hits += hit
+                for j in order[cursor + 1 :]:  # read ahead, prefetch_depth per tier
+                    if j in self._cache or j in clean or j in reads:
+                        continue
+                    if in_flight(self.tier_of[j]) >= self.config.prefetch_depth:
+                        break
+                    if not issue(j, block=False):
                         break
                 t0 = time.monotonic()
                 for future in futures:
                     self._result(future, i)
                 metrics.read_wait_s += time.monotonic() - t0
                 t0 = time.monotonic()
-                grad_blob = None if delayed else self._grad_buffers[id(buf)][: sgs[i].size]
+                # a hit's gradient comes from this step's grads (the baseline path re-reads
+                # only the gradients of subgroups it reads from a tier)
+                grad_blob = None if delayed or hit else self._grad_buffers[id(buf)][: sgs[i].size]
                 self._update_subgroup(sgs[i], buf, grads, grad_blob, params, hypers, init_master)
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1
@@ -420,6 +475,7 @@ class Engine:
             while writes:
                 reclaim(block=True)
         except BaseException:
+            clean.clear()
             # Let nothing outlive the step: a read or write still running would touch buffers.
             pending = [f for futures, _ in reads.values() for f in futures]
             pending += [f for f, _, _ in writes]
@@ -553,7 +609,7 @@ class Engine:
 
     def _blobs(self):
         """Yields (subgroup, blob) for every subgroup, reading the ones on tiers."""
-        scratch = np.empty(self.layout.max_state_elems, F32)
+        scratch = aligned_empty(self.layout.max_state_elems, F32)
         for sg in self.layout.subgroups:
             if sg.index in self._cache:
                 yield sg, self._cache[sg.index]
@@ -601,7 +657,8 @@ class Engine:
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
         sgs = self.layout.subgroups
-        scratch = np.empty(self.layout.max_state_elems, F32)
+        self._clean.clear()  # the tiers are about to hold other state
+        scratch = aligned_empty(self.layout.max_state_elems, F32)
         for sg in sgs:
             blob = self._cache.get(sg.index, scratch)
             p, m, v = _split(sg, blob)

@@ -57,7 +57,8 @@ def loss_fn(params: dict[str, jax.Array], step: jax.Array) -> jax.Array:
 
 
 def offload_config(spec: dict[str, Any]) -> jax_mlpo.OffloadConfig:
-    """``spec``: tiers (paths), subgroup_size, cache ('all', 'part' or 'none'), retain, dtype."""
+    """``spec``: tiers (paths), subgroup_size, cache ('all', 'part' or 'none'), retain, dtype,
+    io_engine."""
     per_elem = 12 if spec["dtype"] == "bfloat16" else 8
     size = spec.get("subgroup_size", 32768)
     blob = per_elem * min(size, NUM_PARAMS)
@@ -65,7 +66,9 @@ def offload_config(spec: dict[str, Any]) -> jax_mlpo.OffloadConfig:
     cache = {"all": per_elem * NUM_PARAMS, "part": pipeline + 2 * blob, "none": pipeline}
     return jax_mlpo.OffloadConfig(
         host_cache=cache[spec.get("cache", "part")],
-        tiers=spec["tiers"],
+        tiers=[
+            jax_mlpo.FileTier(t, io_engine=spec.get("io_engine", "posix")) for t in spec["tiers"]
+        ],
         subgroup_size=size,
         retain=spec.get("retain", True),
         placement="even",  # no bandwidth probe: faster, and the same plan every run

@@ -304,7 +304,9 @@ def fill(disk: Path) -> None:
 # orbax leaves tensorstore callbacks for an event loop it closed after a failed read or write
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_path):
-    spec = spec_for(small_disk, "float32", 1, "none", False)  # every subgroup written per step
+    # tensorstore writes every blob to a new file then renames it, so a tier can fill up midway
+    # through a run (the posix engine rewrites preallocated files in place: see the next test)
+    spec = spec_for(small_disk, "float32", 1, "none", False, io_engine="tensorstore")
     _, update, params, opt_state = start_job(spec)
     params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
     mngr = checkpoint.manager(spec["ckpt"])  # on the same disk
@@ -347,9 +349,33 @@ def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_pat
     jax_mlpo.close(restored.opt_state)
 
 
+def test_posix_tiers_reserve_their_space_at_init(small_disk, tmp_path):
+    """The posix engine preallocates each blob at its first write: a disk that fills up later
+    does not stop the run, and one too small for the state fails at init, naming the fix."""
+    spec = spec_for(small_disk / "a", "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, losses = job.train(update, params, opt_state, 0, 2)
+    fill(small_disk)
+    params, opt_state, more = job.train(update, params, opt_state, 2, 4)  # no error
+    jax_mlpo.close(opt_state)
+    reference = spec_for(tmp_path / "ref", "float32", 1, "none", False)
+    _, update, ref_params, ref_state = start_job(reference)
+    ref_params, ref_state, ref_losses = job.train(update, ref_params, ref_state, 0, 4)
+    jax_mlpo.close(ref_state)
+    assert losses + more == ref_losses
+
+    # the disk is still full (the first run's blobs stay): a new optimizer cannot reserve space
+    spec = spec_for(small_disk / "b", "float32", 1, "none", False)
+    with pytest.raises(Exception, match="No space left on device") as info:
+        start_job(spec)
+    message = str(info.value)
+    assert f"tier {spec['tiers'][0]!r}" in message and "/state-" in message
+    assert "the file system is full. Free space there or configure another tier" in message
+
+
 def test_a_full_tier_falls_back_to_another_and_the_run_matches(small_disk, tmp_path):
     (tmp_path / "b").mkdir()
-    spec = spec_for(tmp_path / "run", "float32", 2, "none", False)
+    spec = spec_for(tmp_path / "run", "float32", 2, "none", False, io_engine="tensorstore")
     spec["tiers"] = [str(small_disk / "tier0"), str(tmp_path / "b" / "tier1")]
     _, update, params, opt_state = start_job(spec)
     params, opt_state, losses = job.train(update, params, opt_state, 0, 2)
@@ -360,7 +386,7 @@ def test_a_full_tier_falls_back_to_another_and_the_run_matches(small_disk, tmp_p
     params, opt_state, more = job.train(update, params, opt_state, 2, 4)  # no error
     assert engine.tier_of.count(0) < on_small  # the full tier's subgroups moved on write-back
 
-    reference = spec_for(tmp_path / "ref", "float32", 2, "none", False)
+    reference = spec_for(tmp_path / "ref", "float32", 2, "none", False, io_engine="tensorstore")
     _, update, ref_params, ref_state = start_job(reference)
     ref_params, ref_state, ref_losses = job.train(update, ref_params, ref_state, 0, 4)
     assert losses + more == ref_losses

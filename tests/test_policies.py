@@ -75,8 +75,12 @@ def test_retained_subgroups_skip_io_across_the_step_boundary(tmp_path):
         assert len(kept) == 4
         read_next = set(slots(traces[step + 1], "read"))
         assert not kept & read_next, "a retained subgroup was read again by the next step"
-        assert read_next == everything - kept
-        assert engine.metrics[step + 1].cache_hits == 4
+        # the next step (alternating order) starts with the 8 subgroups this one updated last:
+        # 4 kept (dirty) and 4 still in the pipeline's buffers (clean); none of them is read
+        next_order = list(range(n)) if (step + 1) % 2 == 0 else list(range(n))[::-1]
+        assert kept <= set(next_order[:8])
+        assert read_next == everything - set(next_order[:8])
+        assert engine.metrics[step + 1].cache_hits == 8
     # the slow tier's subgroups are the ones retained (retain_policy="slow_tiers")
     assert all(engine.tier_of[i] == 0 for i in kept)
     jax_mlpo.close(state)

@@ -282,3 +282,35 @@ def test_update_requires_params(tmp_path):
     with pytest.raises(ValueError, match="needs params"):
         tx.update(params, state)
     jax_mlpo.close(state)
+
+
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "gradient-round-trip"])
+def test_cache_hits_use_this_steps_gradients(delayed, tmp_path):
+    """Subgroups updated from host buffers (retained or still cached) get this step's gradient,
+    also on the baseline gradient path, whose fp32 gradient buffers hold an older one."""
+    n, size = 32_000, 1000
+    per_buffer = 4 * (2 * size + (0 if delayed else size))
+    config = jax_mlpo.OffloadConfig(
+        host_cache=10 * per_buffer,
+        tiers=[jax_mlpo.FileTier(str(tmp_path / "t"), sync=False)],
+        subgroup_size=size,
+        retain=True,
+        delayed_conversion=delayed,
+        placement="first",
+    )
+    tx, ref = jax_mlpo.adamw(1e-2, offload=config), optax.adamw(1e-2)
+    params = {"w": jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)}
+    state, ref_state = tx.init(params), ref.init(params)
+    update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+    got = want = params
+    for step in range(6):
+        grads = {"w": jax.random.normal(jax.random.PRNGKey(step), (n,))}
+        updates, state = update(grads, state, got)
+        got = optax.apply_updates(got, updates)
+        ref_updates, ref_state = ref_update(grads, ref_state, want)
+        want = optax.apply_updates(want, ref_updates)
+    hits = [m.cache_hits for m in jax_mlpo.engine_of(state).metrics]
+    jax_mlpo.close(state)
+    assert min(hits[1:]) > 0, hits
+    err = np.max(np.abs(np.asarray(got["w"]) - np.asarray(want["w"])))
+    assert err <= 1e-6, err

@@ -339,6 +339,28 @@ def main() -> None:
                 row[key] = outs[0][key]
         rows[system] = row
 
+    # tier_efficiency: the time the disk needs at fio's rates of the same round for the bytes a
+    # step moved, over the time the step's tier(s) were busy (DeepSpeed: update + grad write)
+    for system, outs in runs.items():
+        per_round = []
+        for o in outs:
+            disk = limits["disk"][o["round"]]
+            if "error" in disk:
+                continue
+            effs = []
+            for st in o["steps"]:
+                if system.startswith("ds-"):
+                    busy = st["update_s"] + st.get("grad_write_s", 0.0)
+                    read, written = st["bytes_read"], st["bytes_written"]
+                else:
+                    busy = max(st["tier_busy_s"].values())
+                    read, written = st["tier_bytes_read"], st["tier_bytes_written"]
+                need = read / (disk["read_gbps"] * 1e9) + written / (disk["write_gbps"] * 1e9)
+                effs.append(need / busy if busy > 0 else float("nan"))
+            per_round.append(statistics.median(effs))
+        if per_round:
+            rows[system]["tier_efficiency"] = summarize(per_round)
+
     ratios = {}
 
     def ratio(name: str, num: str, num_key: str, den: str, den_key: str, add_grad=False):
@@ -378,6 +400,14 @@ def main() -> None:
             add_grad=True,
         )
         ratio(
+            f"speedup_vs_deepspeed_pipelined{tag}_full_with_grad_write",
+            "ds-pipelined",
+            "update_s",
+            jax_sys,
+            "update_s",
+            add_grad=True,
+        )
+        ratio(
             f"speedup_vs_deepspeed_partitioned{tag}_host",
             "ds-partitioned",
             "update_s",
@@ -414,6 +444,12 @@ def main() -> None:
             f"{row['bytes_read_per_step'] / 1e9:>9.2f}{row['bytes_written_per_step'] / 1e9:>9.2f}"
         )
     print("disk (fio O_DIRECT 1 MiB QD8):", json.dumps(limits["disk_summary"]))
+    for row in rows.values():
+        if "tier_efficiency" in row:
+            e = row["tier_efficiency"]
+            print(
+                f"tier_efficiency {row['label']}: {e['median']:.2f} [{e['min']:.2f}-{e['max']:.2f}]"
+            )
     print("memory:", json.dumps(limits["memory_start"]), json.dumps(limits["memory_end"]))
     for k, v in ratios.items():
         print(f"{k} = {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
