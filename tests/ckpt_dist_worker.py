@@ -1,0 +1,259 @@
+"""One process of a multi-process jax_mlpo checkpoint run (spawned by
+tests/test_checkpoint_distributed.py).
+
+Usage: ckpt_dist_worker.py PROCESS_ID NUM_PROCESSES PORT SPEC_JSON
+
+The job is tests/dist_worker.py's: a small MLP under optax.chain(clip_by_global_norm,
+jax_mlpo.adamw) with the state on file tiers, data parallel over NUM_PROCESSES processes (plain
+single-process jax with NUM_PROCESSES == 1). SPEC_JSON holds:
+
+- ``mode``: ``"train"`` trains ``steps`` data-parallel steps, saves checkpoint ``steps`` and
+  takes the next two steps while it is written; ``"restore"`` restores the latest checkpoint
+  into a fresh ``tx.init`` and takes the same two steps, then (with ``corrupt``) flips a byte
+  of a checkpoint file and restores again, expecting every process to refuse it. A restore
+  also records which rows of each leaf its process read.
+- ``tiers``, ``subgroup_size``: the offload config (any, in a restore);
+- ``ckpt``: the checkpoint directory; ``out``: where results go; ``steps``.
+
+The two steps after the checkpoint: an *exact* one, whose gradients are computed on the whole
+batch with gathered params in every process (so the same arithmetic for any process count),
+then an ordinary data-parallel one. Process 0 writes ``out/result.npz``: the logical optimizer
+state at the checkpoint (mu and nu gathered from every process's engine) and the params there
+and after each of the two steps; every process writes ``out/proc<k>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
+
+import jax  # noqa: E402
+
+GLOBAL_BATCH = 16
+# First dimensions 64, 64 and 16 split over 1, 2 or 4 processes; "odd" (3, 5) is replicated.
+SHAPES = {"w1": (64, 64), "b1": (64,), "w2": (64, 16), "b2": (16,), "odd": (3, 5)}
+TOTAL_STEPS = 12  # the schedule's length
+
+
+def init_params():
+    import numpy as np
+
+    rng = np.random.RandomState(0)
+    return {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def batch(step: int):
+    import numpy as np
+
+    rng = np.random.RandomState(1000 + step)
+    x = rng.standard_normal((GLOBAL_BATCH, 64)).astype(np.float32)
+    y = rng.standard_normal((GLOBAL_BATCH, 16)).astype(np.float32)
+    return x, y
+
+
+def loss_fn(params, x, y):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    out = h @ params["w2"] + params["b2"] + jnp.sum(params["odd"] ** 2)
+    return jnp.mean((out - y) ** 2)
+
+
+def flip(path: str, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x5A]))
+
+
+def main() -> None:
+    pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    spec = json.loads(sys.argv[4])
+    if nproc > 1:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=nproc,
+            process_id=pid,
+            initialization_timeout=60,
+        )
+    import numpy as np
+    import optax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_mlpo
+    from jax_mlpo import checkpoint, distributed
+
+    def barrier(name: str) -> None:
+        if nproc > 1:
+            multihost_utils.sync_global_devices(name)
+
+    offload = jax_mlpo.OffloadConfig(
+        host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
+        tiers=[jax_mlpo.FileTier(path, read_bandwidth="2GB", write_bandwidth="2GB", sync=False)
+               for path in spec["tiers"]],
+        subgroup_size=spec["subgroup_size"],
+        replan=False,
+    )  # fmt: skip
+    tx = optax.chain(
+        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
+        jax_mlpo.adamw(
+            optax.linear_schedule(1e-2, 1e-3, TOTAL_STEPS),
+            weight_decay=0.1,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+            offload=offload,
+        ),
+    )
+    mesh = distributed.data_parallel_mesh() if nproc > 1 else None
+
+    def fresh():
+        params = init_params()
+        if nproc > 1:
+            params = distributed.shard_params(params, mesh)
+        return params, tx.init(params)
+
+    def step_with(grad_fn):
+        @jax.jit
+        def train_step(params, opt_state, x, y):
+            loss, grads = grad_fn(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return train_step
+
+    def exact_grads(params, x, y):
+        # The whole batch, with params gathered, in every process: the gradients and the
+        # clipping norm are then computed by the same operations as in one process (no partial
+        # sums reduced across processes in another order).
+        if nproc > 1:
+            params = jax.lax.with_sharding_constraint(params, NamedSharding(mesh, P()))
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        if nproc > 1:
+            grads = jax.lax.with_sharding_constraint(grads, NamedSharding(mesh, P()))
+        return loss, grads
+
+    dp_step = step_with(jax.value_and_grad(loss_fn))
+    exact_step = step_with(exact_grads)
+
+    def data(step: int, whole: bool):
+        x, y = batch(step)
+        if nproc == 1:
+            return x, y
+        if whole:
+            sharding = NamedSharding(mesh, P())
+        else:
+            rows = GLOBAL_BATCH // nproc
+            sharding = distributed.batch_sharding(mesh)
+            x, y = x[pid * rows : (pid + 1) * rows], y[pid * rows : (pid + 1) * rows]
+        return tuple(jax.make_array_from_process_local_data(sharding, a) for a in (x, y))
+
+    def gathered(tree):
+        if nproc > 1:
+            tree = multihost_utils.process_allgather(tree, tiled=True)
+        return jax.tree.map(np.asarray, tree)
+
+    def logical_state(opt_state) -> dict:
+        """mu and nu of every leaf, gathered from the engines' shards (not via checkpoint)."""
+        state = jax_mlpo.engine_of(opt_state).state_dict()
+        whole, split = {}, {}
+        for name in ("mu", "nu"):
+            for i, (local, leaf) in enumerate(
+                zip(state[name], jax.tree.leaves(init_params()), strict=True)
+            ):
+                spec_i = distributed.leaf_spec(leaf.shape, nproc)
+                if nproc == 1 or spec_i == P():  # replicated: every process holds all of it
+                    whole[f"{name}/{i}"] = local
+                else:
+                    split[f"{name}/{i}"] = jax.make_array_from_process_local_data(
+                        NamedSharding(mesh, spec_i), local, leaf.shape
+                    )
+        return {**whole, **gathered(split)}
+
+    steps = spec["steps"]
+    mngr = checkpoint.manager(spec["ckpt"], max_to_keep=2)
+    params, opt_state = fresh()
+    info: dict = {"process": pid}
+    if spec["mode"] == "train":
+        for step in range(steps):
+            params, opt_state, _ = dp_step(params, opt_state, *data(step, whole=False))
+        saved = {"state": logical_state(opt_state), "params": gathered(params)}
+        checkpoint.save(mngr, steps, params, opt_state, {"step": steps, "seed": 7})
+    else:
+        # what each process reads of every leaf (checkpoint._read_sharding's choice), recorded
+        reads = info["reads"] = []
+        read_sharding = checkpoint._read_sharding
+
+        def recording(want, shards):
+            sharding = read_sharding(want, shards)
+            rows = [0, want.shape[0]] if want.shape else []
+            if sharding is not None:
+                (index,) = sharding.addressable_devices_indices_map(want.shape).values()
+                rows = list(index[0].indices(want.shape[0])[:2])
+            reads.append({"shape": list(want.shape), "saved": len(shards), "rows": rows})
+            return sharding
+
+        checkpoint._read_sharding = recording
+        restored = checkpoint.restore(mngr, params, opt_state)
+        checkpoint._read_sharding = read_sharding
+        params, opt_state = restored.params, restored.opt_state
+        info["restored"] = {"step": restored.step, "extra": restored.extra}
+        saved = {"state": logical_state(opt_state), "params": gathered(params)}
+    # The next steps run while a checkpoint is written (train) or after the restore.
+    params, opt_state, _ = exact_step(params, opt_state, *data(steps, whole=True))
+    after_exact = gathered(params)
+    params, opt_state, _ = dp_step(params, opt_state, *data(steps + 1, whole=False))
+    after_dp = gathered(params)
+    mngr.wait_until_finished()
+    engine = jax_mlpo.engine_of(opt_state)
+    info.update(
+        step_count=engine.step_count,
+        shapes=[list(s) for s in engine.layout.shapes],
+        subgroups=len(engine.layout.subgroups),
+        tiers=[t.tier.path for t in engine.tiers],
+        host_only=engine.host_only,
+    )
+    jax_mlpo.close(opt_state)
+
+    if spec.get("corrupt"):
+        # A byte of the largest array data file process 1 wrote, flipped: every process must
+        # refuse the checkpoint, whichever of them reads that file.
+        files = sorted(
+            (os.path.join(root, f) for root, _, names in os.walk(spec["ckpt"]) for f in names
+             if "ocdbt.process_1" in root and os.sep + "opt_state" + os.sep in root),
+            key=os.path.getsize,
+        )  # fmt: skip
+        target = files[-1]
+        info["corrupted"] = os.path.relpath(target, spec["ckpt"])
+        if pid == 0:
+            flip(target, os.path.getsize(target) // 2)
+        barrier("flipped")
+        params, opt_state = fresh()
+        try:
+            checkpoint.restore(checkpoint.manager(spec["ckpt"]), params, opt_state)
+            info["corrupt_restore"] = "restored"
+        except Exception as e:  # noqa: BLE001 - recorded for the test to check
+            info["corrupt_restore"] = f"{type(e).__name__}: {e}"
+        jax_mlpo.close(opt_state)
+        barrier("refused")
+        if pid == 0:
+            flip(target, os.path.getsize(target) // 2)
+
+    mngr.close()
+    with open(os.path.join(spec["out"], f"proc{pid}.json"), "w") as f:
+        json.dump(info, f)
+    if pid == 0:
+        result = {f"state/{k}": v for k, v in saved["state"].items()}
+        for name, tree in (("params", saved["params"]), ("exact", after_exact), ("dp", after_dp)):
+            result.update({f"{name}/{k}": v for k, v in tree.items()})
+        np.savez(os.path.join(spec["out"], "result.npz"), **result)
+    barrier("done")
+
+
+if __name__ == "__main__":
+    main()
