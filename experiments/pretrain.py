@@ -6,23 +6,30 @@ Usage:
   python experiments/pretrain.py --config experiments/configs/7b-node.yaml --set model=280B \
       --dry-run --processes 64
   python experiments/pretrain.py --config ... --set checkpoint.every=50 [--resume]
+  python experiments/pretrain.py --config ... --num-processes 2 --process-id K \
+      --coordinator HOST:PORT        # one of N processes (or experiments/launch/*.sh)
 
 The run directory holds the resolved config (config.yaml), the per-step metrics
 (metrics-<optimizer>.jsonl), the summary table (summary-<optimizer>.md and .json), the plot
 (pretrain-<optimizer>.png), unless tiers are given the optimizer's file tiers (tiers/) and, with
 ``checkpoint.every``, the checkpoints (checkpoints-<optimizer>/: params, optimizer state, data
-position; ``--resume`` continues from the latest). See docs/pretrain.md.
+position; ``--resume`` continues from the latest). With several processes (data parallel,
+``jax.distributed``) every process runs the same config with ``batch_size`` rows of the global
+batch, and process 0 writes the outputs with the slowest process's step time. See
+docs/pretrain.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 import typing
@@ -32,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import yaml
 from flax import nnx
@@ -43,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_mlpo  # noqa: E402
 from experiments import report  # noqa: E402
 from experiments.data import TokenDataset, batches  # noqa: E402
-from jax_mlpo import checkpoint  # noqa: E402
+from jax_mlpo import checkpoint, distributed  # noqa: E402
 from models import Llama, LlamaConfig, get_preset, loss_fn, param_count  # noqa: E402
 
 logger = logging.getLogger("pretrain")
@@ -116,7 +124,7 @@ class RunConfig:
     """LlamaConfig fields replacing the preset's, e.g. {layers: 4, remat: true}."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     batch_size: int = 8
-    """Sequences per step (per process)."""
+    """Sequences per step per process (the global batch is batch_size x processes)."""
     seq_len: int = 128
     """Tokens per sequence; also the model's max_seq_len."""
     steps: int = 300
@@ -566,6 +574,20 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tupl
     return grad_step, jax.jit(update, donate_argnums=donate)
 
 
+# Figures of every process kept in a multi-process run's records (aggregate's key: record's key).
+_PER_PROCESS = {
+    "step_s": "step_s",
+    "fwd_bwd_s": "fwd_bwd_s",
+    "update_s": "update_s",
+    "data_s": "data_s",
+    "total_s": "host_update_s",
+    "read_wait_s": "read_wait_s",
+    "compute_s": "compute_s",
+    "write_wait_s": "write_wait_s",
+    "cache_hits": "cache_hits",
+}
+
+
 def _update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:
     """The offloaded update's host metrics, with per-tier throughput and the cache hit rate.
 
@@ -660,8 +682,20 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     With ``checkpoint.every`` it saves params, optimizer state and the data position every
     that many steps and at the end; ``resume`` continues from the latest checkpoint (the
     batches of step ``k`` depend only on ``(seed, k)``, so the run goes on exactly).
+
+    In a multi-process run (``jax.distributed`` initialised, see :func:`init_distributed`)
+    every process calls it with the same config: params and optimizer state are sharded over
+    the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
+    the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
+    summary and plot, with the slowest process's step time (``jax_mlpo.metrics.aggregate``).
     """
     name = "optax" if use_optax else "offload"
+    nproc, pid = jax.process_count(), jax.process_index()
+    if nproc > 1 and (cfg.checkpoint.every or resume):
+        raise ConfigError(
+            "checkpoints (checkpoint.every, --resume) are single-process for now: set "
+            "checkpoint.every=0 for a multi-process run"
+        )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
@@ -670,6 +704,13 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     logger.info("model %s: %s parameters", cfg.model, f"{param_count(model_cfg):,}")
     dataset = build_dataset(cfg, model_cfg.vocab_size)
     logger.info("data: %r", dataset)
+    if nproc > 1:
+        # Every process built the same params from the seed; each keeps its shards only.
+        mesh = distributed.data_parallel_mesh()
+        params, rest = distributed.shard_params(params, mesh), distributed.shard_params(rest, mesh)
+        rows = distributed.batch_sharding(mesh)
+        logger.info("%d processes, global batch %d x %d tokens", nproc, cfg.batch_size * nproc,
+                    cfg.seq_len)  # fmt: skip
     tx = build_optimizer(cfg, use_optax)
     opt_state = tx.init(params)
     start = 0
@@ -682,51 +723,74 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
             jax_mlpo.close(opt_state)
         raise
     grad_step, update_step = make_steps(graphdef, tx)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"
-    records = _earlier_records(metrics_path, start)
+    lead = pid == 0  # writes the metrics, summary and plot
+    records = _earlier_records(metrics_path, start) if lead else []
     bar = tqdm(
-        total=cfg.steps, initial=start, desc=f"pretrain[{name}]", unit="step", mininterval=0.5
+        total=cfg.steps,
+        initial=start,
+        desc=f"pretrain[{name}]",
+        unit="step",
+        mininterval=0.5,
+        disable=not lead,
     )
+    log = metrics_path.open("a" if start else "w") if lead else contextlib.nullcontext()
     try:
-        with metrics_path.open("a" if start else "w") as log, logging_redirect_tqdm(), bar:
+        with log, logging_redirect_tqdm(), bar:
             t_data = time.perf_counter()
+            # The global batch of a step is the same for any process count: each process takes
+            # its rows of it (generating all rows is cheap: random windows of a memory map).
             for step, batch in batches(
-                dataset, cfg.batch_size, cfg.seq_len, cfg.seed, start, end_step=cfg.steps
+                dataset, cfg.batch_size * nproc, cfg.seq_len, cfg.seed, start, end_step=cfg.steps
             ):
-                tokens = jnp.asarray(batch)
+                if nproc > 1:
+                    mine = batch[pid * cfg.batch_size : (pid + 1) * cfg.batch_size]
+                    tokens = jax.make_array_from_process_local_data(rows, mine)
+                else:
+                    tokens = jnp.asarray(batch)
                 t0 = time.perf_counter()
                 loss, grads = jax.block_until_ready(grad_step(params, rest, tokens))
                 t1 = time.perf_counter()
                 params, opt_state = jax.block_until_ready(update_step(grads, opt_state, params))
                 t2 = time.perf_counter()
-                r: dict[str, Any] = {
-                    "step": step + 1,
-                    "loss": float(loss),
-                    "step_s": t2 - t0,
-                    "fwd_bwd_s": t1 - t0,
-                    "update_s": t2 - t1,
-                    "data_s": t0 - t_data,
-                    "tokens_per_s": tokens_per_step / (t2 - t0),
-                }
-                if not use_optax:
-                    r.update(_update_record(jax_mlpo.engine_of(opt_state).metrics[-1]))
+                timings = {"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "update_s": t2 - t1,
+                           "data_s": t0 - t_data}  # fmt: skip
                 every = cfg.checkpoint.every
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
                     extra = {"data_step": step + 1, "seed": cfg.seed}
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
-                    r["checkpoint_s"] = time.perf_counter() - t2  # the snapshot; writes go on
-                log.write(json.dumps(r) + "\n")
+                    timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
+                engine = None if use_optax else jax_mlpo.engine_of(opt_state).metrics[-1]
+                # A collective: every process's figures reach every process; the job moves at
+                # the pace of its slowest process, whose figures the record holds.
+                job = jax_mlpo.metrics.aggregate(engine, timings, time_key="step_s")
+                r: dict[str, Any] = {
+                    "step": step + 1,
+                    "loss": float(np.asarray(loss.addressable_data(0))),  # replicated
+                    **job.timings,
+                    "tokens_per_s": tokens_per_step / job.step_time_s,
+                }
+                if job.metrics is not None:
+                    r.update(_update_record(job.metrics))
+                if nproc > 1:
+                    r["processes"] = nproc
+                    r["slowest_process"] = job.slowest
+                    every_process = job.per_process
+                    r["per_process"] = {out: every_process[k] for k, out in _PER_PROCESS.items()
+                                        if k in every_process}  # fmt: skip
+                if lead:
+                    log.write(json.dumps(r) + "\n")
                 records.append(r)
                 bar.set_postfix(_progress(r), refresh=False)
                 bar.update()
-                if (step + 1) % cfg.log_every == 0 or step == 0:
+                if lead and ((step + 1) % cfg.log_every == 0 or step == 0):
                     logger.info(
                         "step %d %s",
                         step + 1,
                         " ".join(f"{k}={v}" for k, v in _progress(r).items()),
                     )
-                if not math.isfinite(r["loss"]):
+                if not math.isfinite(r["loss"]):  # the same loss in every process
                     raise SystemExit(f"loss became {r['loss']} at step {step + 1}")
                 t_data = time.perf_counter()
     finally:
@@ -737,6 +801,9 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         finally:
             if not use_optax:
                 jax_mlpo.close(opt_state)
+    if not lead:
+        return {"losses": [r["loss"] for r in records], "summary": None, "metrics": None,
+                "plot": None}  # fmt: skip
     return _finish(cfg, name, records, metrics_path)
 
 
@@ -752,9 +819,29 @@ def _earlier_records(metrics_path: Path, start: int) -> list[dict[str, Any]]:
 def _finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     summary = report.summarize(records, cfg.report.skip_steps)
-    table = report.format_table(
-        summary, title=f"{cfg.model}, {name}, batch {cfg.batch_size} x {cfg.seq_len} tokens"
-    )
+    nproc = records[-1].get("processes", 1) if records else 1
+    batch = f"batch {cfg.batch_size} x {cfg.seq_len} tokens"
+    if nproc > 1:
+        batch = f"{nproc} processes, global batch {cfg.batch_size * nproc} x {cfg.seq_len} tokens"
+    table = report.format_table(summary, title=f"{cfg.model}, {name}, {batch}")
+    if nproc > 1:
+        # The table holds the slowest process's figures of each step; here every process's.
+        window = records[min(cfg.report.skip_steps, len(records) - 1) :]
+        per = {
+            key: [statistics.median(r["per_process"][key][k] for r in window)
+                  for k in range(nproc)]
+            for key in window[0]["per_process"]
+        }  # fmt: skip
+        slowest = [sum(r["slowest_process"] == k for r in window) for k in range(nproc)]
+        summary["per_process_median_s"] = per
+        summary["slowest_process_steps"] = slowest
+        table += "\n\n| process | step (ms) | forward + backward (ms) | update (ms) | slowest |\n"
+        table += "|---:|---:|---:|---:|---:|\n"
+        table += "\n".join(
+            f"| {k} | {1e3 * per['step_s'][k]:.2f} | {1e3 * per['fwd_bwd_s'][k]:.2f} | "
+            f"{1e3 * per['update_s'][k]:.2f} | in {slowest[k]} of {len(window)} steps |"
+            for k in range(nproc)
+        )
     logger.info(
         "summary (medians of steps %d..%d):\n%s", summary["first_step"], summary["last_step"], table
     )
@@ -811,24 +898,118 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=1,
         help="processes sharing the optimizer state (for --dry-run)",
     )
+    group = parser.add_argument_group(
+        "multi-process training (jax.distributed; one process per accelerator or host, each "
+        "started with the same config)"
+    )
+    group.add_argument(
+        "--coordinator",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        metavar="HOST:PORT",
+        help="process 0's address for jax.distributed (default: $JAX_COORDINATOR_ADDRESS)",
+    )
+    group.add_argument(
+        "--num-processes",
+        type=int,
+        default=_env_int("JAX_NUM_PROCESSES"),
+        help="processes of the job (default: $JAX_NUM_PROCESSES; under srun or mpirun, "
+        "detected by jax)",
+    )
+    group.add_argument(
+        "--process-id",
+        type=int,
+        default=_env_int("JAX_PROCESS_ID"),
+        help="this process's index, 0 .. N-1 (default: $JAX_PROCESS_ID)",
+    )
     args = parser.parse_args(argv)
     if args.processes != 1 and not args.dry_run:
-        parser.error("--processes applies to --dry-run only: pretrain.py trains in one process")
+        parser.error(
+            "--processes applies to --dry-run only; to train on several processes pass "
+            "--num-processes, --process-id and --coordinator (or use experiments/launch/)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("pretrain").setLevel(logging.INFO)
     try:
         cfg = load_config(args.config, args.set)
         resolved = yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False)
-        logger.info("resolved config (%s):\n%s", args.config, resolved)
         if args.dry_run:
+            logger.info("resolved config (%s):\n%s", args.config, resolved)
             plan = dry_run(cfg, args.processes)
             logger.info("dry run, nothing allocated:\n%s", format_dry_run(plan))
             return plan
+        if init_distributed(args.coordinator, args.num_processes, args.process_id) > 0:
+            logging.getLogger("pretrain").setLevel(logging.WARNING)  # process 0 reports
+        logger.info("resolved config (%s):\n%s", args.config, resolved)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run_dir) / "config.yaml").write_text(resolved)
+        if jax.process_index() == 0:
+            (Path(cfg.run_dir) / "config.yaml").write_text(resolved)
         return train(cfg, args.optimizer == "optax", resume=args.resume)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"${name}={value!r} is not an integer") from None
+
+
+def init_distributed(
+    coordinator: str | None, num_processes: int | None, process_id: int | None
+) -> int:
+    """Starts ``jax.distributed`` for a multi-process run; nothing for a single process.
+
+    The processes are given explicitly (``--coordinator``, ``--num-processes``,
+    ``--process-id``, or ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES``,
+    ``$JAX_PROCESS_ID`` as ``experiments/launch/rank.sh`` exports them), or, when none is
+    given, detected by JAX inside a Slurm step (``srun``) or an Open MPI job of more than one
+    task.
+
+    Args:
+      coordinator: ``host:port`` of process 0, or None.
+      num_processes: processes of the job, or None.
+      process_id: this process's index, or None.
+
+    Returns:
+      This process's index (0 for a single process).
+
+    Raises:
+      ConfigError: for an incomplete or inconsistent set of the three.
+    """
+    if jax.distributed.is_initialized():
+        return jax.process_index()
+    given = (coordinator, num_processes, process_id)
+    if all(v is None for v in given):
+        tasks = os.environ.get("SLURM_NTASKS") if "SLURM_STEP_NODELIST" in os.environ else None
+        tasks = tasks or os.environ.get("OMPI_COMM_WORLD_SIZE")
+        if tasks and int(tasks) > 1:
+            jax.distributed.initialize()  # JAX reads the launcher's environment
+            logger.info("jax.distributed: process %d of %d (detected)", jax.process_index(),
+                        jax.process_count())  # fmt: skip
+            return jax.process_index()
+        return 0
+    if num_processes is None or num_processes < 1:
+        raise ConfigError(
+            f"--num-processes is {num_processes}: give the job's process count (>= 1) with "
+            "--process-id and --coordinator (or $JAX_NUM_PROCESSES)"
+        )
+    if num_processes == 1:
+        return 0
+    if process_id is None or not 0 <= process_id < num_processes or not coordinator:
+        raise ConfigError(
+            f"a run of {num_processes} processes needs --process-id in 0..{num_processes - 1} "
+            f"(got {process_id}) and --coordinator HOST:PORT (got {coordinator!r})"
+        )
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
+    logger.info("jax.distributed: process %d of %d, coordinator %s", process_id,
+                num_processes, coordinator)  # fmt: skip
+    return process_id
 
 
 def _plain(x: Any) -> Any:

@@ -1,12 +1,17 @@
 """One process of a data-parallel jax_mlpo run (spawned by tests/test_distributed.py).
 
-Usage: dist_worker.py PROCESS_ID NUM_PROCESSES PORT TIER_ROOT OUT_DIR STEPS
+Usage: dist_worker.py PROCESS_ID NUM_PROCESSES PORT TIER_ROOT OUT_DIR STEPS [MODE]
 
 Trains a small MLP for STEPS steps with optax.chain(clip_by_global_norm, jax_mlpo.adamw) on two
 file tiers under TIER_ROOT, on a global batch of GLOBAL_BATCH rows split over the processes.
 With NUM_PROCESSES == 1 it is the single-process reference (no jax.distributed). Process 0
 writes the final params (gathered) to OUT_DIR/params.npz; every process writes
 OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
+
+MODE "node-permits" or "process-permits": the slow tier gets max_concurrency=1 and a bandwidth
+cap (so that each request lasts a few ms), with node_max_concurrency=1 (permits shared by the
+processes, lock files in TIER_ROOT/../permits) or without; every process records its tiers'
+request traces (time.monotonic, comparable across the processes of a machine) into its JSON.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def loss_fn(params, x, y):
 def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
+    mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
+    if mode not in ("plain", "node-permits", "process-permits"):
+        raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{port}",
@@ -66,16 +74,24 @@ def main() -> None:
     import jax_mlpo
     from jax_mlpo import distributed
 
+    slow = {}
+    if mode != "plain":
+        # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
+        # so that two processes' requests overlap unless node-level permits serialize them.
+        slow = dict(max_concurrency=1, bandwidth_cap="200kB")
+        if mode == "node-permits":
+            slow["node_max_concurrency"] = 1
     offload = jax_mlpo.OffloadConfig(
         host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
         tiers=[
             jax_mlpo.FileTier(os.path.join(tier_root, "fast"), read_bandwidth="2GB",
                               write_bandwidth="2GB", sync=False),
             jax_mlpo.FileTier(os.path.join(tier_root, "slow"), read_bandwidth="1GB",
-                              write_bandwidth="1GB", sync=False),
+                              write_bandwidth="1GB", sync=False, **slow),
         ],
         subgroup_size=64,
         replan=False,  # no migrations: each subgroup's blob is on one tier only
+        node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
     tx = optax.chain(
         optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
@@ -92,6 +108,9 @@ def main() -> None:
         params = distributed.shard_params(params, mesh)
         data_sharding = distributed.batch_sharding(mesh)
     opt_state = tx.init(params)
+    traced = jax_mlpo.engine_of(opt_state).tiers if mode != "plain" else []
+    for store in traced:  # the training steps' requests only (not the initial writes)
+        store.trace = []
 
     @jax.jit
     def train_step(params, opt_state, x, y):
@@ -110,7 +129,21 @@ def main() -> None:
         losses.append(float(np.asarray(loss.addressable_data(0))))  # replicated
 
     engine = jax_mlpo.engine_of(opt_state)
+    # Cross-process metrics: a made-up step time (process k: k + 1 s) makes the last process the
+    # slowest; 2**40 + k checks that figures travel exactly (float64, not float32).
+    last = engine.metrics[-1]
+    job = jax_mlpo.metrics.aggregate(
+        last, {"step_s": pid + 1.0, "big": 2.0**40 + pid}, time_key="step_s"
+    )
     info = {
+        "aggregate": {
+            "slowest": job.slowest,
+            "step_time_s": job.step_time_s,
+            "timings": job.timings,
+            "per_process": job.per_process,
+            "metrics": job.metrics.as_dict(),
+            "own": jax_mlpo.metrics.flatten(last),
+        },
         "process": pid,
         "state_bytes": engine.layout.state_bytes,
         "shapes": [list(s) for s in engine.layout.shapes],
@@ -119,6 +152,10 @@ def main() -> None:
         "step_count": engine.step_count,
         "losses": losses,
         "host_only": engine.host_only,
+        "traces": {
+            jax_mlpo.metrics.shared_tier_path(store.tier.path): [list(t) for t in store.trace]
+            for store in traced
+        },
     }
     if nproc > 1:
         params = multihost_utils.process_allgather(params, tiled=True)

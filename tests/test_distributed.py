@@ -2,7 +2,8 @@
 
 Each run spawns tests/dist_worker.py processes that call jax.distributed.initialize and train a
 small MLP for 20 steps with optax.chain(clip_by_global_norm, jax_mlpo.adamw) on two file tiers;
-the single-process run with the same global batch is the reference.
+the single-process run with the same global batch is the reference. Node-level permits are
+checked on the merged request traces of two processes sharing a tier.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_mlpo import distributed
+from jax_mlpo import distributed, metrics
+from jax_mlpo.metrics import StepMetrics
 
 WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
 ROOT = str(WORKER.parents[1])
@@ -34,7 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(nproc: int, base: pathlib.Path) -> tuple[dict, list[dict], float]:
+def _run(
+    nproc: int, base: pathlib.Path, mode: str = "plain", steps: int = STEPS
+) -> tuple[dict, list[dict], float]:
     tiers, out = base / "tiers", base / "out"
     tiers.mkdir(parents=True)
     out.mkdir()
@@ -52,7 +56,8 @@ def _run(nproc: int, base: pathlib.Path) -> tuple[dict, list[dict], float]:
                 str(port),
                 str(tiers),
                 str(out),
-                str(STEPS),
+                str(steps),
+                mode,
             ],
             env=env,
             stdout=logs[k],
@@ -84,9 +89,13 @@ def _run(nproc: int, base: pathlib.Path) -> tuple[dict, list[dict], float]:
 
 
 def _state_file_bytes(directory: pathlib.Path) -> int:
-    """Bytes of the subgroup blobs (chunks of the ``state-*`` arrays) under ``directory``."""
-    return sum(f.stat().st_size for d in directory.glob("state-*") for f in d.rglob("c/**/*")
-               if f.is_file())  # fmt: skip
+    """Bytes of the subgroup blobs under ``directory``: ``state-<slot>.blob`` files (the posix
+    I/O engine) or the chunks of the ``state-*`` zarr3 arrays (tensorstore)."""
+    total = 0
+    for entry in directory.glob("state-*"):
+        files = [entry] if entry.is_file() else entry.rglob("c/**/*")
+        total += sum(f.stat().st_size for f in files if f.is_file())
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +113,29 @@ def test_leaf_partition():
     assert distributed.leaf_spec((8,), 1) == P()
     assert distributed.local_shape((64, 3), 4) == (16, 3)
     assert distributed.local_shape((3, 5), 4) == (3, 5)
+
+
+def test_metrics_flatten_and_single_process_aggregate():
+    m = StepMetrics(
+        step=3, total_s=0.5, read_wait_s=0.1, compute_s=0.2, cache_hits=2, subgroups=7,
+        bytes_read={"/nvme/run/proc1": 2**40 + 1, "/pfs/run": 10},
+        bytes_written={"/nvme/run/proc1": 5, "/pfs/run": 6},
+        tier_busy_s={"/nvme/run/proc1": 0.25, "/pfs/run": 0.125},
+    )  # fmt: skip
+    assert metrics.shared_tier_path("/nvme/run/proc12") == "/nvme/run"
+    assert metrics.shared_tier_path("/nvme/process") == "/nvme/process"
+    flat = metrics.flatten(m)
+    assert flat["bytes_read:/nvme/run"] == 2**40 + 1 and flat["total_s"] == 0.5
+    back = metrics.unflatten(3, flat)
+    assert back.bytes_read == {"/nvme/run": 2**40 + 1, "/pfs/run": 10}
+    assert back.total_s == 0.5 and back.cache_hits == 2 and back.subgroups == 7
+    job = metrics.aggregate(m, {"step_s": 1.5}, time_key="step_s")
+    assert job.processes == 1 and job.slowest == 0 and job.step_time_s == 1.5
+    assert job.metrics == back and job.per_process["step_s"] == [1.5]
+    assert job.total("bytes_written:/pfs/run") == 6
+    assert metrics.aggregate(None, {"step_s": 2.0}, time_key="step_s").metrics is None
+    with pytest.raises(KeyError, match="time_key"):
+        metrics.aggregate(None, {"x": 1.0}, time_key="step_s")
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -128,6 +160,21 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
         assert info["state_bytes"] == expected
         assert info["tiers"] == [str(tmp_path / "tiers" / t / f"proc{k}") for t in TIERS]
 
+    # Metrics aggregated across processes: the same on every process, the slowest process's
+    # figures, every process's beside them, exact.
+    aggs = [{k: v for k, v in info["aggregate"].items() if k != "own"} for info in infos]
+    assert all(a == aggs[0] for a in aggs)
+    agg = aggs[0]
+    assert agg["slowest"] == nproc - 1 and agg["step_time_s"] == nproc
+    assert agg["timings"] == {"step_s": nproc, "big": 2.0**40 + nproc - 1}
+    assert agg["per_process"]["big"] == [2.0**40 + k for k in range(nproc)]
+    assert agg["metrics"]["total_s"] == infos[-1]["aggregate"]["own"]["total_s"]
+    for key, value in infos[-1]["aggregate"]["own"].items():
+        assert agg["per_process"][key][-1] == value
+    shared = {f"bytes_read:{tmp_path / 'tiers' / t}" for t in TIERS}
+    assert shared <= set(agg["per_process"])  # per-tier figures keyed by the configured tier
+    assert agg["metrics"]["bytes_read"].keys() == {k.partition(":")[2] for k in shared}
+
     # Each process wrote to its own directory of every tier, about 1/N of the state.
     ref_disk = sum(_state_file_bytes(ref_base / "tiers" / t) for t in TIERS)
     ref_written = sum(ref_info["tier_bytes"].values())
@@ -142,3 +189,46 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
         written = sum(info["tier_bytes"].values())
         assert 0.7 / nproc < disk / ref_disk < 1.4 / nproc, (k, disk, ref_disk)
         assert 0.7 / nproc < written / ref_written < 1.4 / nproc, (k, written, ref_written)
+
+
+def _overlaps(infos: list[dict], tier: str, direction: str) -> list[tuple]:
+    """Pairs of requests of ``direction`` on ``tier`` from different processes that overlap in
+    time (the traces' times are time.monotonic, one clock for every process of the machine)."""
+    spans = [(t0, t1, k) for k, info in enumerate(infos)
+             for name, _slot, t0, t1 in info["traces"][tier] if name == direction]  # fmt: skip
+    spans.sort()
+    pairs = []
+    for i, (a0, a1, ka) in enumerate(spans):
+        for b0, b1, kb in spans[i + 1 :]:
+            if b0 >= a1:
+                break  # sorted by start: no later span starts before a ends
+            if kb != ka:
+                pairs.append(((a0, a1, ka), (b0, b1, kb)))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def permit_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Two processes sharing a tier with max_concurrency=1: with node-level permits and without."""
+    runs = {}
+    for mode in ("process-permits", "node-permits"):
+        _, infos, elapsed = _run(2, tmp_path_factory.mktemp(mode), mode, steps=8)
+        print(f"{mode}: {elapsed:.1f} s")
+        runs[mode] = infos
+    return runs
+
+
+@pytest.mark.parametrize("direction", ["read", "write"])
+def test_node_permits_admit_one_process_at_a_time(permit_runs, direction):
+    for mode, infos in permit_runs.items():
+        tier = next(t for t in infos[0]["traces"] if t.endswith("slow"))
+        for info in infos:
+            spans = [r for r in info["traces"][tier] if r[0] == direction]
+            assert len(spans) >= 20, (mode, len(spans))  # the tier was used every step
+        overlaps = _overlaps(infos, tier, direction)
+        if mode == "node-permits":
+            # node_max_concurrency=1: at most one process in the tier (per direction) at a time
+            assert overlaps == [], f"{len(overlaps)} overlaps, e.g. {overlaps[:3]}"
+        else:
+            # The control: max_concurrency=1 per process only, the processes do overlap.
+            assert len(overlaps) >= 3, overlaps

@@ -1,8 +1,13 @@
 """Tests for experiments/pretrain.py and experiments/report.py: the main job end to end, offload
-against optax step by step, config errors, the dry run and every shipped config."""
+against optax step by step, two processes against one, config errors, the dry run and every
+shipped config."""
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +85,70 @@ def test_offload_equals_optax_per_step(runs):
     np.testing.assert_allclose(offload, optax, rtol=0, atol=1e-5)
     records = report.load_metrics(runs["optax"]["metrics"])
     assert "tiers" not in records[0] and records[0]["update_s"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(runs, data_cache, tmp_path):
+    """experiments/launch/single_node.sh with NPROCS=2 on CPU: two pretrain.py processes with
+    batch_size 4 each train on the global batch of 8 rows of the single-process run: the same
+    losses (fp32: only the order of the reductions differs); process 0 writes the metrics with
+    the slowest process's step time."""
+    nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
+    nvme.mkdir()
+    pfs.mkdir()
+    env = dict(
+        os.environ,
+        NPROCS="2",
+        COORDINATOR_PORT=str(_free_port()),
+        RUN_NAME="dp2",
+        CONFIG=TINY,
+        NVME_DIR=str(nvme),
+        PFS_DIR=str(pfs),
+        PYTHON=sys.executable,
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="1",
+    )
+    argv = [str(ROOT / "experiments" / "launch" / "single_node.sh"), "--set", f"steps={STEPS}",
+            "--set", "batch_size=4", "--set", f"data.cache_dir={data_cache}",
+            "--set", "report.plot=false",
+            # each process holds half of the state: a smaller cache and subgroups than the
+            # single-process run (the numerics do not depend on them) keep the tiers in use
+            "--set", "offload.host_cache=512KiB",
+            "--set", "offload.subgroup_size=8192"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    run_dir = pfs / "jax_mlpo" / "dp2"
+    other = (run_dir / "rank1.log").read_text() if (run_dir / "rank1.log").exists() else ""
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}\n{other[-3000:]}"
+
+    records = report.load_metrics(run_dir / "metrics-offload.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    diff = np.abs(np.subtract([r["loss"] for r in records], runs["offload"]["losses"]))
+    print(f"2 processes vs 1: max |loss difference| {diff.max():.2e} over {STEPS} steps")
+    np.testing.assert_allclose(
+        [r["loss"] for r in records], runs["offload"]["losses"], rtol=1e-5, atol=1e-6
+    )
+    for r in records:
+        assert r["processes"] == 2 and len(r["per_process"]["step_s"]) == 2
+        assert r["step_s"] == max(r["per_process"]["step_s"])  # the slowest process's
+        assert r["step_s"] == r["per_process"]["step_s"][r["slowest_process"]]
+        assert r["tokens_per_s"] == pytest.approx(8 * 128 / r["step_s"])  # the global batch
+        assert set(r["tiers"]) == {str(nvme / "jax_mlpo" / "dp2" / "tier"),
+                                   str(run_dir / "tier")}  # fmt: skip
+    moved = sum(t["read_bytes"] + t["write_bytes"] for t in records[-1]["tiers"].values())
+    assert moved > 0 and records[-1]["cache_hits"] < records[-1]["subgroups"]
+    # Process 0 wrote the outputs; each process used its own directory of every tier.
+    assert {p.name for p in run_dir.iterdir()} >= {
+        "config.yaml", "metrics-offload.jsonl", "summary-offload.md", "summary-offload.json",
+        "tier", "rank1.log",
+    }  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "tier").iterdir()) == ["proc0", "proc1"]
+    assert not (nvme / "jax_mlpo" / "dp2").exists()  # the NVMe tier is removed at the end
+    assert "| parameters per process" in done.stderr and "| 2 |" in done.stderr  # dry run
 
 
 def test_report_compares_runs_and_plots(runs, tmp_path):

@@ -10,13 +10,14 @@
 #   NVME_DIR   node-local NVMe directory (default /local/scratch, Polaris's NVMe); tier 0
 #   CONFIG     YAML config (default experiments/configs/7b-node.yaml)
 #   PRETRAIN_ARGS  extra pretrain.py arguments, space-separated
-#   DATA, PFS_CONCURRENCY, PYTHON, KEEP_NVME: see rank.sh
+#   DATA, PFS_CONCURRENCY, PFS_NODE_CONCURRENCY, PYTHON, KEEP_NVME: see rank.sh
 #   COORDINATOR_PORT  port of the jax.distributed coordinator on the first node (default 12321)
 # Site setup (uncomment and adapt): a Python >= 3.11 with CUDA 12 and a venv with
 # `pip install -e '.[experiments]' 'jax[cuda12]'` at <repo>/.venv.
 #   module use /soft/modulefiles; module load conda
 # mpiexec below is Cray PALS / MPICH (--ppn); with Open MPI use `mpiexec -n N --npernode 1`.
-# See rank.sh for what runs on each node and the multi-process status of pretrain.py.
+# See rank.sh for what each process runs: data parallel over the nodes (jax.distributed),
+# process 0 writes the metrics with the slowest process's step time.
 #PBS -N jax_mlpo
 #PBS -l select=2:ngpus=1
 #PBS -l place=scatter
@@ -39,6 +40,7 @@ vars=(
   CONFIG="${CONFIG:-experiments/configs/7b-node.yaml}"
   DATA="${DATA:-}"
   PFS_CONCURRENCY="${PFS_CONCURRENCY:-1}"
+  PFS_NODE_CONCURRENCY="${PFS_NODE_CONCURRENCY-1}"
   KEEP_NVME="${KEEP_NVME:-0}"
   PYTHON="${PYTHON:-$repo/.venv/bin/python}"
 )
