@@ -94,8 +94,11 @@ class FileTier:
       sync: fsync every blob write before it counts as durable.
       read_bandwidth, write_bandwidth: the tier's bandwidth in bytes/s for placement (e.g.
         ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
-      node_max_concurrency: blobs in flight on this tier per direction across all processes
-        of the node (e.g. 1 for a shared parallel file system), or None for no node limit.
+      node_max_concurrency: blobs in flight on this tier across all processes of the node
+        (e.g. 1 for a shared parallel file system: one process in the tier at a time), or None
+        for no node limit.
+      node_permits: ``"tier"`` (default): ``node_max_concurrency`` counts reads and writes
+        together; ``"direction"``: reads and writes have ``node_max_concurrency`` each.
       chunk_bytes: the size of one request (and one checksum): blobs larger than this are
         read and written as several concurrent requests.
       permits_key: what the node-level permits are shared by (default: the path). The
@@ -113,6 +116,7 @@ class FileTier:
     read_bandwidth: int | str | None = None
     write_bandwidth: int | str | None = None
     node_max_concurrency: int | None = None
+    node_permits: str = "tier"
     permits_key: str | None = None
     chunk_bytes: int | str = "8MiB"
 
@@ -149,6 +153,11 @@ class FileTier:
             raise ConfigError(
                 f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
                 "must be an int >= 1, or None for no node-level limit"
+            )
+        if self.node_permits not in ("tier", "direction"):
+            raise ConfigError(
+                f"FileTier.node_permits={self.node_permits!r} for {self.path}: must be 'tier' "
+                "(reads and writes share node_max_concurrency) or 'direction' (each has it)"
             )
         chunk = parse_size(self.chunk_bytes, f"FileTier.chunk_bytes ({self.path})")
         if chunk < 4 or chunk % 4:
@@ -238,6 +247,10 @@ class OffloadConfig:
         update and read back in it, as ZeRO-Infinity does.
       replan: re-plan placement when a tier's observed I/O time stays more than 25% off the
         model for 3 steps; moved subgroups migrate on their next write-back.
+      write_behind: an update returns once every subgroup is updated; the write-backs still in
+        flight finish while the caller goes on (the next forward and backward pass), and the
+        next update, ``flush``, checkpoint or ``close`` waits for them first (and reports their
+        errors). When False, each update waits for its last write.
       node_permits_dir: directory of the node-level permits of tiers with
         ``node_max_concurrency`` (node-local, e.g. ``/dev/shm/jax_mlpo``).
       fallback_on_full: when a tier runs out of space (ENOSPC), write the subgroup to another
@@ -256,6 +269,7 @@ class OffloadConfig:
     retain_policy: str = "equal"
     delayed_conversion: bool = True
     replan: bool = True
+    write_behind: bool = True
     node_permits_dir: str = "/dev/shm/jax_mlpo"
     fallback_on_full: bool = True
     io_timeout_s: float | None = 600.0
@@ -297,7 +311,7 @@ class OffloadConfig:
             raise ConfigError(
                 f"io_timeout_s={self.io_timeout_s!r} must be a positive number of seconds or None"
             )
-        for name in ("retain", "delayed_conversion", "replan", "fallback_on_full"):
+        for name in ("retain", "delayed_conversion", "replan", "write_behind", "fallback_on_full"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         seen: dict[str, str] = {}
@@ -314,7 +328,8 @@ class OffloadConfig:
         """This config with every MLP-Offload principle off (ZeRO-Infinity-like).
 
         One path (the first tier), ascending order every step, nothing retained across steps,
-        fp32 gradients written to the tier and read back in the update, no re-planning.
+        fp32 gradients written to the tier and read back in the update, no re-planning, each
+        update waiting for its last write.
         """
         return dataclasses.replace(
             self,
@@ -323,6 +338,7 @@ class OffloadConfig:
             retain=False,
             delayed_conversion=False,
             replan=False,
+            write_behind=False,
         )
 
     def validate(self) -> None:

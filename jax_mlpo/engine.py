@@ -93,6 +93,8 @@ class Engine:
         self._cache: dict[int, np.ndarray] = {}
         # subgroup -> a free buffer still holding its state as last written (clean)
         self._clean: dict[int, np.ndarray] = {}
+        # write-backs still in flight after the last update returned (write_behind)
+        self._writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
         self.tiers: list[FileTierStore] = []
         self.tier_of: list[int] = []  # where each subgroup's blob is on disk
         self._target: list[int] = []  # where it goes on its next write-back (re-planning)
@@ -195,6 +197,7 @@ class Engine:
                 config.node_permits_dir if tier.node_max_concurrency else None,
                 tier.node_max_concurrency or 1,
                 tier.node_max_concurrency or 1,
+                node_shared=tier.node_permits == "tier",
             )
             self.tiers.append(FileTierStore(tier, kinds, permits))
         if config.placement == "measured":
@@ -372,17 +375,13 @@ class Engine:
         cached_ids = {id(b) for b in self._cache.values()}
         free = [b for b in self._buffers if id(b) not in cached_ids]
         reads: dict[int, tuple[list[concurrent.futures.Future], np.ndarray]] = {}
-        writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
+        writes = self._writes  # the last step's write-behind first
+        free = [b for b in free if all(b is not w[1] for w in writes)]
 
         def reclaim(block: bool) -> None:
             while writes and (block or writes[0][0].done()):
-                future, buf, i = writes.popleft()
                 t0 = time.monotonic()
-                try:
-                    self._result(future, i)
-                except TierIOError as e:
-                    if not self._fall_back(i, buf[: sgs[i].state_elems], e):
-                        raise
+                i, buf = self._reclaim_one()
                 metrics.write_wait_s += time.monotonic() - t0
                 free.append(buf)
                 if reuse:
@@ -430,8 +429,13 @@ class Engine:
         def in_flight(tier: int) -> int:
             return sum(1 for j in reads if self.tier_of[j] == tier)
 
+        def writing(j: int) -> bool:
+            return any(w[2] == j for w in writes)
+
         try:
             for cursor, i in enumerate(order):
+                while writing(i):  # the last step's write-back of i: its buffer is a hit then
+                    reclaim(block=True)
                 hit = True
                 if i in self._cache:
                     buf = self._cache.pop(i)
@@ -448,7 +452,7 @@ class Engine:
                     futures, buf = reads.pop(i)
                 metrics.cache_hits += hit
                 for j in order[cursor + 1 :]:  # read ahead, prefetch_depth per tier
-                    if j in self._cache or j in clean or j in reads:
+                    if j in self._cache or j in clean or j in reads or writing(j):
                         continue
                     if in_flight(self.tier_of[j]) >= self.config.prefetch_depth:
                         break
@@ -472,8 +476,11 @@ class Engine:
                     store = self.tiers[self.tier_of[i]]
                     writes.append((store.write(i, buf[: sgs[i].state_elems]), buf, i))
                 reclaim(block=False)
-            while writes:
-                reclaim(block=True)
+            if not self.config.write_behind:
+                while writes:
+                    reclaim(block=True)
+            # else the remaining writes finish while the caller runs; their buffers stay busy
+            # (and out of the clean cache) until the next step reclaims them
         except BaseException:
             clean.clear()
             # Let nothing outlive the step: a read or write still running would touch buffers.
@@ -481,7 +488,52 @@ class Engine:
             pending += [f for f, _, _ in writes]
             for f in pending:
                 f.cancel()
+            writes.clear()
             # a hung tier is abandoned after the timeout: the engine is failed from here on
+            concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
+            raise
+
+    def _reclaim_one(self) -> tuple[int, np.ndarray]:
+        """Waits for the oldest write-back in flight (falling back on a full tier)."""
+        future, buf, i = self._writes.popleft()
+        try:
+            self._result(future, i)
+        except TierIOError as e:
+            if not self._fall_back(i, buf[: self.layout.subgroups[i].state_elems], e):
+                raise
+        return i, buf
+
+    def drain(self) -> None:
+        """Waits for the write-backs the last update left in flight (``write_behind``).
+
+        Raises:
+          TierIOError: if one failed (and no other tier took it); the engine is failed then.
+        """
+        if not self._writes:
+            return
+        before = [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
+        t0 = time.monotonic()
+        try:
+            while self._writes:
+                i, buf = self._reclaim_one()
+                if self.config.retain and self.config.delayed_conversion:
+                    self._clean[i] = buf
+            if self.metrics:  # the last step's figures include its late write-backs
+                last = self.metrics[-1]
+                last.write_wait_s += time.monotonic() - t0
+                last.total_s += time.monotonic() - t0
+                for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
+                    path = tier.tier.path
+                    last.bytes_read[path] = last.bytes_read.get(path, 0) + tier.bytes_read - read
+                    last.bytes_written[path] = (
+                        last.bytes_written.get(path, 0) + tier.bytes_written - written
+                    )
+                    last.tier_busy_s[path] = last.tier_busy_s.get(path, 0.0) + tier.busy_s - busy
+        except BaseException as e:
+            self._failed = e
+            self._clean.clear()
+            pending = [f for f, _, _ in self._writes]
+            self._writes.clear()
             concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
             raise
 
@@ -609,6 +661,7 @@ class Engine:
 
     def _blobs(self):
         """Yields (subgroup, blob) for every subgroup, reading the ones on tiers."""
+        self.drain()
         scratch = aligned_empty(self.layout.max_state_elems, F32)
         for sg in self.layout.subgroups:
             if sg.index in self._cache:
@@ -657,6 +710,7 @@ class Engine:
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
         sgs = self.layout.subgroups
+        self.drain()
         self._clean.clear()  # the tiers are about to hold other state
         scratch = aligned_empty(self.layout.max_state_elems, F32)
         for sg in sgs:
@@ -689,6 +743,7 @@ class Engine:
         """Writes the subgroups retained in host memory to their tiers (they stay cached)."""
         if self.host_only or self._failed is not None:
             return
+        self.drain()
         futures = [
             (self.tiers[self.tier_of[i]].write(i, buf[: self.layout.subgroups[i].state_elems]), i)
             for i, buf in self._cache.items()

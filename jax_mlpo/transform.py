@@ -41,7 +41,8 @@ class OffloadedAdamWState(NamedTuple):
 _ENGINES: dict[int, Engine] = {}
 _NEXT_HANDLE = itertools.count(1)
 _REGISTRY_LOCK = threading.Lock()
-_FAILED_SINCE_RESET = False  # a failed engine was closed: its effect token may still be poisoned
+# an update's callback failed (or a failed engine was closed): JAX's effect token may be poisoned
+_FAILED_SINCE_RESET = False
 
 
 def _register(engine: Engine) -> int:
@@ -175,10 +176,29 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
+def _poisons_token(callback):
+    """Marks JAX's ordered-effect token poisoned when ``callback`` raises (any error, a refused
+    stale state included), so that the next ``tx.init`` drops it."""
+
+    @functools.wraps(callback)
+    def wrapped(*args, **kwargs):
+        global _FAILED_SINCE_RESET
+        try:
+            return callback(*args, **kwargs)
+        except BaseException:
+            with _REGISTRY_LOCK:
+                _FAILED_SINCE_RESET = True
+            raise
+
+    return wrapped
+
+
+@_poisons_token
 def _stage(handle, grad_dtypes):
     return _engine(handle).staging(grad_dtypes)
 
 
+@_poisons_token
 def _host_update(handle, count, scalars, tokens, b1, b2, eps):
     del tokens  # only orders this callback after the copies into the staging buffers
     lr, bc1, bc2 = (float(x) for x in np.asarray(scalars))

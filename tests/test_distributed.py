@@ -192,10 +192,12 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
 
 
 def _overlaps(infos: list[dict], tier: str, direction: str) -> list[tuple]:
-    """Pairs of requests of ``direction`` on ``tier`` from different processes that overlap in
-    time (the traces' times are time.monotonic, one clock for every process of the machine)."""
+    """Pairs of requests of ``direction`` ("any": either) on ``tier`` from different processes
+    that overlap in time (the traces' times are time.monotonic, one clock for every process of
+    the machine)."""
     spans = [(t0, t1, k) for k, info in enumerate(infos)
-             for name, _slot, t0, t1 in info["traces"][tier] if name == direction]  # fmt: skip
+             for name, _slot, t0, t1 in info["traces"][tier]
+             if direction in (name, "any")]  # fmt: skip
     spans.sort()
     pairs = []
     for i, (a0, a1, ka) in enumerate(spans):
@@ -218,16 +220,17 @@ def permit_runs(tmp_path_factory) -> dict[str, list[dict]]:
     return runs
 
 
-@pytest.mark.parametrize("direction", ["read", "write"])
+@pytest.mark.parametrize("direction", ["read", "write", "any"])
 def test_node_permits_admit_one_process_at_a_time(permit_runs, direction):
     for mode, infos in permit_runs.items():
         tier = next(t for t in infos[0]["traces"] if t.endswith("slow"))
         for info in infos:
-            spans = [r for r in info["traces"][tier] if r[0] == direction]
+            spans = [r for r in info["traces"][tier] if direction in (r[0], "any")]
             assert len(spans) >= 20, (mode, len(spans))  # the tier was used every step
         overlaps = _overlaps(infos, tier, direction)
         if mode == "node-permits":
-            # node_max_concurrency=1: at most one process in the tier (per direction) at a time
+            # node_max_concurrency=1: at most one process in the tier at a time, reads and
+            # writes alike (FileTier.node_permits="tier")
             assert overlaps == [], f"{len(overlaps)} overlaps, e.g. {overlaps[:3]}"
         else:
             # The control: max_concurrency=1 per process only, the processes do overlap.

@@ -218,6 +218,7 @@ def test_metrics_pipeline_only(dtype, per_elem, retain, tmp_path):
         prefetch_depth=depth,
         placement="even",
         retain=retain,
+        write_behind=False,  # each step's bytes are counted in that step
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     placed = None
@@ -257,6 +258,7 @@ def test_metrics_with_retained_subgroups(dtype, per_elem, tmp_path):
         subgroup_size=SUBGROUP,
         prefetch_depth=depth,
         placement="even",
+        write_behind=False,  # each step's writes are traced in that step
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     kept: set[int] | None = None  # not written back by the previous step
@@ -351,6 +353,7 @@ def overlap_step(tmp_path, depth, monkeypatch, states):
     update = jax.jit(tx.update)
     _, state = update({"w": jnp.ones_like(params["w"])}, state, params)
     jax.block_until_ready(state)
+    engine.drain()  # the last write-backs (write_behind) are in the trace too
     trace = [span for store in engine.tiers for span in store.trace]
     reads = [(t0, t1) for kind, _, t0, t1 in trace if kind == "read"]
     writes = [(t0, t1) for kind, _, t0, t1 in trace if kind == "write"]
@@ -374,6 +377,87 @@ def test_no_overlap_without_prefetch(tmp_path, monkeypatch, states):
             assert intersection(r, k) == 0, (r, k)
     serial = sum(t1 - t0 for t0, t1 in reads) + sum(t1 - t0 for t0, t1 in kernels)
     assert metrics.total_s >= 0.9 * serial, (metrics, serial)
+
+
+# -- write-behind -------------------------------------------------------------------------------
+
+
+def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3):
+    """Updates over a capped tier (10 ms per blob); returns the engine, state, params and the
+    write-backs still in flight when each update returned."""
+    blob = 8 * OVERLAP_SUBGROUP
+    tier = FileTier(str(tmp_path / f"tier-{write_behind}"), bandwidth_cap=blob / 0.01, sync=False)
+    config = OffloadConfig(
+        host_cache=4 * blob,
+        tiers=[tier],
+        subgroup_size=OVERLAP_SUBGROUP,
+        prefetch_depth=1,
+        placement="even",
+        write_behind=write_behind,
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = {"w": jnp.linspace(-1.0, 1.0, N_SUBGROUPS * OVERLAP_SUBGROUP, dtype=jnp.float32)}
+    state = tx.init(params)
+    states.append(state)
+    engine = jax_mlpo.engine_of(state)
+    update = jax.jit(tx.update)
+    in_flight = []
+    for step in range(steps):
+        updates, state = update(grads_for(params, step), state, params)
+        jax.block_until_ready(updates)
+        in_flight.append(sum(not f.done() for f, _, _ in engine._writes))
+        params = optax.apply_updates(params, updates)
+    return engine, state, params, in_flight
+
+
+def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_path, states):
+    engine, state, params, in_flight = write_behind_run(tmp_path, True, states)
+    assert min(in_flight) >= 1, in_flight  # the update returned with write-backs in flight
+    want_engine, want_state, want, waited = write_behind_run(tmp_path, False, states)
+    assert waited == [0, 0, 0]
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(want["w"]))
+    # the state (state_dict waits for the writes) is the same bit for bit
+    got_state, want_state_dict = engine.state_dict(), want_engine.state_dict()
+    assert not engine._writes
+    for name in ("mu", "nu"):
+        for a, b in zip(got_state[name], want_state_dict[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_failed_write_behind_fails_the_next_update(tmp_path, states, fresh_effect_tokens):
+    blob = 8 * OVERLAP_SUBGROUP
+    config = OffloadConfig(
+        host_cache=4 * blob,
+        tiers=[FileTier(str(tmp_path / "tier"), sync=False)],
+        subgroup_size=OVERLAP_SUBGROUP,
+        prefetch_depth=1,
+        placement="even",
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = {"w": jnp.linspace(-1.0, 1.0, N_SUBGROUPS * OVERLAP_SUBGROUP, dtype=jnp.float32)}
+    state = tx.init(params)
+    states.append(state)
+    engine = jax_mlpo.engine_of(state)
+    store = engine.tiers[0]
+    release = threading.Event()
+    real_write = store._blobs.write
+
+    def failing_write(slot, kind, data):  # the step's last write-backs hang, then fail
+        if slot < N_SUBGROUPS // 2:
+            return real_write(slot, kind, data)
+        release.wait(10)
+        raise OSError(5, "Input/output error")
+
+    store._blobs.write = failing_write
+    update = jax.jit(tx.update)
+    updates, state = update(grads_for(params, 0), state, params)
+    jax.block_until_ready(updates)  # returned while its last write-backs are in flight
+    assert any(not f.done() for f, _, _ in engine._writes)
+    release.set()
+    with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
+        jax.block_until_ready(update(grads_for(params, 1), state, params))
+    with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
+        engine.state_dict()
 
 
 # -- degenerate layouts -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ BLOB = 8 * SUBGROUP  # fp32 params: m | v
 
 
 def make_tx(tmp_path, buffers: int, tiers: int = 2, **switches):
+    switches.setdefault("write_behind", False)  # each step's writes are traced in that step
     config = jax_mlpo.OffloadConfig(
         host_cache=buffers * BLOB * (1 if switches.get("delayed_conversion", True) else 1.5),
         tiers=[

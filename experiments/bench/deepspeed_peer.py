@@ -105,6 +105,7 @@ def jax_worker(args) -> dict:
         t0 = time.perf_counter()
         updates, state = update(grads, state, params)
         jax.block_until_ready(updates)
+        jax_mlpo.engine_of(state).drain()  # its last write-backs (write_behind) count too
         dt = time.perf_counter() - t0
         io1 = proc_io()
         del updates

@@ -70,6 +70,9 @@ class TierPermits:
       writes: write requests in flight in this process.
       node_dir: directory of the node-level permits, or None for none.
       node_reads, node_writes: requests in flight across all processes of the node.
+      node_shared: reads and writes draw on one node-level pool of ``node_reads`` permits (at
+        most that many requests of the node's processes in the tier, whatever their direction)
+        instead of a pool per direction.
     """
 
     def __init__(
@@ -80,17 +83,19 @@ class TierPermits:
         node_dir: str | None = None,
         node_reads: int = 1,
         node_writes: int = 1,
+        node_shared: bool = False,
     ) -> None:
         self._local = {"read": threading.BoundedSemaphore(reads),
                        "write": threading.BoundedSemaphore(writes)}  # fmt: skip
-        self._node = (
-            {
+        self._node: dict[str, NodePermits] | None = None
+        if node_dir and node_shared:
+            shared = NodePermits(node_dir, f"{key}:any", node_reads)
+            self._node = {"read": shared, "write": shared}
+        elif node_dir:
+            self._node = {
                 "read": NodePermits(node_dir, f"{key}:read", node_reads),
                 "write": NodePermits(node_dir, f"{key}:write", node_writes),
             }
-            if node_dir
-            else None
-        )
         self.wait_s = {"read": 0.0, "write": 0.0}
 
     @contextlib.contextmanager
@@ -107,5 +112,5 @@ class TierPermits:
 
     def close(self) -> None:
         if self._node:
-            for permits in self._node.values():
+            for permits in {id(p): p for p in self._node.values()}.values():
                 permits.close()

@@ -217,9 +217,7 @@ class PosixBlobs:
                 )
             trailer = self._queue.submit(_READ, self._read_trailer, fd, trailer_at, trailer_bytes)
             parts = [
-                self._queue.submit(
-                    _READ, self._read_chunk, fd, view[o : o + n], o, o + n == nbytes
-                )
+                self._queue.submit(_READ, self._read_chunk, fd, view[o : o + n], o, o + n == nbytes)
                 for o, n in self._chunks(nbytes)
             ]
             crcs = _wait_all([trailer, *parts])
