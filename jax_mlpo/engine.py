@@ -575,7 +575,8 @@ class Engine:
             read_bw, write_bw = self.bandwidth[k]
             model = metrics.bytes_read[path] / read_bw + metrics.bytes_written[path] / write_bw
             observed = metrics.tier_busy_s[path]
-            ratio = observed / model if model > 0 else 1.0
+            # no evidence either way without bytes and busy time in this step's window
+            ratio = observed / model if model > 0 and observed > 0 else 1.0
             ratios.append(ratio)
             off = abs(ratio - 1.0) > 0.25
             self._strikes[k] = self._strikes[k] + 1 if off else 0

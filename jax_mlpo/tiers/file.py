@@ -76,7 +76,7 @@ class FileTierStore:
         self.permits = permits
         self.bytes_read = 0
         self.bytes_written = 0
-        self.busy_s = 0.0  # wall time with at least one request of this tier in flight
+        self._busy_s = 0.0  # wall time with at least one request in flight, until the last idle
         self._active = 0
         self._since = 0.0
         self._stats_lock = threading.Lock()
@@ -144,6 +144,14 @@ class FileTierStore:
             finally:
                 self._end("write", kind, slot, t0, data.nbytes)
 
+    @property
+    def busy_s(self) -> float:
+        """Wall time so far with at least one request of this tier in flight (the current busy
+        period included, so differences over any window are exact)."""
+        with self._stats_lock:
+            current = time.monotonic() - self._since if self._active else 0.0
+            return self._busy_s + current
+
     def _begin(self) -> float:
         now = time.monotonic()
         with self._stats_lock:
@@ -157,7 +165,7 @@ class FileTierStore:
         with self._stats_lock:
             self._active -= 1
             if self._active == 0:
-                self.busy_s += now - self._since
+                self._busy_s += now - self._since
             if direction == "read":
                 self.bytes_read += nbytes
             else:
