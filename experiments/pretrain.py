@@ -15,7 +15,8 @@ The run directory holds the resolved config (config.yaml), the per-step metrics
 ``checkpoint.every``, the checkpoints (checkpoints-<optimizer>/: params, optimizer state, data
 position; ``--resume`` continues from the latest). With several processes (data parallel,
 ``jax.distributed``) every process runs the same config with ``batch_size`` rows of the global
-batch, and process 0 writes the outputs with the slowest process's step time. See
+batch, and process 0 writes the outputs with the slowest process's step time; every process
+writes its shards of each checkpoint, which restores onto any process count. See
 docs/pretrain.md.
 """
 
@@ -32,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -640,6 +642,9 @@ def _progress(r: dict[str, Any]) -> dict[str, str]:
 def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:
     """The run's checkpoint manager, or None without ``checkpoint.every`` and ``--resume``.
 
+    In a multi-process run every process opens it on the same directory (which must be on a
+    file system all of them see, as ``run_dir``): orbax saves and restores collectively.
+
     Raises:
         ConfigError: for a new run (no ``--resume``) into a directory that holds checkpoints,
             which it would otherwise mix with its own.
@@ -661,7 +666,11 @@ def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:
 
 
 def _restore(cfg: RunConfig, mngr: Any, params: Any, opt_state: Any) -> tuple[int, Any, Any]:
-    """(data step, params, opt_state) of the latest checkpoint; step 0 and the inputs if none."""
+    """(data step, params, opt_state) of the latest checkpoint; step 0 and the inputs if none.
+
+    Every process of a multi-process run calls it (the restore is collective); each gets its
+    shards, whatever the process count that saved the checkpoint.
+    """
     if mngr.latest_step() is None:
         logger.warning("--resume: no checkpoint in %s, starting at step 0", mngr.directory)
         return 0, params, opt_state
@@ -672,7 +681,21 @@ def _restore(cfg: RunConfig, mngr: Any, params: Any, opt_state: Any) -> tuple[in
             f"this config has seed {cfg.seed} (other batches): resume with the run's config, "
             "or start a new run elsewhere"
         )
-    logger.info("resumed from step %d (%s)", step, mngr.directory)
+    nproc = jax.process_count()
+    saved_by, saved_batch = int(extra.get("processes", 1)), extra.get("global_batch")
+    if saved_batch is not None and int(saved_batch) != cfg.batch_size * nproc:
+        saved_batch = int(saved_batch)
+        # Allowed (a deliberate change of batch size), but usually an oversight when the
+        # process count changed: batch_size is per process.
+        fix = (f"; set batch_size={saved_batch // nproc} to continue it unchanged"
+               if saved_batch % nproc == 0 else "")  # fmt: skip
+        logger.warning(
+            "checkpoint %d was written with a global batch of %d rows (%d processes), this run "
+            "has %d (%d x batch_size %d): it goes on with other batches%s",
+            step, saved_batch, saved_by, cfg.batch_size * nproc, nproc, cfg.batch_size, fix,
+        )  # fmt: skip
+    logger.info("resumed from step %d (%s), saved by %d process(es)", step, mngr.directory,
+                saved_by)  # fmt: skip
     return int(extra["data_step"]), params, opt_state
 
 
@@ -688,14 +711,12 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
     the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
     summary and plot, with the slowest process's step time (``jax_mlpo.metrics.aggregate``).
+    Checkpoints are saved and restored by every process (each writes and reads its shards;
+    :mod:`jax_mlpo.checkpoint`), so a run resumes on any process count; process 0 continues
+    the metrics file. The other processes return the losses of the steps they ran only.
     """
     name = "optax" if use_optax else "offload"
     nproc, pid = jax.process_count(), jax.process_index()
-    if nproc > 1 and (cfg.checkpoint.every or resume):
-        raise ConfigError(
-            "checkpoints (checkpoint.every, --resume) are single-process for now: set "
-            "checkpoint.every=0 for a multi-process run"
-        )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
@@ -758,7 +779,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                            "data_s": t0 - t_data}  # fmt: skip
                 every = cfg.checkpoint.every
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
-                    extra = {"data_step": step + 1, "seed": cfg.seed}
+                    extra = {"data_step": step + 1, "seed": cfg.seed, "processes": nproc,
+                             "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
                 engine = None if use_optax else jax_mlpo.engine_of(opt_state).metrics[-1]
@@ -816,17 +838,38 @@ def _earlier_records(metrics_path: Path, start: int) -> list[dict[str, Any]]:
     return records
 
 
+def _common_tiers(records: list[dict], skip: int) -> list[dict]:
+    """``records`` with only the tiers that every record after the first ``skip`` has.
+
+    A run resumed with other tiers (another ``offload.tiers``, or another process count with
+    other default tiers) holds records of both; ``report.summarize`` and ``report.plot_run``
+    read each tier of their window's first record in every record of the window.
+    """
+    window = records[min(skip, len(records) - 1) :]
+    common = set.intersection(*(set(r.get("tiers", {})) for r in window))
+    if all(set(r.get("tiers", {})) == common for r in window):
+        return records
+    logger.warning("the run used other tiers before it was resumed: the summary and the plot "
+                   "leave out the tiers that steps %d..%d do not all have", window[0]["step"],
+                   window[-1]["step"])  # fmt: skip
+    return [{**r, "tiers": {p: t for p, t in r["tiers"].items() if p in common}}
+            if "tiers" in r else r for r in records]  # fmt: skip
+
+
 def _finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
-    summary = report.summarize(records, cfg.report.skip_steps)
+    shown = _common_tiers(records, cfg.report.skip_steps)
+    summary = report.summarize(shown, cfg.report.skip_steps)
     nproc = records[-1].get("processes", 1) if records else 1
     batch = f"batch {cfg.batch_size} x {cfg.seq_len} tokens"
     if nproc > 1:
         batch = f"{nproc} processes, global batch {cfg.batch_size * nproc} x {cfg.seq_len} tokens"
     table = report.format_table(summary, title=f"{cfg.model}, {name}, {batch}")
     if nproc > 1:
-        # The table holds the slowest process's figures of each step; here every process's.
+        # The table holds the slowest process's figures of each step; here every process's
+        # (of the steps run on this process count: a resumed run may have changed it).
         window = records[min(cfg.report.skip_steps, len(records) - 1) :]
+        window = [r for r in window if r.get("processes") == nproc]  # holds records[-1]
         per = {
             key: [statistics.median(r["per_process"][key][k] for r in window)
                   for k in range(nproc)]
@@ -851,7 +894,7 @@ def _finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) 
     if cfg.report.plot:
         try:
             plot = report.plot_run(
-                records,
+                shown,
                 run_dir / f"pretrain-{name}.png",
                 skip=cfg.report.skip_steps,
                 title=f"{cfg.model} ({name})",
@@ -1021,5 +1064,35 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """:func:`main` as the command runs it: a failed process of a multi-process run exits at once.
+
+    Otherwise a process whose step failed would wait in ``jax.distributed``'s shutdown barrier
+    (up to 300 s) for the others, which wait for it in the step's collectives: it prints its
+    error and leaves with exit status 1 instead (the launcher, e.g. ``single_node.sh`` or
+    ``srun``, then stops the others; a peer's departure also fails their collectives). The
+    metrics written so far are closed, and the checkpoints are crash-safe: a save in flight is
+    left as a temporary directory that the next run removes.
+    """
+    try:
+        main(argv)
+    except BaseException as e:
+        if not (jax.distributed.is_initialized() and jax.process_count() > 1):
+            raise
+        if isinstance(e, SystemExit) and (e.code is None or isinstance(e.code, int)):
+            code = e.code or 0
+        else:
+            if isinstance(e, SystemExit):
+                print(e.code, file=sys.stderr)
+            else:
+                traceback.print_exc()
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        print(f"pretrain.py: process {jax.process_index()} of {jax.process_count()} exits with "
+              f"status {code}, not waiting for the others", file=sys.stderr)  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
