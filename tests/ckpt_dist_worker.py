@@ -33,34 +33,10 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
 
 import jax  # noqa: E402
 
-GLOBAL_BATCH = 16
-# First dimensions 64, 64 and 16 split over 1, 2 or 4 processes; "odd" (3, 5) is replicated.
-SHAPES = {"w1": (64, 64), "b1": (64,), "w2": (64, 16), "b2": (16,), "odd": (3, 5)}
+# The job of tests/dist_worker.py (an MLP whose first dimensions split over 1, 2 or 4 processes).
+from dist_worker import GLOBAL_BATCH, SHAPES, batch, init_params, loss_fn  # noqa: E402, F401
+
 TOTAL_STEPS = 12  # the schedule's length
-
-
-def init_params():
-    import numpy as np
-
-    rng = np.random.RandomState(0)
-    return {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in SHAPES.items()}
-
-
-def batch(step: int):
-    import numpy as np
-
-    rng = np.random.RandomState(1000 + step)
-    x = rng.standard_normal((GLOBAL_BATCH, 64)).astype(np.float32)
-    y = rng.standard_normal((GLOBAL_BATCH, 16)).astype(np.float32)
-    return x, y
-
-
-def loss_fn(params, x, y):
-    import jax.numpy as jnp
-
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    out = h @ params["w2"] + params["b2"] + jnp.sum(params["odd"] ** 2)
-    return jnp.mean((out - y) ** 2)
 
 
 def flip(path: str, pos: int) -> None:

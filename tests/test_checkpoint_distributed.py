@@ -15,28 +15,18 @@ import hashlib
 import json
 import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
+from processes import run_workers
 
 from jax_mlpo import checkpoint
 
 WORKER = pathlib.Path(__file__).with_name("ckpt_dist_worker.py")
-ROOT = str(WORKER.parents[1])
 STEPS = 6
 TIMEOUT_S = 120
 LEAVES = ("b1", "b2", "odd", "w1", "w2")  # jax.tree order
 SHAPES = {"b1": (64,), "b2": (16,), "odd": (3, 5), "w1": (64, 64), "w2": (64, 16)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(nproc: int, base: pathlib.Path, spec: dict) -> dict:
@@ -46,36 +36,13 @@ def _run(nproc: int, base: pathlib.Path, spec: dict) -> dict:
     for tier in spec["tiers"]:
         os.makedirs(tier, exist_ok=True)
     spec = {**spec, "out": str(out), "steps": STEPS}
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    port, t0 = _free_port(), time.monotonic()
-    logs = [open(out / f"log{k}.txt", "w+") for k in range(nproc)]  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(k), str(nproc), str(port), json.dumps(spec)],
-            env=env,
-            stdout=logs[k],
-            stderr=subprocess.STDOUT,
-        )
-        for k in range(nproc)
-    ]
-    try:
-        deadline = t0 + TIMEOUT_S
-        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    elapsed = time.monotonic() - t0
-    text = []
-    for k, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- process {k} ---\n{log.read()[-3000:]}")
-        log.close()
-    assert codes is not None, f"timed out after {TIMEOUT_S} s\n" + "\n".join(text)
-    assert codes == [0] * nproc, f"exit codes {codes}\n" + "\n".join(text)
+    elapsed = run_workers(
+        WORKER,
+        nproc,
+        lambda k, port: [str(k), str(nproc), str(port), json.dumps(spec)],
+        out,
+        TIMEOUT_S,
+    )
     print(f"{spec['mode']} on {nproc} process(es): {elapsed:.1f} s")
     with np.load(out / "result.npz") as f:
         result = {k: f[k] for k in f.files}

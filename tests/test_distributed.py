@@ -9,31 +9,20 @@ checked on the merged request traces of two processes sharing a tier.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from processes import run_workers
 
 from jax_mlpo import distributed, metrics
 from jax_mlpo.metrics import StepMetrics
 
 WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
-ROOT = str(WORKER.parents[1])
 STEPS = 20
 TIMEOUT_S = 80
 TIERS = ("fast", "slow")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(
@@ -42,47 +31,13 @@ def _run(
     tiers, out = base / "tiers", base / "out"
     tiers.mkdir(parents=True)
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    port = _free_port()
-    t0 = time.monotonic()
-    logs = [open(base / f"log{k}.txt", "w+") for k in range(nproc)]  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                str(k),
-                str(nproc),
-                str(port),
-                str(tiers),
-                str(out),
-                str(steps),
-                mode,
-            ],
-            env=env,
-            stdout=logs[k],
-            stderr=subprocess.STDOUT,
-        )
-        for k in range(nproc)
-    ]
-    try:
-        deadline = t0 + TIMEOUT_S
-        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    elapsed = time.monotonic() - t0
-    text = []
-    for k, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- process {k} ---\n{log.read()[-3000:]}")
-        log.close()
-    assert codes is not None, f"timed out after {TIMEOUT_S} s\n" + "\n".join(text)
-    assert codes == [0] * nproc, f"exit codes {codes}\n" + "\n".join(text)
+    elapsed = run_workers(
+        WORKER,
+        nproc,
+        lambda k, port: [str(k), str(nproc), str(port), str(tiers), str(out), str(steps), mode],
+        base,
+        TIMEOUT_S,
+    )
     params = dict(np.load(out / "params.npz"))
     infos = [json.loads((out / f"proc{k}.json").read_text()) for k in range(nproc)]
     return params, infos, elapsed
