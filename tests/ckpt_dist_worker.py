@@ -34,7 +34,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
 import jax  # noqa: E402
 
 # The job of tests/dist_worker.py (an MLP whose first dimensions split over 1, 2 or 4 processes).
-from dist_worker import GLOBAL_BATCH, SHAPES, batch, init_params, loss_fn  # noqa: E402, F401
+from dist_worker import GLOBAL_BATCH, batch, init_params, loss_fn  # noqa: E402
 
 TOTAL_STEPS = 12  # the schedule's length
 
