@@ -97,6 +97,8 @@ class FileTier:
       node_max_concurrency: blobs in flight on this tier across all processes of the node
         (e.g. 1 for a shared parallel file system: one process in the tier at a time), or None
         for no node limit.
+      node_bandwidth_cap: like ``bandwidth_cap``, but for all the node's processes together
+        (one pacing clock in ``OffloadConfig.node_permits_dir``): a shared device's cap.
       node_permits: ``"tier"`` (default): ``node_max_concurrency`` counts reads and writes
         together; ``"direction"``: reads and writes have ``node_max_concurrency`` each.
       chunk_bytes: the size of one request (and one checksum): blobs larger than this are
@@ -117,6 +119,7 @@ class FileTier:
     write_bandwidth: int | str | None = None
     node_max_concurrency: int | None = None
     node_permits: str = "tier"
+    node_bandwidth_cap: int | str | None = None
     permits_key: str | None = None
     chunk_bytes: int | str = "8MiB"
 
@@ -154,6 +157,14 @@ class FileTier:
                 f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
                 "must be an int >= 1, or None for no node-level limit"
             )
+        if self.node_bandwidth_cap is not None:
+            cap = parse_size(self.node_bandwidth_cap, f"FileTier.node_bandwidth_cap ({self.path})")
+            if cap <= 0:
+                raise ConfigError(
+                    f"FileTier.node_bandwidth_cap={self.node_bandwidth_cap!r} for {self.path}: "
+                    "must be positive (bytes/s, e.g. '600MB'), or None for no node cap"
+                )
+            object.__setattr__(self, "node_bandwidth_cap", cap)
         if self.node_permits not in ("tier", "direction"):
             raise ConfigError(
                 f"FileTier.node_permits={self.node_permits!r} for {self.path}: must be 'tier' "

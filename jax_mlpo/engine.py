@@ -199,7 +199,7 @@ class Engine:
                 tier.node_max_concurrency or 1,
                 node_shared=tier.node_permits == "tier",
             )
-            self.tiers.append(FileTierStore(tier, kinds, permits))
+            self.tiers.append(FileTierStore(tier, kinds, permits, config.node_permits_dir))
         if config.placement == "measured":
             self.bandwidth = [self._bandwidth(store, probe_elems) for store in self.tiers]
         else:

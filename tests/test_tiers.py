@@ -549,3 +549,38 @@ def test_busy_time_counts_the_request_in_flight(tmp_path):
         assert store.busy_s - before >= 0.29
     finally:
         store.close()
+
+
+def test_node_bandwidth_cap_is_shared_by_the_node(tmp_path):
+    # Two stores of one tier (as two processes of a node see it: their own proc<k> directories,
+    # one permits key) pace on one clock: together they move at most the cap.
+    n, blobs, rate = 8192, 4, 4 * 8192 / 0.05  # 50 ms per blob at the cap
+    stores = []
+    for k in range(2):
+        tier = FileTier(
+            str(tmp_path / "tier" / f"proc{k}"),
+            node_bandwidth_cap=rate,
+            permits_key=str(tmp_path / "tier"),
+            sync=False,
+        )
+        permits = TierPermits(tier.path, 4, 4)
+        stores.append(FileTierStore(tier, {"state": [n] * blobs}, permits, str(tmp_path / "n")))
+    try:
+        t0 = time.monotonic()
+        futures = [s.write(i, np.ones(n, np.float32)) for s in stores for i in range(blobs)]
+        for f in futures:
+            f.result()
+        together = time.monotonic() - t0
+        assert together >= 0.95 * 2 * blobs * 0.05, together  # 8 blobs on one clock
+    finally:
+        for s in stores:
+            s.close()
+    # the same with per-process caps: each store alone at the cap, both at once
+    single = open_store(tmp_path / "alone", [n] * blobs, bandwidth_cap=rate, sync=False)
+    try:
+        t0 = time.monotonic()
+        for f in [single.write(i, np.ones(n, np.float32)) for i in range(blobs)]:
+            f.result()
+        assert time.monotonic() - t0 < 0.8 * together
+    finally:
+        single.close()

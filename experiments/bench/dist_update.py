@@ -45,17 +45,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
 import statistics
-import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,46 +64,6 @@ DEVICES = ("shared-cap", "disk", "process-cap")
 # every process's figures kept per step (the rest of jax_mlpo.metrics.flatten's keys dropped)
 KEPT = ("update_s", "permit_wait_s", "total_s", "read_wait_s", "write_wait_s", "compute_s",
         "bytes_", "tier_busy_s")  # fmt: skip
-
-
-class NodeTokenBucket:
-    """jax_mlpo's ``TokenBucket`` pacing, shared by every process of the node.
-
-    The virtual clock (a float64 ``time.monotonic()`` value, one clock for the whole machine on
-    Linux) lives in ``path`` on a node-local file system; ``reserve`` reads and advances it
-    under an exclusive ``flock``, so the requests of all processes queue on one clock.
-
-    Args:
-      path: the clock's file (created).
-      rate: bytes per second of the shared device.
-    """
-
-    def __init__(self, path: str, rate: float) -> None:
-        self.rate = float(rate)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        # flock belongs to the open file description: threads of this process take turns first
-        self._lock = threading.Lock()
-
-    def reserve(self, nbytes: int) -> float:
-        """Returns the monotonic time at which a transfer of ``nbytes`` may complete."""
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._fd, 8, 0)
-                start = time.monotonic()
-                if len(raw) == 8:
-                    start = max(start, struct.unpack("<d", raw)[0])
-                deadline = start + nbytes / self.rate
-                os.pwrite(self._fd, struct.pack("<d", deadline), 0)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return deadline
-
-    @staticmethod
-    def wait_until(deadline: float) -> None:
-        delay = deadline - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
 
 
 # -- one process of a run ----------------------------------------------------------------------
@@ -124,8 +81,10 @@ def _offload_config(cfg: dict[str, Any], variant: str) -> Any:
                 os.path.join(cfg["run_dir"], f"tier{k}"),
                 max_concurrency=cfg["concurrency"],
                 node_max_concurrency=cfg["node_concurrency"] if variant == "node" else None,
-                # shared-cap: replaced by the node-wide bucket after init (see NodeTokenBucket)
-                bandwidth_cap=cap if cfg["device"] != "disk" else None,
+                # shared-cap: one pacing clock for the node's processes (a shared device);
+                # process-cap: each process paced alone
+                node_bandwidth_cap=cap if cfg["device"] == "shared-cap" else None,
+                bandwidth_cap=cap if cfg["device"] == "process-cap" else None,
                 # placement needs the tiers' ratio only; no probe, the same plan in every run
                 read_bandwidth=cap,
                 write_bandwidth=cap,
@@ -177,16 +136,6 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
     state = tx.init(params)
     engine = jax_mlpo.engine_of(state)
     names = [f"tier{k}" for k in range(len(engine.tiers))]
-    if cfg["device"] == "shared-cap":
-        for name, store in zip(names, engine.tiers, strict=True):
-            if not hasattr(store, "_bucket") or store._bucket is None:
-                raise RuntimeError(
-                    "FileTierStore has no token bucket (_bucket) to share any more: update "
-                    "NodeTokenBucket's hook in experiments/bench/dist_update.py"
-                )
-            store._bucket = NodeTokenBucket(
-                os.path.join(cfg["permits_dir"], f"bucket-{name}"), store.tier.bandwidth_cap
-            )
     update = jax.jit(tx.update)
     steps = []
     if nproc > 1:

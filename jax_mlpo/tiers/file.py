@@ -11,7 +11,10 @@ Errors name the tier, the blob's file, the cause and what to do.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
+import hashlib
 import os
+import struct
 import threading
 import time
 
@@ -24,7 +27,7 @@ from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.posix import PosixBlobs
 from jax_mlpo.tiers.zarr import ZarrBlobs
 
-__all__ = ["CorruptBlobError", "FileTierStore", "TierIOError", "TokenBucket"]
+__all__ = ["CorruptBlobError", "FileTierStore", "NodeTokenBucket", "TierIOError", "TokenBucket"]
 
 
 class TokenBucket:
@@ -54,6 +57,42 @@ class TokenBucket:
             time.sleep(delay)
 
 
+class NodeTokenBucket(TokenBucket):
+    """:class:`TokenBucket` pacing shared by every process of a node (``node_bandwidth_cap``).
+
+    The virtual clock (a float64 ``time.monotonic()`` value: one clock for the whole machine on
+    Linux) lives in a file on a node-local file system; ``reserve`` reads and advances it under
+    an exclusive ``flock``, so the transfers of all processes queue on one clock and together
+    never exceed ``rate``.
+
+    Args:
+      path: the clock's file (created).
+      rate: bytes per second of the shared device.
+    """
+
+    def __init__(self, path: str, rate: float) -> None:
+        super().__init__(rate)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def reserve(self, nbytes: int) -> float:
+        with self._lock:  # flock belongs to the open file: this process's threads take turns
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._fd, 8, 0)
+                start = time.monotonic()
+                if len(raw) == 8:
+                    start = max(start, struct.unpack("<d", raw)[0])
+                deadline = start + nbytes / self.rate
+                os.pwrite(self._fd, struct.pack("<d", deadline), 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return deadline
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class FileTierStore:
     """The open, locked blob arrays of one :class:`~jax_mlpo.config.FileTier`.
 
@@ -66,9 +105,16 @@ class FileTierStore:
       tier: the tier's configuration.
       kinds: for each kind, the float32 length of each slot's blob.
       permits: read/write permits of this tier (in the process and on the node).
+      node_dir: node-local directory for the shared pacing clock of ``node_bandwidth_cap``.
     """
 
-    def __init__(self, tier: FileTier, kinds: dict[str, list[int]], permits: TierPermits) -> None:
+    def __init__(
+        self,
+        tier: FileTier,
+        kinds: dict[str, list[int]],
+        permits: TierPermits,
+        node_dir: str | None = None,
+    ) -> None:
         self.tier = tier
         self.directory = os.path.abspath(os.path.expanduser(tier.path))
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -81,7 +127,13 @@ class FileTierStore:
         self._since = 0.0
         self._stats_lock = threading.Lock()
         self.trace: list[tuple[str, int, float, float]] | None = None
-        self._bucket = TokenBucket(tier.bandwidth_cap) if tier.bandwidth_cap else None
+        self._bucket: TokenBucket | None = None
+        if tier.node_bandwidth_cap:
+            key = hashlib.sha1((tier.permits_key or tier.path).encode()).hexdigest()[:16]
+            clock = os.path.join(node_dir or "/dev/shm/jax_mlpo", f"{key}.bucket")
+            self._bucket = NodeTokenBucket(clock, tier.node_bandwidth_cap)
+        elif tier.bandwidth_cap:
+            self._bucket = TokenBucket(tier.bandwidth_cap)
         workers = 2 * tier.max_concurrency  # reads and writes have their own permits
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
@@ -203,5 +255,7 @@ class FileTierStore:
         self._pool.shutdown(wait=True)
         if self._blobs is not None:
             self._blobs.close()
+        if isinstance(self._bucket, NodeTokenBucket):
+            self._bucket.close()
         self.permits.close()
         self._lock.release()
