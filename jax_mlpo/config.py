@@ -132,14 +132,16 @@ class FileTier:
                 f"FileTier.max_concurrency={self.max_concurrency!r} for {self.path}: must be an "
                 "int >= 1 (use 1 for a shared parallel file system)"
             )
-        if self.bandwidth_cap is not None:
-            cap = parse_size(self.bandwidth_cap, f"FileTier.bandwidth_cap ({self.path})")
-            if cap <= 0:
-                raise ConfigError(
-                    f"FileTier.bandwidth_cap={self.bandwidth_cap!r} for {self.path}: must be "
-                    "positive (bytes/s, e.g. '600MB'), or None for no cap"
-                )
-            object.__setattr__(self, "bandwidth_cap", cap)
+        for name in ("bandwidth_cap", "node_bandwidth_cap"):
+            value = getattr(self, name)
+            if value is not None:
+                cap = parse_size(value, f"FileTier.{name} ({self.path})")
+                if cap <= 0:
+                    raise ConfigError(
+                        f"FileTier.{name}={value!r} for {self.path}: must be positive "
+                        "(bytes/s, e.g. '600MB'), or None for no cap"
+                    )
+                object.__setattr__(self, name, cap)
         for name in ("read_bandwidth", "write_bandwidth"):
             value = getattr(self, name)
             if value is not None:
@@ -157,14 +159,6 @@ class FileTier:
                 f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
                 "must be an int >= 1, or None for no node-level limit"
             )
-        if self.node_bandwidth_cap is not None:
-            cap = parse_size(self.node_bandwidth_cap, f"FileTier.node_bandwidth_cap ({self.path})")
-            if cap <= 0:
-                raise ConfigError(
-                    f"FileTier.node_bandwidth_cap={self.node_bandwidth_cap!r} for {self.path}: "
-                    "must be positive (bytes/s, e.g. '600MB'), or None for no node cap"
-                )
-            object.__setattr__(self, "node_bandwidth_cap", cap)
         if self.node_permits not in ("tier", "direction"):
             raise ConfigError(
                 f"FileTier.node_permits={self.node_permits!r} for {self.path}: must be 'tier' "

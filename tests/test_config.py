@@ -110,6 +110,12 @@ TIER_ERRORS = [
     ("concurrency-zero", dict(max_concurrency=0), r"FileTier\.max_concurrency=0 for /t: .*>= 1"),
     ("concurrency-float", dict(max_concurrency=2.0), r"FileTier\.max_concurrency=2\.0"),
     ("cap-zero", dict(bandwidth_cap=0), r"FileTier\.bandwidth_cap=0 for /t: must be positive"),
+    (
+        "node-cap-zero",
+        dict(node_bandwidth_cap="0MB"),
+        r"node_bandwidth_cap='0MB' for /t: .*positive",
+    ),
+    ("node-permits", dict(node_permits="each"), r"FileTier\.node_permits='each' for /t: must be"),
     ("cap-0MB/s", dict(bandwidth_cap="0MB/s"), r"bandwidth_cap='0MB/s' .*must be positive"),
     ("cap-garbage", dict(bandwidth_cap="fast"), r"bandwidth_cap \(/t\)='fast' is not a size"),
     (
