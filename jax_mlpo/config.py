@@ -132,26 +132,21 @@ class FileTier:
                 f"FileTier.max_concurrency={self.max_concurrency!r} for {self.path}: must be an "
                 "int >= 1 (use 1 for a shared parallel file system)"
             )
-        for name in ("bandwidth_cap", "node_bandwidth_cap"):
+        for name, none_means in (
+            ("bandwidth_cap", "for no cap"),
+            ("node_bandwidth_cap", "for no cap"),
+            ("read_bandwidth", "to measure it"),
+            ("write_bandwidth", "to measure it"),
+        ):
             value = getattr(self, name)
             if value is not None:
-                cap = parse_size(value, f"FileTier.{name} ({self.path})")
-                if cap <= 0:
+                rate = parse_size(value, f"FileTier.{name} ({self.path})")
+                if rate <= 0:
                     raise ConfigError(
                         f"FileTier.{name}={value!r} for {self.path}: must be positive "
-                        "(bytes/s, e.g. '600MB'), or None for no cap"
+                        f"(bytes/s, e.g. '600MB'), or None {none_means}"
                     )
-                object.__setattr__(self, name, cap)
-        for name in ("read_bandwidth", "write_bandwidth"):
-            value = getattr(self, name)
-            if value is not None:
-                value = parse_size(value, f"FileTier.{name} ({self.path})")
-                if value <= 0:
-                    raise ConfigError(
-                        f"FileTier.{name}={value!r} for {self.path}: must be positive bytes/s "
-                        "(e.g. '2GB'), or None to measure it"
-                    )
-                object.__setattr__(self, name, value)
+                object.__setattr__(self, name, rate)
         if self.node_max_concurrency is not None and (
             not isinstance(self.node_max_concurrency, int) or self.node_max_concurrency < 1
         ):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import math
 import time
@@ -285,7 +286,7 @@ class Engine:
         decay = hyper._replace(weight_decay=self._weight_decay)
         no_decay = hyper._replace(weight_decay=0.0)
         metrics = StepMetrics(step=count + 1)
-        before = [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
+        before = self._tier_counters()
         order = scheduler.step_order(len(self.layout.subgroups), count, self.config.order)
         retain = (
             set(order)
@@ -302,10 +303,7 @@ class Engine:
             self._failed = e
             raise
         metrics.total_s = time.monotonic() - t_start
-        for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
-            metrics.bytes_read[tier.tier.path] = tier.bytes_read - read
-            metrics.bytes_written[tier.tier.path] = tier.bytes_written - written
-            metrics.tier_busy_s[tier.tier.path] = tier.busy_s - busy
+        self._add_tier_io(metrics, before)
         self.metrics.append(metrics)
         self.step_count += 1
         if self.config.replan and self.config.placement == "measured":
@@ -369,7 +367,6 @@ class Engine:
         delayed = self.config.delayed_conversion or self.host_only
         reuse = delayed and self.config.retain
         clean = self._clean
-        holder = {id(buf): i for i, buf in clean.items()}  # clean buffer -> its subgroup
         position = {i: n for n, i in enumerate(order)}
         cursor = -1  # position in order of the subgroup being updated
         cached_ids = {id(b) for b in self._cache.values()}
@@ -386,7 +383,6 @@ class Engine:
                 free.append(buf)
                 if reuse:
                     clean[i] = buf
-                    holder[id(buf)] = i
                 block = False
 
         def next_use(j: int) -> float:
@@ -397,6 +393,7 @@ class Engine:
             """A buffer to read subgroup ``u`` into (None: only by evicting something sooner)."""
             reclaim(block=False)
             while True:
+                holder = {id(buf): j for j, buf in clean.items()}  # clean buffer -> subgroup
                 best, best_key = None, -1.0
                 for buf in free:
                     j = holder.get(id(buf))
@@ -409,7 +406,7 @@ class Engine:
                     return None
                 reclaim(block=True)
             _remove(free, best)
-            j = holder.pop(id(best), None)
+            j = holder.get(id(best))
             if j is not None:
                 del clean[j]
             return best
@@ -442,7 +439,6 @@ class Engine:
                     futures = []
                 elif i in clean:
                     buf = clean.pop(i)
-                    del holder[id(buf)]
                     _remove(free, buf)
                     futures = []
                 else:
@@ -451,7 +447,7 @@ class Engine:
                         raise RuntimeError(f"jax_mlpo: no host buffer for subgroup {i}")
                     futures, buf = reads.pop(i)
                 metrics.cache_hits += hit
-                for j in order[cursor + 1 :]:  # read ahead, prefetch_depth per tier
+                for j in itertools.islice(order, cursor + 1, None):  # prefetch_depth per tier
                     if j in self._cache or j in clean or j in reads or writing(j):
                         continue
                     if in_flight(self.tier_of[j]) >= self.config.prefetch_depth:
@@ -493,6 +489,19 @@ class Engine:
             concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
             raise
 
+    def _tier_counters(self) -> list[tuple[int, int, float]]:
+        return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
+
+    def _add_tier_io(self, metrics: StepMetrics, before: list[tuple[int, int, float]]) -> None:
+        """Adds each tier's bytes and busy time since ``before`` to ``metrics``."""
+        for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
+            path = tier.tier.path
+            metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + tier.bytes_read - read
+            metrics.bytes_written[path] = (
+                metrics.bytes_written.get(path, 0) + tier.bytes_written - written
+            )
+            metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + tier.busy_s - busy
+
     def _reclaim_one(self) -> tuple[int, np.ndarray]:
         """Waits for the oldest write-back in flight (falling back on a full tier)."""
         future, buf, i = self._writes.popleft()
@@ -511,7 +520,7 @@ class Engine:
         """
         if not self._writes:
             return
-        before = [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
+        before = self._tier_counters()
         t0 = time.monotonic()
         try:
             while self._writes:
@@ -522,13 +531,7 @@ class Engine:
                 last = self.metrics[-1]
                 last.write_wait_s += time.monotonic() - t0
                 last.total_s += time.monotonic() - t0
-                for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
-                    path = tier.tier.path
-                    last.bytes_read[path] = last.bytes_read.get(path, 0) + tier.bytes_read - read
-                    last.bytes_written[path] = (
-                        last.bytes_written.get(path, 0) + tier.bytes_written - written
-                    )
-                    last.tier_busy_s[path] = last.tier_busy_s.get(path, 0.0) + tier.busy_s - busy
+                self._add_tier_io(last, before)
         except BaseException as e:
             self._failed = e
             self._clean.clear()
@@ -575,8 +578,7 @@ class Engine:
             read_bw, write_bw = self.bandwidth[k]
             model = metrics.bytes_read[path] / read_bw + metrics.bytes_written[path] / write_bw
             observed = metrics.tier_busy_s[path]
-            # no evidence either way without bytes and busy time in this step's window
-            ratio = observed / model if model > 0 and observed > 0 else 1.0
+            ratio = observed / model if model > 0 else 1.0
             ratios.append(ratio)
             off = abs(ratio - 1.0) > 0.25
             self._strikes[k] = self._strikes[k] + 1 if off else 0

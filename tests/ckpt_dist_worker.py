@@ -34,7 +34,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
 import jax  # noqa: E402
 
 # The job of tests/dist_worker.py (an MLP whose first dimensions split over 1, 2 or 4 processes).
-from dist_worker import GLOBAL_BATCH, batch, init_params, loss_fn  # noqa: E402
+from dist_worker import GLOBAL_BATCH, batch, init_params, loss_fn, make_tx  # noqa: E402
 
 TOTAL_STEPS = 12  # the schedule's length
 
@@ -77,15 +77,7 @@ def main() -> None:
         subgroup_size=spec["subgroup_size"],
         replan=False,
     )  # fmt: skip
-    tx = optax.chain(
-        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
-        jax_mlpo.adamw(
-            optax.linear_schedule(1e-2, 1e-3, TOTAL_STEPS),
-            weight_decay=0.1,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
-            offload=offload,
-        ),
-    )
+    tx = make_tx(offload, TOTAL_STEPS)
     mesh = distributed.data_parallel_mesh() if nproc > 1 else None
 
     def fresh():

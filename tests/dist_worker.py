@@ -54,6 +54,23 @@ def loss_fn(params, x, y):
     return jnp.mean((out - y) ** 2)
 
 
+def make_tx(offload, total_steps: int):
+    """The job's optimizer: clipped jax_mlpo.adamw with a linear schedule and a decay mask."""
+    import optax
+
+    import jax_mlpo
+
+    return optax.chain(
+        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
+        jax_mlpo.adamw(
+            optax.linear_schedule(1e-2, 1e-3, total_steps),
+            weight_decay=0.1,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+            offload=offload,
+        ),
+    )
+
+
 def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
@@ -93,15 +110,7 @@ def main() -> None:
         replan=False,  # no migrations: each subgroup's blob is on one tier only
         node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
-    tx = optax.chain(
-        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
-        jax_mlpo.adamw(
-            optax.linear_schedule(1e-2, 1e-3, steps),
-            weight_decay=0.1,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
-            offload=offload,
-        ),
-    )
+    tx = make_tx(offload, steps)
     params = init_params()
     if nproc > 1:
         mesh = distributed.data_parallel_mesh()

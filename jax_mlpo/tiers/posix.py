@@ -248,7 +248,7 @@ class PosixBlobs:
         return crc
 
     def _read_trailer(self, fd: int, offset: int, nbytes: int) -> bytes:
-        buf = aligned_empty(nbytes, np.uint8)  # small; not the thread's (chunk-sized) bounce
+        buf = self._bounce(nbytes)  # copied out below, so the thread may reuse it
         if _pread_full(fd, buf, offset) < nbytes:
             raise CorruptBlobError(f"short read of the trailer at byte {offset}: truncated file")
         return buf.tobytes()
@@ -277,7 +277,9 @@ class PosixBlobs:
                     for o, n in self._chunks(nbytes)
                 ]
             )
-            trailer = aligned_empty(trailer_bytes, np.uint8)
+            # built in this (blob) thread's bounce buffer, which waits for the write below
+            trailer = self._bounce(trailer_bytes)
+            trailer[:] = 0
             body = _HEADER.pack(MAGIC, nbytes, self._chunk, count) + struct.pack(
                 f"<{count}I", *crcs
             )
@@ -337,22 +339,21 @@ def _parse_trailer(raw: bytes, path: str, nbytes: int, chunk: int, count: int) -
     return struct.unpack_from(f"<{count}I", raw, _HEADER.size)
 
 
-def _pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
-    """Reads until ``buf`` is full or the file ends; returns the bytes read."""
+def _transfer_full(op: Callable[..., int], fd: int, buf: np.ndarray, offset: int) -> int:
+    """Repeats ``op`` (``os.preadv`` or ``os.pwritev``) until all of ``buf`` moved or it moves
+    nothing (end of file, full disk); returns the bytes moved."""
     done = 0
     while done < buf.nbytes:
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got == 0:
+        moved = op(fd, [buf[done:]], offset + done)
+        if moved == 0:
             break
-        done += got
+        done += moved
     return done
+
+
+def _pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
+    return _transfer_full(os.preadv, fd, buf, offset)
 
 
 def _pwrite_full(fd: int, buf: np.ndarray, offset: int) -> int:
-    done = 0
-    while done < buf.nbytes:
-        put = os.pwritev(fd, [buf[done:]], offset + done)
-        if put == 0:
-            break
-        done += put
-    return done
+    return _transfer_full(os.pwritev, fd, buf, offset)
