@@ -19,6 +19,8 @@ import optax
 from flax import nnx
 from jax.typing import DTypeLike
 
+from models import matmul
+
 __all__ = ["LlamaConfig", "Llama", "loss_fn"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -145,6 +147,7 @@ def _linear(
         dtype=_DTYPES[cfg.dtype],
         param_dtype=_DTYPES[cfg.param_dtype],
         kernel_init=nnx.initializers.normal(std),
+        dot_general=matmul.dot_general,  # bfloat16 on XLA's fast CPU kernels, backward too
         rngs=rngs,
     )
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import PRESETS, Llama, LlamaConfig, get_preset, loss_fn, param_count
+from models import PRESETS, Llama, LlamaConfig, get_preset, loss_fn, matmul, param_count
 from models.llama import _rope
 
 TINY = PRESETS["tiny"]
@@ -237,3 +237,82 @@ def test_sequence_longer_than_max_seq_len_raises():
 def test_config_validation(changes, pattern):
     with pytest.raises(ValueError, match=pattern):
         TINY.replace(**changes)
+
+
+# -- models.matmul: the dense layers' bfloat16 contraction ------------------------------------
+
+
+def _bf16(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _within_one_bf16_ulp(actual, reference):
+    """Each element of bfloat16 ``actual`` is ``reference`` (float64) rounded either way."""
+    actual = np.asarray(actual, np.float64)
+    ulp = np.spacing(np.abs(reference).astype(np.float32)) * 2.0**16  # bf16 keeps 8 of 24 bits
+    assert np.all(np.abs(actual - reference) <= ulp), np.max(np.abs(actual - reference) / ulp)
+
+
+def test_matmul_forward_and_gradients_are_float32_accumulated():
+    x, w, g = _bf16((2, 16, 48), 0), _bf16((48, 40), 1), _bf16((2, 16, 40), 2)
+    dims = (((2,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda x, w: matmul.dot_general(x, w, dims), x, w)
+    dx, dw = vjp(g)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16,) * 3
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+    _within_one_bf16_ulp(y, x64 @ w64)
+    _within_one_bf16_ulp(dx, g64 @ w64.T)
+    _within_one_bf16_ulp(dw, np.einsum("btk,btn->kn", x64, g64))
+    # the same values as autodiff of XLA's plain bfloat16 dot, but for the order of the sums
+    y_ref, vjp_ref = jax.vjp(lambda x, w: jax.lax.dot_general(x, w, dims), x, w)
+    for a, b in zip((y, *vjp(g)), (y_ref, *vjp_ref(g)), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.mean(a != b) < 0.02
+        np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-6)
+
+
+def test_matmul_gradient_dots_all_accumulate_in_float32():
+    x, w, g = _bf16((4, 48), 0), _bf16((48, 40), 1), _bf16((4, 40), 2)
+
+    def fwd_bwd(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ()))), x, w)
+        return y, vjp(g)
+
+    text = str(jax.make_jaxpr(fwd_bwd)(x, w, g))
+    dots = [line for line in text.splitlines() if "dot_general[" in line]
+    # bfloat16 operands, float32 results: each product is summed in float32
+    assert len(dots) == 3 and all(":f32[" in line for line in dots), text
+
+
+@pytest.mark.parametrize(
+    "lhs, rhs, dims",
+    [
+        ((4, 8), (8, 3), (((1,), (0,)), ((), ()))),  # float32: XLA's own path
+        ((2, 4, 8), (2, 8, 3), (((2,), (1,)), ((0,), (0,)))),  # batched
+        ((8, 4), (8, 3), (((0,), (0,)), ((), ()))),  # another contraction
+    ],
+)
+def test_matmul_other_contractions_are_lax_dot_general(lhs, rhs, dims):
+    dtype = jnp.float32 if len(lhs) == 2 and dims[0][0] == (1,) else jnp.bfloat16
+    a, b = _bf16(lhs, 0).astype(dtype), _bf16(rhs, 1).astype(dtype)
+    np.testing.assert_array_equal(
+        np.asarray(matmul.dot_general(a, b, dims), np.float32),
+        np.asarray(jax.lax.dot_general(a, b, dims), np.float32),
+    )
+
+
+def test_bf16_model_trains_the_same_with_plain_xla_dots():
+    cfg = TINY.replace(param_dtype="bfloat16", dtype="bfloat16")
+    fast = Llama(cfg, rngs=nnx.Rngs(3))
+    plain = Llama(cfg, rngs=nnx.Rngs(3))
+    for _, module in nnx.iter_modules(plain):
+        if isinstance(module, nnx.Linear):
+            module.dot_general = jax.lax.dot_general
+    tokens = _tokens(2, 32)
+    loss_a, grads_a = _value_and_grad(fast, tokens)
+    loss_b, grads_b = _value_and_grad(plain, tokens)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-3)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # bf16 activations: one rounding of a sum taken in another order can move later ones
+        assert np.max(np.abs(a - b)) <= 0.05 * np.max(np.abs(b)), np.max(np.abs(a - b))
