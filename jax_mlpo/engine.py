@@ -96,6 +96,9 @@ class Engine:
         self._clean: dict[int, np.ndarray] = {}
         # write-backs still in flight after the last update returned (write_behind)
         self._writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
+        # the tiers' counters when the last update's figures were taken: what moves after it
+        # (its write-behind) is added to that update's figures by the next update or drain
+        self._io_mark: list[tuple[int, int, float]] | None = None
         self.tiers: list[FileTierStore] = []
         self.tier_of: list[int] = []  # where each subgroup's blob is on disk
         self._target: list[int] = []  # where it goes on its next write-back (re-planning)
@@ -286,7 +289,8 @@ class Engine:
         decay = hyper._replace(weight_decay=self._weight_decay)
         no_decay = hyper._replace(weight_decay=0.0)
         metrics = StepMetrics(step=count + 1)
-        before = self._tier_counters()
+        self._count_late_io()
+        before = self._io_mark
         order = scheduler.step_order(len(self.layout.subgroups), count, self.config.order)
         retain = (
             set(order)
@@ -303,7 +307,8 @@ class Engine:
             self._failed = e
             raise
         metrics.total_s = time.monotonic() - t_start
-        self._add_tier_io(metrics, before)
+        self._io_mark = self._tier_counters()
+        self._add_tier_io(metrics, before, self._io_mark)
         self.metrics.append(metrics)
         self.step_count += 1
         if self.config.replan and self.config.placement == "measured":
@@ -492,15 +497,26 @@ class Engine:
     def _tier_counters(self) -> list[tuple[int, int, float]]:
         return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
 
-    def _add_tier_io(self, metrics: StepMetrics, before: list[tuple[int, int, float]]) -> None:
-        """Adds each tier's bytes and busy time since ``before`` to ``metrics``."""
-        for tier, (read, written, busy) in zip(self.tiers, before, strict=True):
+    def _add_tier_io(self, metrics: StepMetrics, before, after) -> None:
+        """Adds each tier's bytes and busy time between two ``_tier_counters`` to ``metrics``."""
+        for tier, (r0, w0, b0), (r1, w1, b1) in zip(self.tiers, before, after, strict=True):
             path = tier.tier.path
-            metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + tier.bytes_read - read
-            metrics.bytes_written[path] = (
-                metrics.bytes_written.get(path, 0) + tier.bytes_written - written
-            )
-            metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + tier.busy_s - busy
+            metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + r1 - r0
+            metrics.bytes_written[path] = metrics.bytes_written.get(path, 0) + w1 - w0
+            metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + b1 - b0
+
+    def _count_late_io(self) -> None:
+        """Adds the tier I/O since the last update's figures were taken to them.
+
+        Between two updates the tiers only finish the last one's write-behind (flush, state
+        dict and load move their own bytes after a drain and then reset the mark), so a step's
+        figures hold all its writes, whether they ended inside it, during the caller's work or
+        in a drain.
+        """
+        now = self._tier_counters()
+        if self.metrics and self._io_mark is not None:
+            self._add_tier_io(self.metrics[-1], self._io_mark, now)
+        self._io_mark = now
 
     def _reclaim_one(self) -> tuple[int, np.ndarray]:
         """Waits for the oldest write-back in flight (falling back on a full tier)."""
@@ -520,7 +536,6 @@ class Engine:
         """
         if not self._writes:
             return
-        before = self._tier_counters()
         t0 = time.monotonic()
         try:
             while self._writes:
@@ -531,7 +546,7 @@ class Engine:
                 last = self.metrics[-1]
                 last.write_wait_s += time.monotonic() - t0
                 last.total_s += time.monotonic() - t0
-                self._add_tier_io(last, before)
+            self._count_late_io()
         except BaseException as e:
             self._failed = e
             self._clean.clear()
@@ -673,6 +688,7 @@ class Engine:
             blob = scratch[: sg.state_elems]
             self._result(self.tiers[self.tier_of[sg.index]].read(sg.index, blob), sg.index)
             yield sg, blob
+        self._io_mark = self._tier_counters()  # these reads belong to no update
 
     def state_dict(self) -> dict[str, list[np.ndarray]]:
         """AdamW's state per parameter leaf, independent of subgroups and tiers.
@@ -732,6 +748,7 @@ class Engine:
             if sg.index not in self._cache:
                 store = self.tiers[self.tier_of[sg.index]]
                 self._result(store.write(sg.index, blob[: sg.state_elems]), sg.index)
+        self._io_mark = self._tier_counters()  # these writes belong to no update
         self.step_count = int(step)
 
     def _check_usable(self) -> None:
@@ -753,6 +770,7 @@ class Engine:
         ]
         for future, i in futures:
             self._result(future, i)
+        self._io_mark = self._tier_counters()  # these writes belong to no update
 
     def close(self) -> None:
         """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent."""

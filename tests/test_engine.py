@@ -3,6 +3,7 @@ overlap, and degenerate layouts."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import threading
@@ -382,9 +383,10 @@ def test_no_overlap_without_prefetch(tmp_path, monkeypatch, states):
 # -- write-behind -------------------------------------------------------------------------------
 
 
-def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3):
+def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settle: bool = False):
     """Updates over a capped tier (10 ms per blob); returns the engine, state, params and the
-    write-backs still in flight when each update returned."""
+    write-backs still in flight when each update returned. ``settle`` lets them finish before
+    the next update, as a forward and backward pass would."""
     blob = 8 * OVERLAP_SUBGROUP
     tier = FileTier(str(tmp_path / f"tier-{write_behind}"), bandwidth_cap=blob / 0.01, sync=False)
     config = OffloadConfig(
@@ -406,6 +408,8 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3):
         updates, state = update(grads_for(params, step), state, params)
         jax.block_until_ready(updates)
         in_flight.append(sum(not f.done() for f, _, _ in engine._writes))
+        if settle:
+            concurrent.futures.wait([f for f, _, _ in engine._writes])
         params = optax.apply_updates(params, updates)
     return engine, state, params, in_flight
 
@@ -422,6 +426,25 @@ def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_pat
     for name in ("mu", "nu"):
         for a, b in zip(got_state[name], want_state_dict[name], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_write_behind_bytes_count_in_the_update_that_issued_them(tmp_path, states):
+    """Write-backs that finish after their update returned (here: all of them, before the next
+    update or the drain starts) are in that update's figures, as if it had waited for them."""
+    engine, *_, in_flight = write_behind_run(tmp_path, True, states, steps=4, settle=True)
+    assert min(in_flight) >= 1, in_flight
+    engine.drain()
+    want_engine, *_ = write_behind_run(tmp_path, False, states, steps=4)
+
+    def moved(e, kind):
+        return [sum(getattr(m, kind).values()) for m in e.metrics]
+
+    for kind in ("bytes_read", "bytes_written"):
+        assert moved(engine, kind) == moved(want_engine, kind), kind
+    blob = 8 * OVERLAP_SUBGROUP  # the last step writes all but the one kept in host memory
+    assert moved(engine, "bytes_written")[-1] == (N_SUBGROUPS - 1) * blob
+    busy = [sum(m.tier_busy_s.values()) for m in engine.metrics]
+    assert min(busy) >= (N_SUBGROUPS - 1) * 0.01 * 0.9, busy  # 10 ms per blob written
 
 
 def test_a_failed_write_behind_fails_the_next_update(tmp_path, states, fresh_effect_tokens):
