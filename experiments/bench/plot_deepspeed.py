@@ -74,7 +74,7 @@ def plot_update(ax, result: dict) -> None:
     ax.set_ylabel("seconds per step")
     rounds = result["args"]["rounds"]
     ax.set_title(f"update phase, 1.5 GiB of p, m, v on one disk ({rounds} rounds)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center")
 
 
 def plot_e2e(ax, result: dict) -> None:
@@ -92,7 +92,7 @@ def plot_e2e(ax, result: dict) -> None:
     ax.set_xticks(range(len(names)), [rows[k].get("system", k) for k in names], fontsize=8)
     ax.set_ylabel("seconds per iteration")
     ax.set_title(f"end to end, 97.5M-param GPT ({result['args']['rounds']} rounds)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def main() -> None:
