@@ -542,14 +542,14 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
 
     kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if use_optax:
-        adamw = optax.adamw(schedule, **kwargs)
-    else:
-        offload = resolve_offload(cfg)
-        for tier in offload.tiers:  # create parents of default tiers; explicit ones must exist
-            if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
-                Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
-        adamw = jax_mlpo.adamw(schedule, **kwargs, offload=offload)
-    return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+        return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(schedule, **kwargs))
+    offload = resolve_offload(cfg)
+    for tier in offload.tiers:  # create parents of default tiers; explicit ones must exist
+        if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
+            Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
+    # The same clipping as the chain above, applied inside the host update (no pass of XLA's
+    # over the gradients to scale them).
+    return jax_mlpo.adamw(schedule, **kwargs, offload=offload, max_grad_norm=o.clip_norm)
 
 
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tuple[Any, Any]:

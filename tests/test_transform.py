@@ -102,8 +102,11 @@ def offloaded_adamw(config):
     )
 
 
-def run_reference(dtype):
-    """optax.adamw on an fp32 master copy; bf16 params are the master rounded to bf16."""
+def run_reference(dtype, clip_in_float32: bool = False):
+    """optax.adamw on an fp32 master copy; bf16 params are the master rounded to bf16.
+
+    ``clip_in_float32``: the gradients are cast to float32 before clipping (the same for fp32).
+    """
     master = jax.tree.map(lambda x: x.astype(jnp.float32), make_params(dtype))
     clip, adam = (
         optax.clip_by_global_norm(1.0),
@@ -115,6 +118,8 @@ def run_reference(dtype):
     def step(master, clip_state, adam_state, i):
         params = jax.tree.map(lambda x: x.astype(dtype), master)
         grads = jax.grad(loss_fn)(params, i)  # in the params' dtype, as the model gives them
+        if clip_in_float32:
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads, clip_state = clip.update(grads, clip_state)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, adam_state = adam.update(grads, adam_state, master)
@@ -133,10 +138,10 @@ def run_reference(dtype):
 _REFERENCE_CACHE: dict = {}
 
 
-def reference(dtype):
-    key = jnp.dtype(dtype).name
+def reference(dtype, clip_in_float32: bool = False):
+    key = (jnp.dtype(dtype).name, clip_in_float32)
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = jax.device_get(run_reference(dtype))
+        _REFERENCE_CACHE[key] = jax.device_get(run_reference(dtype, clip_in_float32))
     return _REFERENCE_CACHE[key]
 
 
@@ -174,8 +179,8 @@ def run_offloaded(tx, dtype, mode):
     return params
 
 
-def assert_matches_reference(params, dtype):
-    ref = reference(dtype)
+def assert_matches_reference(params, dtype, clip_in_float32: bool = False):
+    ref = reference(dtype, clip_in_float32)
     for k in SHAPES:
         got, want = np.asarray(params[k]), np.asarray(ref[k])
         assert got.dtype == want.dtype, k
@@ -229,6 +234,38 @@ def test_parity_eager_and_nnx(mode, dtype, tmp_path):
     case = CASES[2]
     params = run_offloaded(offloaded_adamw(offload_config(case, dtype, tmp_path)), dtype, mode)
     assert_matches_reference(params, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=[CASES[0].name, CASES[2].name])
+def test_parity_max_grad_norm(case, dtype, tmp_path):
+    """Clipping inside the update is optax.chain(clip_by_global_norm, adamw): to float32
+    rounding for fp32 gradients; for bf16 ones, the chain with the clipping in float32."""
+    tx = jax_mlpo.adamw(
+        SCHEDULE,
+        weight_decay=0.1,
+        mask=no_decay_on_vectors,
+        offload=offload_config(case, dtype, tmp_path),
+        max_grad_norm=1.0,
+    )
+    assert_matches_reference(run_offloaded(tx, dtype, "jit"), dtype, clip_in_float32=True)
+
+
+def test_max_grad_norm_above_the_norm_changes_nothing(tmp_path):
+    """loss_fn's gradients have norms of ~1e3-1e4: a larger limit never clips."""
+    config = offload_config(CASES[0], jnp.float32, tmp_path)
+    kwargs = dict(weight_decay=0.1, mask=no_decay_on_vectors, offload=config)
+    got = run_offloaded(jax_mlpo.adamw(SCHEDULE, **kwargs, max_grad_norm=1e30), jnp.float32, "jit")
+    want = run_offloaded(jax_mlpo.adamw(SCHEDULE, **kwargs), jnp.float32, "jit")
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_max_grad_norm_must_be_positive(bad, tmp_path):
+    config = offload_config(CASES[0], jnp.float32, tmp_path)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        jax_mlpo.adamw(1e-3, offload=config, max_grad_norm=bad)
 
 
 @pytest.mark.parametrize("dtype,per_param", [(jnp.float32, 8), (jnp.bfloat16, 12)])
