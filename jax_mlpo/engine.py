@@ -35,6 +35,10 @@ class StaleStateError(RuntimeError):
     """The optimizer state handed to update is not the one the host state was last advanced to."""
 
 
+# A tier's (bytes read, bytes written, busy seconds) so far.
+TierCounters = tuple[int, int, float]
+
+
 class EngineFailedError(RuntimeError):
     """A previous update failed midway; the host state is not consistent any more."""
 
@@ -98,7 +102,7 @@ class Engine:
         self._writes: collections.deque = collections.deque()  # (future, buffer, subgroup)
         # the tiers' counters when the last update's figures were taken: what moves after it
         # (its write-behind) is added to that update's figures by the next update or drain
-        self._io_mark: list[tuple[int, int, float]] | None = None
+        self._io_mark: list[TierCounters] | None = None
         self.tiers: list[FileTierStore] = []
         self.tier_of: list[int] = []  # where each subgroup's blob is on disk
         self._target: list[int] = []  # where it goes on its next write-back (re-planning)
@@ -494,10 +498,12 @@ class Engine:
             concurrent.futures.wait(pending, timeout=self.config.io_timeout_s)
             raise
 
-    def _tier_counters(self) -> list[tuple[int, int, float]]:
+    def _tier_counters(self) -> list[TierCounters]:
         return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self.tiers]
 
-    def _add_tier_io(self, metrics: StepMetrics, before, after) -> None:
+    def _add_tier_io(
+        self, metrics: StepMetrics, before: list[TierCounters], after: list[TierCounters]
+    ) -> None:
         """Adds each tier's bytes and busy time between two ``_tier_counters`` to ``metrics``."""
         for tier, (r0, w0, b0), (r1, w1, b1) in zip(self.tiers, before, after, strict=True):
             path = tier.tier.path

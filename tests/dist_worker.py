@@ -16,6 +16,7 @@ request traces (time.monotonic, comparable across the processes of a machine) in
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -54,28 +55,34 @@ def loss_fn(params, x, y):
     return jnp.mean((out - y) ** 2)
 
 
-def make_tx(offload, total_steps: int):
-    """The job's optimizer: clipped jax_mlpo.adamw with a linear schedule and a decay mask."""
+def make_tx(offload, total_steps: int, fused_clip: bool = False):
+    """The job's optimizer: clipped jax_mlpo.adamw with a linear schedule and a decay mask.
+
+    ``fused_clip``: the clipping is adamw's ``max_grad_norm`` instead of a chained
+    ``optax.clip_by_global_norm`` (the norm is then taken over every process's shards).
+    """
     import optax
 
     import jax_mlpo
 
-    return optax.chain(
-        optax.clip_by_global_norm(0.05),  # below the gradients' norm: the clip is active
-        jax_mlpo.adamw(
-            optax.linear_schedule(1e-2, 1e-3, total_steps),
-            weight_decay=0.1,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
-            offload=offload,
-        ),
+    clip = 0.05  # below the gradients' norm: the clip is active
+    adamw = functools.partial(
+        jax_mlpo.adamw,
+        optax.linear_schedule(1e-2, 1e-3, total_steps),
+        weight_decay=0.1,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+        offload=offload,
     )
+    if fused_clip:
+        return adamw(max_grad_norm=clip)
+    return optax.chain(optax.clip_by_global_norm(clip), adamw())
 
 
 def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    if mode not in ("plain", "node-permits", "process-permits"):
+    if mode not in ("plain", "fused-clip", "node-permits", "process-permits"):
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
         jax.distributed.initialize(
@@ -92,7 +99,7 @@ def main() -> None:
     from jax_mlpo import distributed
 
     slow = {}
-    if mode != "plain":
+    if mode not in ("plain", "fused-clip"):
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
@@ -110,14 +117,14 @@ def main() -> None:
         replan=False,  # no migrations: each subgroup's blob is on one tier only
         node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
-    tx = make_tx(offload, steps)
+    tx = make_tx(offload, steps, fused_clip=mode == "fused-clip")
     params = init_params()
     if nproc > 1:
         mesh = distributed.data_parallel_mesh()
         params = distributed.shard_params(params, mesh)
         data_sharding = distributed.batch_sharding(mesh)
     opt_state = tx.init(params)
-    traced = jax_mlpo.engine_of(opt_state).tiers if mode != "plain" else []
+    traced = jax_mlpo.engine_of(opt_state).tiers if "permits" in mode else []
     for store in traced:  # the training steps' requests only (not the initial writes)
         store.trace = []
 

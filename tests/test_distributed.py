@@ -93,6 +93,17 @@ def test_metrics_flatten_and_single_process_aggregate():
         metrics.aggregate(None, {"x": 1.0}, time_key="step_s")
 
 
+def test_fused_clipping_takes_the_global_norm_over_processes(reference, tmp_path):
+    """adamw(max_grad_norm=...) on 2 processes: each process's host update scales its shards
+    by the norm of the whole gradient (taken over both processes' shards), as the chained
+    optax.clip_by_global_norm does on 1 process (the clip is active on every step)."""
+    _, ref_params, ref_info = reference
+    params, infos, _ = _run(2, tmp_path, mode="fused-clip")
+    for name, ref in ref_params.items():
+        np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(infos[0]["losses"], ref_info["losses"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
     ref_base, ref_params, ref_info = reference
