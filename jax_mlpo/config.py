@@ -236,7 +236,9 @@ class OffloadConfig:
         first tier: one path, the baseline).
       order: ``"alternate"`` (ascending, then descending, ...) or ``"ascending"`` every step.
       retain: keep the subgroups the next step starts with in host memory across the step
-        boundary, as many as ``host_cache`` allows beyond the pipeline's buffers.
+        boundary, not written back: with the alternating order one per host buffer (the next
+        step updates them before it reads anything into their buffers), with ``"ascending"``
+        as many as ``host_cache`` allows beyond the pipeline's buffers.
       retain_policy: ``"equal"`` (the same count per tier, as the MLP-Offload artifact) or
         ``"slow_tiers"`` (retain the slowest tier's subgroups first). Placement accounts for
         either, so both give the same I/O bound; ``"equal"`` measured 3% faster (median of 3
