@@ -74,7 +74,11 @@ def _aligned(arr: np.ndarray) -> bool:
 
 
 class ChunkQueue:
-    """``depth`` threads that run chunk requests, reads before writes, FIFO within each.
+    """``depth`` threads that run chunk requests: reads before writes, then by blob, oldest
+    first, then FIFO.
+
+    Ordering by blob lets a blob's trailer, queued once its chunks are written, go before the
+    chunks of blobs submitted after it instead of behind all of them.
 
     Args:
       depth: requests in flight.
@@ -84,6 +88,7 @@ class ChunkQueue:
     def __init__(self, depth: int, name: str) -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
+        self._blobs = itertools.count()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(depth)
@@ -91,16 +96,20 @@ class ChunkQueue:
         for t in self._threads:
             t.start()
 
+    def next_blob(self) -> int:
+        """A number for a new blob's requests, after every earlier blob's."""
+        return next(self._blobs)
+
     def submit(
-        self, priority: int, fn: Callable[..., Any], *args: Any
+        self, priority: int, blob: int, fn: Callable[..., Any], *args: Any
     ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((priority, next(self._seq), future, fn, args))
+        self._queue.put((priority, blob, next(self._seq), future, fn, args))
         return future
 
     def _work(self) -> None:
         while True:
-            _, _, future, fn, args = self._queue.get()
+            _, _, _, future, fn, args = self._queue.get()
             if fn is None:
                 return
             if not future.set_running_or_notify_cancel():
@@ -113,7 +122,7 @@ class ChunkQueue:
     def close(self) -> None:
         """Runs what is queued, then stops the threads."""
         for _ in self._threads:
-            self._queue.put((_WRITE + 1, next(self._seq), None, None, ()))
+            self._queue.put((_WRITE + 1, 0, next(self._seq), None, None, ()))
         for t in self._threads:
             t.join()
 
@@ -215,9 +224,14 @@ class PosixBlobs:
                     f"{path} is {size} bytes, a blob of {nbytes} bytes needs "
                     f"{trailer_at + trailer_bytes}: the file is truncated"
                 )
-            trailer = self._queue.submit(_READ, self._read_trailer, fd, trailer_at, trailer_bytes)
+            blob = self._queue.next_blob()
+            trailer = self._queue.submit(
+                _READ, blob, self._read_trailer, fd, trailer_at, trailer_bytes
+            )
             parts = [
-                self._queue.submit(_READ, self._read_chunk, fd, view[o : o + n], o, o + n == nbytes)
+                self._queue.submit(
+                    _READ, blob, self._read_chunk, fd, view[o : o + n], o, o + n == nbytes
+                )
                 for o, n in self._chunks(nbytes)
             ]
             crcs = _wait_all([trailer, *parts])
@@ -269,10 +283,11 @@ class PosixBlobs:
                     os.ftruncate(fd, trailer_at + trailer_bytes)
                 # Reserve the blocks now: a full disk fails here, before the old blob is touched.
                 os.posix_fallocate(fd, 0, trailer_at + trailer_bytes)
+            blob = self._queue.next_blob()
             crcs = _wait_all(
                 [
                     self._queue.submit(
-                        _WRITE, self._write_chunk, fd, view[o : o + n], o, o + n == nbytes
+                        _WRITE, blob, self._write_chunk, fd, view[o : o + n], o, o + n == nbytes
                     )
                     for o, n in self._chunks(nbytes)
                 ]
@@ -287,9 +302,8 @@ class PosixBlobs:
             trailer[-4:] = np.frombuffer(struct.pack("<I", native.crc32c(trailer[:-4])), np.uint8)
             # The trailer goes last: until it lands, a reader sees the old checksums and reports
             # a half-written blob rather than reading it as valid.
-            _wait_all(
-                [self._queue.submit(_WRITE, self._write_chunk, fd, trailer, trailer_at, False)]
-            )
+            request = (self._write_chunk, fd, trailer, trailer_at, False)
+            _wait_all([self._queue.submit(_WRITE, blob, *request)])
             if self._sync:
                 os.fdatasync(fd)
         finally:

@@ -1,0 +1,162 @@
+"""Retention across the step boundary (every host buffer kept, or only those beyond the
+pipeline), and the cost of an fdatasync per blob write (``FileTier.sync``).
+
+With the alternating order the next step starts with the subgroups this one ended with. The
+engine keeps one per host buffer (dirty, not written back); before, it kept only the buffers
+beyond the pipeline's ``prefetch_depth x tiers + 2`` and wrote the pipeline's back (they stayed
+in their buffers, clean, and were rewritten by the next step). Both run here in one process on
+the same disk, steps interleaved A B B A A B ... (the disk is shared and its speed drifts), with
+the page cache dropped before every step (root; otherwise a warning), each step timed as
+DeepSpeed's is in ``deepspeed_peer.py``: the jitted ``tx.update`` plus ``Engine.drain()``.
+"(no sync)" is the default engine without its fdatasync per blob write (``FileTier(sync=False)``;
+the other two run with the default ``sync=True``): each fdatasync on ext4 flushes the
+disk's write cache and so waits for every write in flight, which makes a burst of write-backs
+complete all at once (seen in the tiers' request traces); whether that costs step time is what
+this measures.
+
+"pipeline written back" sets the engine's retention count to the old value after ``init``: a
+benchmark-only switch (the count is not an option).
+
+    python experiments/bench/retain_all.py --state 1GiB --subgroup 8388608 --cache 384MiB \\
+        --rounds 7 --json experiments/results/retain_all.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mlpo
+from jax_mlpo.config import parse_size
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deepspeed_peer import drop_page_cache  # noqa: E402
+
+log = logging.getLogger("bench.retain_all")
+
+# name: (keep the pipeline's buffers too, fdatasync every blob)
+SYSTEMS = {
+    "every buffer kept": (True, True),
+    "pipeline written back": (False, True),
+    "every buffer kept (no sync)": (True, False),
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--state", default="1GiB", help="m, v bytes (8 B/param), as update_phase")
+    parser.add_argument("--subgroup", type=int, default=8 << 20, help="elements per subgroup")
+    parser.add_argument("--cache", default="384MiB", help="host_cache")
+    parser.add_argument("--dir", default="/tmp/jax_mlpo-retain-all", help="tier directories")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per system a round")
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated, in this order (their tier directories and engines are made in "
+        "this order; the first is the base of the ratios)",
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    n = parse_size(args.state, "--state") // 8
+    rng = np.random.default_rng(0)
+    # bf16 params: the tiers hold fp32 p, m, v (12 B/param), as DeepSpeed's do
+    params = {"w": jnp.asarray(rng.standard_normal(n, np.float32), jnp.bfloat16)}
+    grads = {"w": jnp.asarray(rng.standard_normal(n, np.float32) * 1e-3, jnp.bfloat16)}
+    runs = {}
+    names = args.systems.split(",")
+    for k, name in enumerate(names):
+        keep_all, sync = SYSTEMS[name]
+        directory = os.path.join(args.dir, str(k))
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        config = jax_mlpo.OffloadConfig(
+            host_cache=parse_size(args.cache, "--cache"),
+            tiers=(jax_mlpo.FileTier(directory, io_mode="direct", sync=sync),),
+            subgroup_size=args.subgroup,
+            prefetch_depth=1,
+        )
+        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+        state = tx.init(params)
+        engine = jax_mlpo.engine_of(state)
+        if not keep_all:
+            minimum = config.prefetch_depth * len(engine.tiers) + 2
+            engine._retain_counts = [len(engine._buffers) - minimum]
+        runs[name] = {"update": jax.jit(tx.update), "state": state, "engine": engine, "steps": []}
+    try:
+        for rnd in range(args.rounds + 1):  # round 0: warm-up (compilation, first reads)
+            # the order rotates every round: each system runs first, second, ... equally often
+            order = list(runs.values())
+            for run in order[rnd % len(order) :] + order[: rnd % len(order)]:
+                for _ in range(args.steps):
+                    drop_page_cache(level=1)
+                    t0 = time.perf_counter()
+                    updates, run["state"] = run["update"](grads, run["state"], params)
+                    jax.block_until_ready(updates)
+                    run["engine"].drain()
+                    elapsed = time.perf_counter() - t0
+                    del updates
+                    m = run["engine"].metrics[-1]
+                    if rnd:
+                        run["steps"].append(
+                            {
+                                "update_s": elapsed,
+                                "host_s": m.total_s,
+                                "read_GB": sum(m.bytes_read.values()) / 1e9,
+                                "write_GB": sum(m.bytes_written.values()) / 1e9,
+                                "cache_hits": m.cache_hits,
+                            }
+                        )
+            if rnd:
+                log.info(
+                    "round %d: %s", rnd,
+                    {k: round(r["steps"][-1]["update_s"], 3) for k, r in runs.items()},
+                )  # fmt: skip
+    finally:
+        for run in runs.values():
+            jax_mlpo.close(run["state"])
+        shutil.rmtree(args.dir, ignore_errors=True)
+    out = {"args": vars(args), "systems": {}}
+    base = runs[names[0]]["steps"]
+    for name, run in runs.items():
+        steps = run["steps"]
+        out["systems"][name] = {
+            key: statistics.median(s[key] for s in steps) for key in steps[0]
+        } | {"steps": steps}
+        row = out["systems"][name]
+        log.info(
+            "%-24s update %.3f s (host %.3f s), read %.2f GB, written %.2f GB, %d cache hits",
+            name, row["update_s"], row["host_s"], row["read_GB"], row["write_GB"],
+            row["cache_hits"],
+        )  # fmt: skip
+    out["speedup"] = {}
+    for name in names[1:]:
+        pairs = zip(base, runs[name]["steps"], strict=True)
+        ratios = [y["update_s"] / x["update_s"] for x, y in pairs]
+        r = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        out["speedup"][name] = r
+        log.info(
+            "%s / %s (update time, per step pair): %.2f [%.2f-%.2f]",
+            name, names[0], r["median"], r["min"], r["max"],
+        )  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
