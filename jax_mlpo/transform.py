@@ -319,8 +319,7 @@ def adamw(
         bc2 = 1 - b2**count_inc
         scale = 1.0
         if max_grad_norm is not None:  # optax.clip_by_global_norm's rule, applied on the host
-            leaves = jax.tree.leaves(updates)
-            g_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+            g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates))
             scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
         scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2, scale)])
         grads, treedef = jax.tree.flatten(updates)

@@ -7,7 +7,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import pretrain, report
+from experiments.processes import free_port
 from models import get_preset, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +89,6 @@ def test_offload_equals_optax_per_step(runs):
     assert "tiers" not in records[0] and records[0]["update_s"] > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The multi-process runs: NPROCS=2 processes of batch_size 4 on the tiny config; each process
 # holds half of the state: a smaller cache and subgroups than the single-process run (the
 # numerics do not depend on them) keep the tiers in use.
@@ -119,7 +113,7 @@ def _single_node(
     env = dict(
         os.environ,
         NPROCS=str(nprocs),
-        COORDINATOR_PORT=str(_free_port()),
+        COORDINATOR_PORT=str(free_port()),
         RUN_NAME=run_name,
         CONFIG=TINY,
         NVME_DIR=str(nvme),

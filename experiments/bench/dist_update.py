@@ -49,13 +49,14 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.processes import free_port, run_local  # noqa: E402
 
 logger = logging.getLogger("bench.dist_update")
 
@@ -189,12 +190,6 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
 # -- the launcher ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: dict[str, Any], variant: str, repeat: int) -> dict[str, Any]:
     """Runs one variant in fresh processes and tier directories; returns process 0's result."""
     from sysio import drop_page_cache
@@ -208,38 +203,20 @@ def launch(cfg: dict[str, Any], variant: str, repeat: int) -> dict[str, Any]:
     os.makedirs(run["out"])
     os.makedirs(run["permits_dir"])
     dropped = drop_page_cache() if cfg["device"] == "disk" else None
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(run)]
-    logs = [open(os.path.join(run["out"], f"log{k}.txt"), "w+") for k in range(cfg["processes"])]  # noqa: SIM115
-    t0 = time.monotonic()
-    procs = [
-        subprocess.Popen([*argv, str(k), variant, str(port)], env=env, stdout=log,
-                         stderr=subprocess.STDOUT)
-        for k, log in enumerate(logs)
-    ]  # fmt: skip
-    try:
-        codes = [p.wait(timeout=cfg["timeout"]) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for k, log in enumerate(logs):
-        log.seek(0)
-        text = log.read()
-        log.close()
-        if codes != [0] * len(procs):
+    argvs = [[*argv, str(k), variant, str(port)] for k in range(cfg["processes"])]
+    done = run_local(argvs, env, Path(run["out"]), cfg["timeout"])
+    if not done.ok:
+        for k, text in enumerate(done.logs):
             logger.error("process %d:\n%s", k, text[-4000:])
-    if codes != [0] * len(procs):
-        raise SystemExit(f"{variant} run {repeat} failed: exit codes {codes}")
+        raise SystemExit(f"{variant} run {repeat} failed: exit codes {done.codes}")
     result = json.loads(Path(run["out"], "result.json").read_text())
     result.update(
         variant=variant,
         repeat=repeat,
-        wall_s=time.monotonic() - t0,
+        wall_s=done.elapsed_s,
         page_cache_dropped=dropped,
         median_step_s=statistics.median(s["step_s"] for s in result["steps"]),
     )
