@@ -11,30 +11,11 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import ml_dtypes
 import numpy as np
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
+from jax_mlpo.types import BF16, F32, AdamWHyper
 
-
-class AdamWHyper(NamedTuple):
-    """Scalars of one AdamW step, as the device computed them.
-
-    ``bc1``/``bc2`` are optax's bias corrections ``1 - b**count`` and ``lr`` the (scheduled)
-    learning rate, all evaluated by XLA in float32 so that they match optax bit for bit.
-    """
-
-    bc1: float
-    bc2: float
-    lr: float
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    grad_scale: float = 1.0
+__all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
 
 
 def adamw_step_reference(

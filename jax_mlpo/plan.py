@@ -1,0 +1,133 @@
+"""How the host budget becomes buffers, and how many subgroups each tier holds and retains.
+
+One owner for these figures: the engine builds itself from them, and ``pretrain.py --dry-run``
+prints them without allocating anything, so the two cannot drift apart.
+
+The host cache is cut into buffers of the largest subgroup blob (plus its fp32 gradient when
+conversion is not delayed). The pipeline needs ``prefetch_depth`` reads in flight per tier, the
+subgroup being updated and the one being written back: ``prefetch_depth x tiers + 2`` buffers.
+With retention the remaining buffers keep subgroups across the step boundary (MLP-Offload's
+cache reuse; :mod:`jax_mlpo.scheduler` decides which), and placement splits the rest of the
+subgroups over the tiers by bandwidth (:mod:`jax_mlpo.placement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_mlpo import placement
+from jax_mlpo.config import FileTier, OffloadConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """The host buffers of one engine.
+
+    Attributes:
+      host_only: the whole state fits ``host_cache``: no tiers, no pipeline, one buffer per
+        subgroup.
+      state_bytes: bytes of the whole (per-process) state.
+      tiers: the tiers in use (only the first with ``placement="first"``).
+      buffer_bytes: bytes of one pipeline buffer (state blob, plus its fp32 gradient blob for
+        the baseline's gradient path).
+      buffers: how many buffers the host cache holds (0 when ``host_only``).
+      minimum: how many the pipeline needs.
+      retained: how many subgroups stay in host memory across steps.
+      problem: why the config cannot run (the engine raises it as a ``ConfigError``), or None.
+    """
+
+    host_only: bool
+    state_bytes: int
+    tiers: tuple[FileTier, ...]
+    buffer_bytes: int
+    buffers: int
+    minimum: int
+    retained: int
+    problem: str | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the engine's buffers (the whole state when ``host_only``)."""
+        if self.host_only:
+            return self.state_bytes
+        return max(self.buffers, self.minimum) * self.buffer_bytes
+
+
+def host_plan(
+    config: OffloadConfig,
+    *,
+    num_subgroups: int,
+    state_bytes: int,
+    max_state_elems: int,
+    max_subgroup_elems: int,
+) -> HostPlan:
+    """The buffer plan of an engine over subgroups of the given sizes.
+
+    Args:
+      config: the offload configuration.
+      num_subgroups: subgroups of the (per-process) state.
+      state_bytes: bytes of the whole (per-process) state.
+      max_state_elems: float32 elements of the largest subgroup's state blob.
+      max_subgroup_elems: parameters of the largest subgroup (its gradient blob's length).
+    """
+    if state_bytes <= config.host_cache:
+        return HostPlan(True, state_bytes, (), 0, 0, 0, num_subgroups)
+    tiers = config.tiers[:1] if config.placement == "first" else config.tiers
+    grad_elems = 0 if config.delayed_conversion else max_subgroup_elems
+    per_buffer = 4 * (max_state_elems + grad_elems)
+    minimum = config.prefetch_depth * len(tiers) + 2
+    buffers = config.host_cache // per_buffer
+    problem = None
+    if not tiers:
+        problem = (
+            f"host_cache={config.host_cache} bytes cannot hold the optimizer state "
+            f"({state_bytes} bytes) and no tiers are configured: add a FileTier, or "
+            f"raise host_cache to at least {state_bytes}"
+        )
+    elif buffers < minimum:
+        # the whole state in host memory needs no pipeline, and may be the smaller fix
+        needed = min(minimum * per_buffer, state_bytes)
+        problem = (
+            f"host_cache={config.host_cache} bytes is smaller than the pipeline's buffers: "
+            f"(prefetch_depth {config.prefetch_depth} x {len(tiers)} tier(s) + 2) x "
+            f"{per_buffer} bytes per subgroup = {minimum * per_buffer} bytes: the pipeline "
+            f"needs {minimum}. Raise host_cache to at least {needed}, or lower subgroup_size "
+            "or prefetch_depth."
+        )
+    if not config.retain:
+        retained = 0
+    elif config.order == "alternate":
+        # Every buffer: the next step starts with the subgroups this one ends with, so each
+        # buffer's subgroup is updated again before any read needs the buffer, and writing it
+        # back at the end of this step would only write it twice (measured: 20% fewer bytes
+        # written per step than keeping only the buffers beyond the pipeline, in the same time
+        # on one disk; experiments/results/retain_all.txt).
+        retained = min(buffers, num_subgroups)
+    else:  # the next step starts elsewhere: the pipeline's buffers must be free then
+        retained = max(0, min(buffers - minimum, num_subgroups))
+    return HostPlan(
+        False, state_bytes, tuple(tiers), per_buffer, buffers, minimum, retained, problem
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSplit:
+    """How many subgroups each tier holds and how many of those it retains in host memory."""
+
+    counts: tuple[int, ...]
+    retained: tuple[int, ...]
+
+
+def tier_split(
+    num_subgroups: int, bandwidths: list[float], retained: int, policy: str
+) -> TierSplit:
+    """Subgroups per tier for effective ``bandwidths`` (bytes/s, or any common unit).
+
+    Args:
+      num_subgroups: subgroups to place.
+      bandwidths: each tier's effective bandwidth (:func:`placement.effective_bandwidth`).
+      retained: the plan's retained count (:attr:`HostPlan.retained`).
+      policy: ``OffloadConfig.retain_policy``.
+    """
+    kept = placement.retained_per_tier(bandwidths, retained, policy)
+    return TierSplit(tuple(placement.tier_counts(num_subgroups, bandwidths, kept)), tuple(kept))
