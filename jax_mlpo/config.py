@@ -75,7 +75,8 @@ class FileTier:
 
     Attributes:
       path: the tier's directory. Its parent must exist; the directory itself is created.
-      max_concurrency: blobs (reads plus writes) in flight on this tier in this process.
+      max_concurrency: blobs in flight on this tier in this process, per direction: up to
+        this many reads and, on their own permits, this many writes at once.
       bandwidth_cap: bytes per second this tier may move (token bucket), e.g. ``"600MB"``, or
         None for no cap. Use it to be a good neighbour on a shared file system, or to emulate
         slower storage honestly in benchmarks.

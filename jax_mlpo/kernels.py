@@ -11,8 +11,11 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
+from jax_mlpo import native
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 __all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
@@ -78,12 +81,10 @@ def _fma(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (np.float64(a) * x.astype(np.float64) + y).astype(F32)
 
 
-def native_adamw_step():
-    """The compiled kernel (:func:`jax_mlpo.native.adamw_step`), bitwise equal to the reference.
+def native_adamw_step() -> Callable[..., None]:
+    """The compiled kernel, bitwise equal to the reference.
 
-    Raises:
-      ImportError: if the package's native library was not built (reinstall with ``pip install``).
+    Returns:
+      :func:`jax_mlpo.native.adamw_step`, with :func:`adamw_step_reference`'s signature.
     """
-    from jax_mlpo import native  # imports this module: keep the import here
-
     return native.adamw_step

@@ -24,11 +24,12 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
-from jax_mlpo import distributed, native
+from jax_mlpo import distributed
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
 from jax_mlpo.layout import build_layout, resolve_mask
+from jax_mlpo.native.copies import copy_from_host, copy_to_host
 
 
 class OffloadedAdamWState(NamedTuple):
@@ -343,9 +344,7 @@ def adamw(
             jax.ShapeDtypeStruct((2 * n, 4), jnp.uint32), handle, ordered=True,
         )  # fmt: skip
         tokens = [
-            native.copy_to_host(x, descriptors[k])
-            for k, x in enumerate(grads + param_leaves)
-            if x.size
+            copy_to_host(x, descriptors[k]) for k, x in enumerate(grads + param_leaves) if x.size
         ]
         out_descriptors = io_callback(
             functools.partial(_host_update, b1=b1, b2=b2, eps=eps),
@@ -354,7 +353,7 @@ def adamw(
             ordered=True,
         )  # fmt: skip
         return [
-            native.copy_from_host(out_descriptors[k], jnp.shape(p), jnp.float32)
+            copy_from_host(out_descriptors[k], jnp.shape(p), jnp.float32)
             if np.size(p)
             else jnp.zeros(jnp.shape(p), jnp.float32)
             for k, p in enumerate(param_leaves)

@@ -17,7 +17,8 @@ import pytest
 import tensorstore as ts
 
 from jax_mlpo import native
-from jax_mlpo.kernels import BF16, F32, AdamWHyper, adamw_step_reference
+from jax_mlpo.kernels import adamw_step_reference
+from jax_mlpo.types import BF16, F32, AdamWHyper
 
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 STEPS = 10

@@ -52,7 +52,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from sysio import median_time  # noqa: E402
 
-from jax_mlpo.kernels import BF16, F32, AdamWHyper  # noqa: E402
+from jax_mlpo.native import copies  # noqa: E402
+from jax_mlpo.types import BF16, F32, AdamWHyper  # noqa: E402
 
 _compiles: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -76,9 +77,9 @@ def same_bits(a, b) -> bool:
 
 def raw_memcpy_seconds(dst: int, src: int, nbytes: int, kind: int, repeats: int) -> float:
     times = (ctypes.c_double * (repeats + 1))()
-    rc = native._cuda_lib().jax_mlpo_cuda_memcpy_bench(dst, src, nbytes, kind, repeats + 1, times)
+    rc = copies._cuda_lib().jax_mlpo_cuda_memcpy_bench(dst, src, nbytes, kind, repeats + 1, times)
     if rc != 0:
-        raise RuntimeError(native._cuda_lib().jax_mlpo_cuda_error_string(rc).decode())
+        raise RuntimeError(copies._cuda_lib().jax_mlpo_cuda_error_string(rc).decode())
     return statistics.median(list(times)[1:])  # the first copy is a warm-up
 
 
@@ -191,8 +192,8 @@ def main() -> int:
     if not gpus:
         print("FAIL: no GPU backend")
         return 2
-    native._ensure_cuda_targets()
-    print(f"CUDA devices seen by _native_cuda: {native._cuda_lib().jax_mlpo_cuda_device_count()}")
+    copies._ensure_cuda_targets()
+    print(f"CUDA devices seen by _native_cuda: {copies._cuda_lib().jax_mlpo_cuda_device_count()}")
     cpu = jax.devices("cpu")[0]
     checks = [lambda: step_parity(gpus[0], cpu, (1 << 20) + 3, args.steps)]
     checks += [functools.partial(bandwidth, gpus[0], mib << 20, args.repeats) for mib in args.mib]

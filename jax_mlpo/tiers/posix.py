@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_mlpo import native
 from jax_mlpo.config import FileTier
+from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
 
 logger = logging.getLogger(__name__)
@@ -251,12 +251,12 @@ class PosixBlobs:
         moved = self._tail(n, last)
         if moved == n and (not self._direct or _aligned(dst)):
             got = _pread_full(fd, dst, offset)
-            crc = native.crc32c(dst)
+            crc = crc32c(dst)
         else:
             bounce = self._bounce(moved)
             got = _pread_full(fd, bounce, offset)
             dst[:] = bounce[:n]
-            crc = native.crc32c(bounce)
+            crc = crc32c(bounce)
         if got < moved:
             raise CorruptBlobError(f"short read at byte {offset}: the file is truncated")
         return crc
@@ -299,7 +299,7 @@ class PosixBlobs:
                 f"<{count}I", *crcs
             )
             trailer[: len(body)] = np.frombuffer(body, np.uint8)
-            trailer[-4:] = np.frombuffer(struct.pack("<I", native.crc32c(trailer[:-4])), np.uint8)
+            trailer[-4:] = np.frombuffer(struct.pack("<I", crc32c(trailer[:-4])), np.uint8)
             # The trailer goes last: until it lands, a reader sees the old checksums and reports
             # a half-written blob rather than reading it as valid.
             request = (self._write_chunk, fd, trailer, trailer_at, False)
@@ -313,13 +313,13 @@ class PosixBlobs:
         n = src.nbytes
         moved = self._tail(n, last)
         if moved == n and (not self._direct or _aligned(src)):
-            crc = native.crc32c(src)
+            crc = crc32c(src)
             put = _pwrite_full(fd, src, offset)
         else:
             bounce = self._bounce(moved)
             bounce[:n] = src
             bounce[n:] = 0
-            crc = native.crc32c(bounce)
+            crc = crc32c(bounce)
             put = _pwrite_full(fd, bounce, offset)
         if put < moved:
             raise OSError(errno.ENOSPC, f"short write at byte {offset} ({put} of {moved} bytes)")
@@ -344,7 +344,7 @@ def _parse_trailer(raw: bytes, path: str, nbytes: int, chunk: int, count: int) -
         raise CorruptBlobError(f"{path}: no jax_mlpo blob trailer (magic {magic!r})")
     (crc,) = struct.unpack_from("<I", raw, len(raw) - 4)
     if (stored_bytes, stored_chunk, stored_count) != (nbytes, chunk, count) or crc != (
-        native.crc32c(raw[:-4])
+        crc32c(raw[:-4])
     ):
         raise CorruptBlobError(
             f"{path}: the trailer is corrupt or describes another blob ({stored_bytes} bytes in "

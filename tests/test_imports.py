@@ -1,0 +1,182 @@
+"""No import cycles among jax_mlpo's modules, function-level imports included.
+
+A cycle that works today works only because one of its imports runs late (inside a function)
+or after the names it needs are bound; moving that import to the top of its module, or
+importing the modules in another order, then fails far from the change. So the modules form a
+strict layering (``types`` below ``kernels`` and ``native``, and so on up to ``transform``),
+checked here statically on the source: every ``import`` statement, wherever it is, except under
+``if TYPE_CHECKING:`` (never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def module_files(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    """The modules of ``package`` (a directory under ``root``) by dotted name.
+
+    Args:
+      root: the directory that holds the package.
+      package: the top-level package's name.
+
+    Returns:
+      ``{"pkg.sub.mod": path}``; a package is named by its ``__init__.py``.
+    """
+    files = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(parts)] = path
+    return files
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """Ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def import_edges(files: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[int]]:
+    """The modules each module imports when its import statements run.
+
+    ``import a.b.c`` runs the packages ``a`` and ``a.b`` too, unless the importer is inside
+    them (their ``__init__`` is already running then: Python's normal package layering, not a
+    cycle). ``from p import n`` runs ``p``, and ``p.n`` when that is a module; when ``n`` is a
+    name defined in ``p``'s ``__init__``, it needs ``p`` even from inside ``p``.
+
+    Args:
+      files: from :func:`module_files`.
+
+    Returns:
+      ``{(importer, imported): [line, ...]}`` for the modules in ``files``.
+    """
+    edges: dict[tuple[str, str], list[int]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        is_package = path.name == "__init__.py"
+        inside = set(_ancestors(name)) | ({name} if is_package else set())
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: set[str] = set()
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    targets.add(alias.name)
+                    targets.update(a for a in _ancestors(alias.name) if a not in inside)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                    parent = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    parent = node.module or ""
+                targets.update(a for a in [*_ancestors(parent), parent] if a not in inside)
+                for alias in node.names:
+                    sub = f"{parent}.{alias.name}"
+                    targets.add(sub if sub in files else parent)
+            for target in targets:
+                if target in files and target != name:
+                    edges.setdefault((name, target), []).append(node.lineno)
+    return edges
+
+
+def import_cycles(edges: dict[tuple[str, str], list[int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: dict[str, list[str]] = {}
+    for src, dst in edges:
+        graph.setdefault(src, []).append(dst)
+        graph.setdefault(dst, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the number of modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _describe(cycle: list[str], edges: dict[tuple[str, str], list[int]]) -> str:
+    members = set(cycle)
+    lines = [
+        f"  {src} imports {dst} (line {', '.join(map(str, sorted(set(at))))})"
+        for (src, dst), at in sorted(edges.items())
+        if src in members and dst in members
+    ]
+    return " <-> ".join(cycle) + ":\n" + "\n".join(lines)
+
+
+def test_no_import_cycles_among_jax_mlpo_modules():
+    files = module_files(ROOT, "jax_mlpo")
+    assert "jax_mlpo.types" in files and "jax_mlpo.native" in files
+    edges = import_edges(files)
+    cycles = import_cycles(edges)
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(c, edges) for c in cycles)
+
+
+def test_the_check_sees_function_level_and_relative_imports(tmp_path):
+    sources = {
+        "pkg/__init__.py": "from pkg import top\n",
+        "pkg/top.py": "from pkg.sub import leaf\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/leaf.py": """
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from pkg import other
+            def late():
+                from .. import top
+            """,
+        "pkg/other.py": "import pkg.sub.leaf\n",
+        "pkg/layered.py": "import pkg.top\nfrom pkg import sub\n",
+        "pkg/attr.py": "from pkg import NAME\n",
+    }
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    edges = import_edges(module_files(tmp_path, "pkg"))
+    # The function-level relative import closes top -> leaf -> top; the TYPE_CHECKING import
+    # and a submodule's (implicit) need of its parent package close nothing.
+    assert import_cycles(edges) == [["pkg.sub.leaf", "pkg.top"]]
+    assert ("pkg.other", "pkg.sub") in edges and ("pkg.other", "pkg") not in edges
+    assert ("pkg.sub.leaf", "pkg.other") not in edges
+    assert ("pkg.attr", "pkg") in edges  # a name from the package's __init__ needs it run
