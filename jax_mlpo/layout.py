@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_mlpo.kernels import BF16, F32
+from jax_mlpo.types import BF16, F32
 
 SUPPORTED_PARAM_DTYPES = (F32, BF16)
 
@@ -33,6 +33,16 @@ class Segment:
     size: int
     decay: bool  # whether weight decay applies (the mask)
     master: bool  # the leaf is bfloat16, so p holds its fp32 master copy
+
+    @property
+    def span(self) -> slice:
+        """Where the segment is in its subgroup."""
+        return slice(self.start, self.start + self.size)
+
+    @property
+    def leaf_span(self) -> slice:
+        """Where the segment is in its flattened leaf."""
+        return slice(self.leaf_start, self.leaf_start + self.size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,13 @@ class Subgroup:
     @property
     def state_bytes(self) -> int:
         return 4 * self.state_elems
+
+    def split(self, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """Views of this subgroup's blob: the fp32 master p (or None), m and v."""
+        n = self.size
+        if self.has_master:
+            return blob[:n], blob[n : 2 * n], blob[2 * n : 3 * n]
+        return None, blob[:n], blob[n : 2 * n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,3 +177,32 @@ def build_layout(
                 close()
     close()
     return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size)
+
+
+def gather_state(sg: Subgroup, blob: np.ndarray, state: dict[str, list[np.ndarray | None]]) -> None:
+    """Copies a subgroup's blob into per-leaf ``{"mu", "nu", "master"}`` arrays (float32)."""
+    p, m, v = sg.split(blob)
+    for seg in sg.segments:
+        state["mu"][seg.leaf].reshape(-1)[seg.leaf_span] = m[seg.span]
+        state["nu"][seg.leaf].reshape(-1)[seg.leaf_span] = v[seg.span]
+        if seg.master:
+            state["master"][seg.leaf].reshape(-1)[seg.leaf_span] = p[seg.span]
+
+
+def scatter_state(
+    sg: Subgroup, state: dict[str, list[np.ndarray | None]], blob: np.ndarray
+) -> None:
+    """Fills a subgroup's blob from per-leaf ``{"mu", "nu", "master"}`` arrays.
+
+    Raises:
+      ValueError: if a bfloat16 leaf has no master copy.
+    """
+    p, m, v = sg.split(blob)
+    for seg in sg.segments:
+        m[seg.span] = np.asarray(state["mu"][seg.leaf], F32).reshape(-1)[seg.leaf_span]
+        v[seg.span] = np.asarray(state["nu"][seg.leaf], F32).reshape(-1)[seg.leaf_span]
+        if seg.master:
+            master = state["master"][seg.leaf]
+            if master is None:
+                raise ValueError(f"leaf {seg.leaf} is bfloat16 but has no master copy")
+            p[seg.span] = np.asarray(master, F32).reshape(-1)[seg.leaf_span]

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,41 @@ class StepMetrics:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class TierIOWindow:
+    """Each tier's bytes and busy time since a mark, added to the figures of a step.
+
+    A step's figures hold all its I/O, including the write-backs that finish after it returned
+    (write-behind): between two updates the tiers only finish the last one's writes, so the
+    next update first closes the window into the last step's figures.
+
+    Args:
+      stores: the tiers (each with ``tier.path``, ``bytes_read``, ``bytes_written``, ``busy_s``).
+    """
+
+    def __init__(self, stores: Sequence[Any]) -> None:
+        self._stores = stores
+        self._mark: list[tuple[int, int, float]] | None = None
+
+    def _now(self) -> list[tuple[int, int, float]]:
+        return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self._stores]
+
+    def reset(self) -> None:
+        """Starts a new window: the I/O so far belongs to no step (a flush, a load)."""
+        self._mark = self._now()
+
+    def close_into(self, metrics: StepMetrics | None) -> None:
+        """Adds the window's I/O to ``metrics`` (if any) and starts a new window."""
+        now = self._now()
+        if metrics is not None and self._mark is not None:
+            for store, (r0, w0, b0), (r1, w1, b1) in zip(self._stores, self._mark, now,
+                                                          strict=True):  # fmt: skip
+                path = store.tier.path
+                metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + r1 - r0
+                metrics.bytes_written[path] = metrics.bytes_written.get(path, 0) + w1 - w0
+                metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + b1 - b0
+        self._mark = now
 
 
 _SCALARS = ("total_s", "read_wait_s", "compute_s", "write_wait_s", "grad_write_s",

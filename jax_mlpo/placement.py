@@ -5,19 +5,13 @@ subgroup is read and written once per step. With ``C_k`` of tier k's subgroups r
 memory across steps, the per-step I/O time of tier k is ``(n_k - C_k) * blob / BW_k``; it is
 minimised (the slowest tier finishes when the others do) by
 ``n_k - C_k = (N - sum C) * BW_k / sum BW``. Counts are rounded by largest remainder and the
-assignment is interleaved so consecutive subgroups hit different tiers.
+assignment is interleaved so consecutive subgroups hit different tiers. The bandwidths come
+from :mod:`jax_mlpo.tiers.probe`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import time
-
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 def effective_bandwidth(read: float, write: float) -> float:
@@ -67,44 +61,3 @@ def interleave(counts: list[int]) -> list[int]:
         given[k] += 1
         out.append(k)
     return out
-
-
-def probe(store, blob_elems: int, blobs: int = 4) -> tuple[float, float]:
-    """Measures a tier's write and read bandwidth (bytes/s) with its own concurrency.
-
-    Writes then reads ``blobs`` blobs of ``blob_elems`` float32 in the store's probe array, all
-    requests in flight at once, as the pipeline issues them.
-    """
-    bufs = [np.full(blob_elems, 1.0, np.float32) for _ in range(blobs)]
-    nbytes = blob_elems * 4 * blobs
-    t0 = time.perf_counter()
-    for f in [store.write(i, b, kind="probe") for i, b in enumerate(bufs)]:
-        f.result()
-    write = nbytes / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for f in [store.read(i, b, kind="probe") for i, b in enumerate(bufs)]:
-        f.result()
-    read = nbytes / (time.perf_counter() - t0)
-    return read, write
-
-
-def cached_probe(store, blob_elems: int) -> tuple[float, float]:
-    """:func:`probe`, remembered in the tier directory for the same tier settings."""
-    tier = store.tier
-    key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
-                      blob_elems])  # fmt: skip
-    path = os.path.join(store.directory, ".jax_mlpo-probe.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.get("key") == key:
-            return saved["read"], saved["write"]
-    except (OSError, ValueError, KeyError):
-        pass
-    read, write = probe(store, blob_elems)
-    with open(path, "w") as f:
-        json.dump({"key": key, "read": read, "write": write}, f)
-    logger.info(
-        "tier %s: probed read %.0f MB/s, write %.0f MB/s", tier.path, read / 1e6, write / 1e6
-    )
-    return read, write

@@ -419,9 +419,9 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
     for step in range(steps):
         updates, state = update(grads_for(params, step), state, params)
         jax.block_until_ready(updates)
-        in_flight.append(sum(not f.done() for f, _, _ in engine._writes))
+        in_flight.append(sum(not f.done() for f, _, _ in engine.pool.writes))
         if settle:
-            concurrent.futures.wait([f for f, _, _ in engine._writes])
+            concurrent.futures.wait([f for f, _, _ in engine.pool.writes])
         params = optax.apply_updates(params, updates)
     return engine, state, params, in_flight
 
@@ -434,7 +434,7 @@ def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_pat
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(want["w"]))
     # the state (state_dict waits for the writes) is the same bit for bit
     got_state, want_state_dict = engine.state_dict(), want_engine.state_dict()
-    assert not engine._writes
+    assert not engine.pool.writes
     for name in ("mu", "nu"):
         for a, b in zip(got_state[name], want_state_dict[name], strict=True):
             np.testing.assert_array_equal(a, b)
@@ -488,7 +488,7 @@ def test_a_failed_write_behind_fails_the_next_update(tmp_path, states, fresh_eff
     update = jax.jit(tx.update)
     updates, state = update(grads_for(params, 0), state, params)
     jax.block_until_ready(updates)  # returned while its last write-backs are in flight
-    assert any(not f.done() for f, _, _ in engine._writes)
+    assert any(not f.done() for f, _, _ in engine.pool.writes)
     release.set()
     with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
         jax.block_until_ready(update(grads_for(params, 1), state, params))

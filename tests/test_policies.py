@@ -111,7 +111,7 @@ def test_a_tier_that_retains_nothing_cannot_starve_the_pipeline(tmp_path):
 
     engine, state, traces = run_steps(tx(True), steps=3)
     n = N_PARAMS // SUBGROUP
-    assert engine.tier_of[-1] == 1 and engine._retain_counts == [4, 0]
+    assert engine.tier_of[-1] == 1 and list(engine.split.retained) == [4, 0]
     # the ascending first step reaches the fast tier's last subgroup with all 4 buffers kept:
     # one of them was written back for it (a later step may start with that buffer free)
     assert len(set(range(n)) - set(slots(traces[0], "write"))) == 3

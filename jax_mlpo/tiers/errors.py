@@ -9,3 +9,8 @@ class TierIOError(OSError):
 
 class CorruptBlobError(TierIOError):
     """A blob failed its checksum: what is on disk is not what was written."""
+
+
+class TierFullError(TierIOError):
+    """A write found its tier's file system full (``errno.ENOSPC``); the blob it replaces is
+    intact, so another tier can take the subgroup (``OffloadConfig.fallback_on_full``)."""

@@ -11,6 +11,7 @@ Errors name the tier, the blob's file, the cause and what to do.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import fcntl
 import hashlib
 import os
@@ -21,13 +22,30 @@ import time
 import numpy as np
 
 from jax_mlpo.config import FileTier
-from jax_mlpo.tiers.errors import CorruptBlobError, TierIOError
+from jax_mlpo.tiers.errors import CorruptBlobError, TierFullError, TierIOError
 from jax_mlpo.tiers.lock import TierLock
 from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.posix import PosixBlobs
 from jax_mlpo.tiers.zarr import ZarrBlobs
 
-__all__ = ["CorruptBlobError", "FileTierStore", "NodeTokenBucket", "TierIOError", "TokenBucket"]
+__all__ = [
+    "CorruptBlobError",
+    "FileTierStore",
+    "NodeTokenBucket",
+    "TierFullError",
+    "TierIOError",
+    "TokenBucket",
+    "open_store",
+]
+
+
+def _is_full(error: BaseException | None) -> bool:
+    """Whether ``error`` or one of its causes is ``ENOSPC`` (a full file system)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class TokenBucket:
@@ -190,9 +208,8 @@ class FileTierStore:
                 if self._bucket:
                     self._bucket.wait_until(deadline)
             except Exception as e:
-                raise TierIOError(
-                    self._explain(e, f"writing blob {self.blob_path(slot, kind)} to")
-                ) from e
+                cls = TierFullError if _is_full(e) else TierIOError
+                raise cls(self._explain(e, f"writing blob {self.blob_path(slot, kind)} to")) from e
             finally:
                 self._end("write", kind, slot, t0, data.nbytes)
 
@@ -233,7 +250,7 @@ class FileTierStore:
                 "the blob on disk does not match its checksum (corrupted or half-written). "
                 "Restore the optimizer state from your last checkpoint."
             )
-        elif "No space left" in text or "ENOSPC" in text:
+        elif _is_full(error):
             hint = (
                 "the file system is full. Free space there or configure another tier, then "
                 "restore the optimizer state from your last checkpoint (an update that failed "
@@ -259,3 +276,25 @@ class FileTierStore:
             self._bucket.close()
         self.permits.close()
         self._lock.release()
+
+
+def open_store(tier: FileTier, kinds: dict[str, list[int]], node_permits_dir: str) -> FileTierStore:
+    """Opens a tier with its permits: ``max_concurrency`` reads and as many writes in the
+    process, and ``node_max_concurrency`` for all processes of the node when set.
+
+    Args:
+      tier: the tier's configuration.
+      kinds: for each blob kind, the float32 length of each slot's blob.
+      node_permits_dir: ``OffloadConfig.node_permits_dir`` (node-local lock files and clocks).
+    """
+    node = tier.node_max_concurrency
+    permits = TierPermits(
+        tier.permits_key or tier.path,
+        tier.max_concurrency,
+        tier.max_concurrency,
+        node_permits_dir if node else None,
+        node or 1,
+        node or 1,
+        node_shared=tier.node_permits == "tier",
+    )
+    return FileTierStore(tier, kinds, permits, node_permits_dir)

@@ -9,6 +9,7 @@ which tensorstore verifies on every read. tensorstore runs the requests of a blo
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 from typing import Any
@@ -108,7 +109,14 @@ class ZarrBlobs:
 
     def write(self, slot: int, kind: str, data: np.ndarray) -> None:
         array, row = self._where[kind][slot]
-        self._arrays[array][row].write(data).result()
+        try:
+            self._arrays[array][row].write(data).result()
+        except ValueError as e:
+            # tensorstore reports the OS error as text only; give it its errno back so the
+            # tier recognises a full disk the way it does for the posix engine
+            if "No space left" in str(e):
+                raise OSError(errno.ENOSPC, str(e)) from e
+            raise
 
     def close(self) -> None:
         self._arrays.clear()

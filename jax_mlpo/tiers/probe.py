@@ -1,0 +1,82 @@
+"""Each tier's read and write bandwidth for the placement model: given, or probed at start.
+
+The probe moves a few blobs with the tier's own permits and queue depth, all in flight at
+once as the pipeline issues them, and remembers the result in the tier directory for the same
+tier settings, so a restarted run does not probe again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+
+from jax_mlpo.tiers.file import FileTierStore
+
+logger = logging.getLogger(__name__)
+
+PROBE_BLOBS = 4
+_MAX_PROBE_ELEMS = 8 * 2**20  # 32 MiB per blob: long enough to amortise a request's latency
+
+
+def probe_kind(max_state_elems: int) -> dict[str, list[int]]:
+    """The ``"probe"`` blobs a store must hold for :func:`tier_bandwidth`."""
+    return {"probe": [min(max_state_elems, _MAX_PROBE_ELEMS)] * PROBE_BLOBS}
+
+
+def probe(store: FileTierStore, blob_elems: int, blobs: int = PROBE_BLOBS) -> tuple[float, float]:
+    """Measures a tier's read and write bandwidth (bytes/s) with its own concurrency.
+
+    Writes then reads ``blobs`` blobs of ``blob_elems`` float32 in the store's probe array, all
+    requests in flight at once, as the pipeline issues them.
+
+    Returns:
+      ``(read, write)`` in bytes/s.
+    """
+    bufs = [np.full(blob_elems, 1.0, np.float32) for _ in range(blobs)]
+    nbytes = blob_elems * 4 * blobs
+    t0 = time.perf_counter()
+    for f in [store.write(i, b, kind="probe") for i, b in enumerate(bufs)]:
+        f.result()
+    write = nbytes / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for f in [store.read(i, b, kind="probe") for i, b in enumerate(bufs)]:
+        f.result()
+    read = nbytes / (time.perf_counter() - t0)
+    return read, write
+
+
+def cached_probe(store: FileTierStore, blob_elems: int) -> tuple[float, float]:
+    """:func:`probe`, remembered in the tier directory for the same tier settings."""
+    tier = store.tier
+    key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
+                      blob_elems])  # fmt: skip
+    path = os.path.join(store.directory, ".jax_mlpo-probe.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") == key:
+            return saved["read"], saved["write"]
+    except (OSError, ValueError, KeyError):
+        pass
+    read, write = probe(store, blob_elems)
+    with open(path, "w") as f:
+        json.dump({"key": key, "read": read, "write": write}, f)
+    logger.info(
+        "tier %s: probed read %.0f MB/s, write %.0f MB/s", tier.path, read / 1e6, write / 1e6
+    )
+    return read, write
+
+
+def tier_bandwidth(store: FileTierStore, max_state_elems: int) -> tuple[float, float]:
+    """The tier's ``(read, write)`` bytes/s: its ``read_bandwidth``/``write_bandwidth`` where
+    given, the (cached) probe for the rest."""
+    tier = store.tier
+    if tier.read_bandwidth and tier.write_bandwidth:
+        return float(tier.read_bandwidth), float(tier.write_bandwidth)
+    (elems,) = set(probe_kind(max_state_elems)["probe"])
+    read, write = cached_probe(store, elems)
+    return float(tier.read_bandwidth or read), float(tier.write_bandwidth or write)
