@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
 from jax_mlpo.metrics import StepMetrics, TierIOWindow
-from jax_mlpo.plan import HostPlan, TierSplit, host_plan, tier_split
+from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.staging import HostStaging
 from jax_mlpo.tiers.file import FileTierStore, open_store
@@ -66,11 +66,7 @@ class Engine:
         self._closed = False
         self._kernel = kernels.native_adamw_step()
         sgs = layout.subgroups
-        self.plan: HostPlan = host_plan(
-            config, num_subgroups=len(sgs), state_bytes=layout.state_bytes,
-            max_state_elems=layout.max_state_elems,
-            max_subgroup_elems=max((sg.size for sg in sgs), default=0),
-        )  # fmt: skip
+        self.plan: HostPlan = layout_plan(config, layout)
         self.host_only = self.plan.host_only
         self.tiers: list[FileTierStore] = []
         self.split: TierSplit | None = None
@@ -128,11 +124,7 @@ class Engine:
             companion_reads=self._gradients.reads,
         )  # fmt: skip
         self._gradients.bind(self.pool, self.tiers, self._assignment)
-        zeros = self.pool.buffers[0]  # AdamW's initial moments (the master is set at step 1)
-        futures = [(self.tiers[t].write(i, zeros[:n]), i) for i, (t, n) in enumerate(
-            zip(self.tier_of, blob_elems, strict=True))]  # fmt: skip
-        for future, i in futures:
-            self.pool.wait(future, i)
+        self.pool.write_all(self.pool.buffers[0])  # zero moments (the master is set at step 1)
 
     @property
     def tier_of(self) -> list[int]:
@@ -189,7 +181,7 @@ class Engine:
                 "by the previous one. A wrapper that computes an update and then discards it "
                 "(optax.MultiSteps, a retried or skipped step) cannot be used around it."
             )
-        self._check_leaves(grads, params)
+        self.layout.check_leaves(grads, params)
         hypers = (hyper._replace(weight_decay=0.0), hyper._replace(weight_decay=self._weight_decay))
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
@@ -210,7 +202,10 @@ class Engine:
                 t0 = time.monotonic()
                 grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                 blob = pool.blob(i, resident.slot)
-                self._update_subgroup(sgs[i], blob, grads, grad_blob, params, hypers, count == 0)
+                kernels.adamw_subgroup(
+                    self._kernel, sgs[i], blob, grads, grad_blob, params, self.io.outs, hypers,
+                    init_master=count == 0,
+                )  # fmt: skip
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1
                 metrics.cache_hits += resident.hit
@@ -227,46 +222,6 @@ class Engine:
         if self._assignment:
             self._assignment.observe(metrics)
         return self.io.outs_shaped
-
-    def _check_leaves(self, grads: Sequence[np.ndarray], params: Sequence[np.ndarray]) -> None:
-        shapes = self.layout.shapes
-        if len(grads) != len(shapes) or len(params) != len(shapes):
-            raise ValueError(
-                f"update got {len(grads)} gradient and {len(params)} param leaves; the optimizer "
-                f"was initialised with {len(shapes)}"
-            )
-        for i, (g, p) in enumerate(zip(grads, params, strict=True)):
-            size = int(np.prod(shapes[i], dtype=np.int64))
-            if g.size != size or p.size != size:
-                raise ValueError(f"leaf {i}: expected {size} elements, got {g.size}/{p.size}")
-            if g.dtype not in (F32, BF16):
-                raise ValueError(f"leaf {i}: gradients must be float32 or bfloat16, got {g.dtype}")
-            if p.dtype != self.layout.dtypes[i]:
-                raise ValueError(
-                    f"leaf {i}: param dtype {p.dtype} differs from {self.layout.dtypes[i]} at init"
-                )
-
-    def _update_subgroup(
-        self, sg: Subgroup, blob: np.ndarray, grads: Sequence[np.ndarray],
-        grad_blob: np.ndarray | None, params: Sequence[np.ndarray],
-        hypers: tuple[AdamWHyper, AdamWHyper], init_master: bool,
-    ) -> None:  # fmt: skip
-        """The fused AdamW kernel over each segment (one leaf, one weight-decay flag)."""
-        p, m, v = sg.split(blob)
-        for seg in sg.segments:
-            s, leaf = seg.span, seg.leaf_span
-            param, out = params[seg.leaf][leaf], self.io.outs[seg.leaf][leaf]
-            grad = grads[seg.leaf][leaf] if grad_blob is None else grad_blob[s]
-            if seg.master:
-                master = p[s]
-                if init_master:  # the fp32 master starts as the exact value of the bf16 params
-                    master[...] = param.astype(F32)
-                self._kernel(
-                    m[s], v[s], grad, master, out, hypers[seg.decay],
-                    update_param=True, delta_base=param,
-                )  # fmt: skip
-            else:
-                self._kernel(m[s], v[s], grad, param, out, hypers[seg.decay])
 
     def drain(self) -> None:
         """Waits for the write-backs the last update left in flight (``write_behind``).
@@ -304,17 +259,8 @@ class Engine:
         out = {name: [np.zeros(s, F32) for s in shapes] for name in ("mu", "nu")}
         out["master"] = [np.zeros(s, F32) if dt == BF16 else None for s, dt in zip(
             shapes, dtypes, strict=True)]  # fmt: skip
-        self.drain()
-        scratch = touched_buffer(self.layout.max_state_elems)
-        for sg in self.layout.subgroups:
-            i = sg.index
-            if i in self.pool.dirty:
-                gather_state(sg, self.pool.blob(i, self.pool.dirty[i]), out)
-                continue
-            blob = scratch[: sg.state_elems]
-            self.pool.wait(self.tiers[self.tier_of[i]].read(i, blob), i)
+        for sg, blob in self._each_blob(load=False):
             gather_state(sg, blob, out)
-        self._window.reset()  # these reads belong to no update
         return out
 
     def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
@@ -328,19 +274,15 @@ class Engine:
             shapes = tuple(tuple(np.shape(x)) for x in state[name])
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
-        self.drain()
         self.pool.clean.clear()  # the tiers are about to hold other state
-        scratch = touched_buffer(self.layout.max_state_elems)
-        for sg in self.layout.subgroups:
-            i = sg.index
-            if i in self.pool.dirty:
-                scatter_state(sg, state, self.pool.blob(i, self.pool.dirty[i]))
-                continue
-            blob = scratch[: sg.state_elems]
+        for sg, blob in self._each_blob(load=True):
             scatter_state(sg, state, blob)
-            self.pool.wait(self.tiers[self.tier_of[i]].write(i, blob), i)
-        self._window.reset()  # these writes belong to no update
         self.step_count = int(step)
+
+    def _each_blob(self, *, load: bool) -> Iterator[tuple[Subgroup, np.ndarray]]:
+        self.drain()
+        yield from self.pool.each_blob(self.layout.subgroups, load=load)
+        self._window.reset()  # this I/O belongs to no update
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -356,13 +298,7 @@ class Engine:
         if self.host_only or self._failed is not None:
             return
         self.drain()
-        pool = self.pool
-        futures = [
-            (self.tiers[self.tier_of[i]].write(i, pool.blob(i, slot)), i)
-            for i, slot in pool.dirty.items()
-        ]
-        for future, i in futures:
-            pool.wait(future, i)
+        self.pool.flush()
         self._window.reset()  # these writes belong to no update
 
     def close(self) -> None:

@@ -11,11 +11,12 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jax_mlpo import native
+from jax_mlpo.layout import Subgroup
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 __all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
@@ -88,3 +89,41 @@ def native_adamw_step() -> Callable[..., None]:
       :func:`jax_mlpo.native.adamw_step`, with :func:`adamw_step_reference`'s signature.
     """
     return native.adamw_step
+
+
+def adamw_subgroup(
+    kernel: Callable[..., None],
+    sg: Subgroup,
+    blob: np.ndarray,
+    grads: Sequence[np.ndarray],
+    grad_blob: np.ndarray | None,
+    params: Sequence[np.ndarray],
+    outs: Sequence[np.ndarray],
+    hypers: tuple[AdamWHyper, AdamWHyper],
+    init_master: bool,
+) -> None:
+    """One AdamW step of a resident subgroup: ``kernel`` over each of its segments.
+
+    Args:
+      kernel: :func:`native_adamw_step` or :func:`adamw_step_reference`.
+      sg: the subgroup.
+      blob: its ``[p | m | v]`` (or ``[m | v]``) state, updated in place.
+      grads: the flat gradient leaves (read where ``grad_blob`` is None).
+      grad_blob: the subgroup's fp32 gradients (the baseline's tier path), or None.
+      params: the flat param leaves.
+      outs: the flat float32 update leaves, written.
+      hypers: the step's scalars without and with weight decay (a segment's mask picks one).
+      init_master: the first step: the fp32 master copy starts as the bf16 params' value.
+    """
+    p, m, v = sg.split(blob)
+    for seg in sg.segments:
+        s, leaf = seg.span, seg.leaf_span
+        param, out = params[seg.leaf][leaf], outs[seg.leaf][leaf]
+        grad = grads[seg.leaf][leaf] if grad_blob is None else grad_blob[s]
+        hyper = hypers[seg.decay]
+        if seg.master:
+            if init_master:
+                p[s] = param.astype(F32)
+            kernel(m[s], v[s], grad, p[s], out, hyper, update_param=True, delta_base=param)
+        else:
+            kernel(m[s], v[s], grad, param, out, hyper)

@@ -91,6 +91,29 @@ class Layout:
     def state_bytes(self) -> int:
         return sum(sg.state_bytes for sg in self.subgroups)
 
+    def check_leaves(self, grads: Sequence[np.ndarray], params: Sequence[np.ndarray]) -> None:
+        """Checks an update's flat leaves against the layout.
+
+        Raises:
+          ValueError: naming the leaf whose count, size or dtype is wrong.
+        """
+        shapes = self.shapes
+        if len(grads) != len(shapes) or len(params) != len(shapes):
+            raise ValueError(
+                f"update got {len(grads)} gradient and {len(params)} param leaves; the optimizer "
+                f"was initialised with {len(shapes)}"
+            )
+        for i, (g, p) in enumerate(zip(grads, params, strict=True)):
+            size = int(np.prod(shapes[i], dtype=np.int64))
+            if g.size != size or p.size != size:
+                raise ValueError(f"leaf {i}: expected {size} elements, got {g.size}/{p.size}")
+            if g.dtype not in (F32, BF16):
+                raise ValueError(f"leaf {i}: gradients must be float32 or bfloat16, got {g.dtype}")
+            if p.dtype != self.dtypes[i]:
+                raise ValueError(
+                    f"leaf {i}: param dtype {p.dtype} differs from {self.dtypes[i]} at init"
+                )
+
 
 def resolve_mask(mask: Any, params: Any) -> list[bool]:
     """Per-leaf weight-decay flags from an optax-style mask (pytree, prefix or callable).

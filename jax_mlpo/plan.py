@@ -17,6 +17,7 @@ import dataclasses
 
 from jax_mlpo import placement
 from jax_mlpo.config import FileTier, OffloadConfig
+from jax_mlpo.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,18 @@ def host_plan(
         retained = max(0, min(buffers - minimum, num_subgroups))
     return HostPlan(
         False, state_bytes, tuple(tiers), per_buffer, buffers, minimum, retained, problem
+    )
+
+
+def layout_plan(config: OffloadConfig, layout: Layout) -> HostPlan:
+    """:func:`host_plan` for the subgroups of ``layout`` (what the engine builds)."""
+    sgs = layout.subgroups
+    return host_plan(
+        config,
+        num_subgroups=len(sgs),
+        state_bytes=layout.state_bytes,
+        max_state_elems=layout.max_state_elems,
+        max_subgroup_elems=max((sg.size for sg in sgs), default=0),
     )
 
 

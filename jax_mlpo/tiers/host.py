@@ -23,11 +23,12 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from jax_mlpo.layout import Subgroup
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
@@ -194,6 +195,43 @@ class HostBufferPool:
             index, slot = self._reclaim_one()
             if self._reuse_clean:
                 self.clean[index] = slot
+
+    # -- outside the steps ------------------------------------------------------------------
+
+    def write_all(self, blob: np.ndarray) -> None:
+        """Writes ``blob`` (its first elements) as every subgroup's state on its tier."""
+        futures = [(self._stores[t].write(i, blob[:n]), i) for i, (t, n) in enumerate(
+            zip(self._assignment.tier_of, self._elems, strict=True))]  # fmt: skip
+        for future, i in futures:
+            self.wait(future, i)
+
+    def flush(self) -> None:
+        """Writes the dirty subgroups to their tiers (they stay resident and dirty-free)."""
+        tier_of = self._assignment.tier_of
+        futures = [(self._stores[tier_of[i]].write(i, self.blob(i, slot)), i)
+                   for i, slot in self.dirty.items()]  # fmt: skip
+        for future, i in futures:
+            self.wait(future, i)
+
+    def each_blob(self, subgroups: Sequence[Subgroup], *, load: bool
+                  ) -> Iterator[tuple[Subgroup, np.ndarray]]:  # fmt: skip
+        """Yields every subgroup's blob: its resident buffer, or a scratch buffer read from its
+        tier first (``load=False``) or written to it after the caller filled it (``load``).
+
+        Call it with no write-back in flight (:meth:`drain` first).
+        """
+        scratch = touched_buffer(max((sg.state_elems for sg in subgroups), default=0))
+        for sg in subgroups:
+            i = sg.index
+            if i in self.dirty:
+                yield sg, self.blob(i, self.dirty[i])
+                continue
+            blob, store = scratch[: sg.state_elems], self._stores[self._assignment.tier_of[i]]
+            if not load:
+                self.wait(store.read(i, blob), i)
+            yield sg, blob
+            if load:
+                self.wait(store.write(i, blob), i)
 
     # -- requests -------------------------------------------------------------------------
 
