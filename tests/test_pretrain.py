@@ -1,6 +1,7 @@
-"""Tests for experiments/pretrain.py and experiments/report.py: the main job end to end, offload
-against optax step by step, two processes against one, a two-process run resumed from its
-checkpoint on two processes and on one, config errors, the dry run and every shipped config."""
+"""Tests for experiments/pretrain.py (with run_config, dry_run, train and records) and
+experiments/report.py: the main job end to end, offload against optax step by step, two
+processes against one, a two-process run resumed from its checkpoint on two processes and on
+one, config errors, the dry run and every shipped config."""
 
 import json
 import math
@@ -15,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import pretrain, report
+from experiments import pretrain, report, run_config, train
+from experiments.dry_run import dry_run
 from experiments.processes import free_port
 from models import get_preset, param_count
 
@@ -76,8 +78,8 @@ def test_tiny_config_runs_end_to_end(runs):
     assert summary["median_s"]["step"] > 0 and set(summary["tiers"]) == set(records[0]["tiers"])
     assert "| forward + backward |" in (run_dir / "summary-offload.md").read_text()
     assert (run_dir / "pretrain-offload.png").stat().st_size > 10_000
-    resolved = pretrain.load_config(str(run_dir / "config.yaml"))
-    assert resolved.steps == STEPS and resolved.offload["tiers"][0]["path"].startswith(str(run_dir))
+    resolved = run_config.load_config(str(run_dir / "config.yaml"))
+    assert resolved.steps == STEPS and resolved.offload.tiers[0].path.startswith(str(run_dir))
 
 
 def test_offload_equals_optax_per_step(runs):
@@ -252,9 +254,9 @@ import sys
 
 sys.path.insert(0, {root!r})
 import jax
-from experiments import pretrain
+from experiments import pretrain, train
 
-make_steps = pretrain.make_steps
+make_steps = train.make_steps
 
 
 def failing_steps(graphdef, tx):
@@ -270,7 +272,7 @@ def failing_steps(graphdef, tx):
     return grad_step, update
 
 
-pretrain.make_steps = failing_steps
+train.make_steps = failing_steps
 pretrain.cli(sys.argv[2:])
 """
 
@@ -357,15 +359,15 @@ def test_config_file_errors(tmp_path):
         pretrain.main(["--config", "/no/such.yaml"])
     bad = tmp_path / "bad.yaml"
     bad.write_text('steps: "ten"\nbatch_size: 4\n')
-    with pytest.raises(pretrain.ConfigError, match=r"'steps' must be an integer, got 'ten'"):
-        pretrain.load_config(str(bad))
+    with pytest.raises(run_config.ConfigError, match=r"'steps' must be an integer, got 'ten'"):
+        run_config.load_config(str(bad))
     bad.write_text("- a list\n")
-    with pytest.raises(pretrain.ConfigError, match=r"must hold a mapping"):
-        pretrain.load_config(str(bad))
+    with pytest.raises(run_config.ConfigError, match=r"must hold a mapping"):
+        run_config.load_config(str(bad))
 
 
 def test_overrides_and_yaml_values(tmp_path):
-    cfg = pretrain.load_config(
+    cfg = run_config.load_config(
         TINY,
         [
             f"run_dir={tmp_path}",
@@ -377,9 +379,9 @@ def test_overrides_and_yaml_values(tmp_path):
         ],
     )
     assert cfg.optimizer.peak_lr == 3e-4  # YAML 1.1 reads 3e-4 as a string; accepted as float
-    assert cfg.offload["prefetch_depth"] == 1 and cfg.data.paths == (TINY,)
-    assert pretrain.resolve_model(cfg).layers == 1
-    assert [t["path"] for t in cfg.offload["tiers"]] == [
+    assert cfg.offload.prefetch_depth == 1 and cfg.data.paths == (TINY,)
+    assert run_config.resolve_model(cfg).layers == 1
+    assert [t.path for t in cfg.offload.tiers] == [
         f"{tmp_path}/tiers/t0",
         f"{tmp_path}/tiers/t1",
     ]
@@ -388,16 +390,16 @@ def test_overrides_and_yaml_values(tmp_path):
 def test_datasets_from_text_and_token_files(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("hello world " * 100)
-    cfg = pretrain.load_config(
+    cfg = run_config.load_config(
         TINY, ["data.source=text", f"data.paths=[{text}]", f"data.cache_dir={tmp_path}/c"]
     )
-    assert pretrain.build_dataset(cfg, 256).tokens.size == 1200
+    assert train.build_dataset(cfg, 256).tokens.size == 1200
     tokens = tmp_path / "t.bin"
     np.arange(1000, dtype="<u2").tofile(tokens)
-    cfg = pretrain.load_config(TINY, ["data.source=tokens", f"data.paths=[{tokens}]"])
-    assert pretrain.build_dataset(cfg, 1000).tokens.size == 1000
+    cfg = run_config.load_config(TINY, ["data.source=tokens", f"data.paths=[{tokens}]"])
+    assert train.build_dataset(cfg, 1000).tokens.size == 1000
     with pytest.raises(ValueError, match="token id 999 >= vocab_size=256"):
-        pretrain.build_dataset(cfg, 256)
+        train.build_dataset(cfg, 256)
 
 
 def test_dry_run_280b_on_64_processes(tmp_path, caplog):
@@ -433,19 +435,19 @@ def test_dry_run_280b_on_64_processes(tmp_path, caplog):
 
 
 def test_dry_run_fp32_state_and_problems():
-    cfg = pretrain.load_config(TINY, ["offload.host_cache=1GiB"])
-    plan = pretrain.dry_run(cfg, 1)
+    cfg = run_config.load_config(TINY, ["offload.host_cache=1GiB"])
+    plan = dry_run(cfg, 1)
     assert plan["state_bytes_per_process"] == 8 * param_count(get_preset("tiny"))
     assert plan["tiers"] == {} and plan["problem"] is None
-    plan = pretrain.dry_run(pretrain.load_config(TINY, ["offload.host_cache=64KiB"]), 1)
+    plan = dry_run(run_config.load_config(TINY, ["offload.host_cache=64KiB"]), 1)
     assert "pipeline needs 6" in plan["problem"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_config_loads_and_validates(path):
-    cfg = pretrain.load_config(str(path))
-    model = pretrain.resolve_model(cfg)
+    cfg = run_config.load_config(str(path))
+    model = run_config.resolve_model(cfg)
     assert model.max_seq_len == cfg.seq_len
-    plan = pretrain.dry_run(cfg, 1)
+    plan = dry_run(cfg, 1)
     assert plan["problem"] is None, plan["problem"]
     assert len(CONFIGS) >= 3

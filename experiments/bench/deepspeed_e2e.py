@@ -62,14 +62,15 @@ SYSTEMS = ("deepspeed", "jax_mlpo")
 
 def jax_worker(args) -> dict:
     sys.path.insert(0, ROOT)
-    from experiments import pretrain
+    from experiments import pretrain, train
+    from experiments.run_config import load_config, resolve_model
 
     per_step: dict[int, dict] = {}
-    original = pretrain.batches
+    original = train.batches
 
     def batches_dropping_cache(*a, **kw):
-        """pretrain.batches, but the page cache is dropped before each batch is handed out and
-        /proc/self/io is read around each step (from one hand-out to the next)."""
+        """The train loop's batches, but the page cache is dropped before each batch is handed
+        out and /proc/self/io is read around each step (from one hand-out to the next)."""
         prev = None
         for step, batch in original(*a, **kw):
             if prev is not None:
@@ -88,16 +89,16 @@ def jax_worker(args) -> dict:
         row["bytes_read"] = io1["read"] - io0["read"]
         row["bytes_written"] = io1["write"] - io0["write"]
 
-    pretrain.batches = batches_dropping_cache
+    train.batches = batches_dropping_cache
     argv = ["--config", args.config] + [x for s in args.set for x in ("--set", s)]
-    cfg = pretrain.load_config(args.config, args.set)
-    for tier in cfg.offload["tiers"]:
-        shutil.rmtree(tier["path"], ignore_errors=True)
+    cfg = load_config(args.config, args.set)
+    for tier in cfg.offload.tiers:
+        shutil.rmtree(tier.path, ignore_errors=True)
     t0 = time.perf_counter()
     result = pretrain.main(argv)
     run_s = time.perf_counter() - t0
-    for tier in cfg.offload["tiers"]:
-        shutil.rmtree(tier["path"], ignore_errors=True)
+    for tier in cfg.offload.tiers:
+        shutil.rmtree(tier.path, ignore_errors=True)
     records = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines()]
     skip = cfg.report.skip_steps
     steps = []
@@ -121,7 +122,7 @@ def jax_worker(args) -> dict:
         row.update(per_step.get(r["step"], {}))
         if r["step"] > skip:
             steps.append(row)
-    model = pretrain.resolve_model(cfg)
+    model = resolve_model(cfg)
     from models import param_count
 
     out = {
@@ -129,9 +130,9 @@ def jax_worker(args) -> dict:
         "jax_mlpo_sha256": library_fingerprint(),
         "params": param_count(model),
         "dtype": model.param_dtype,
-        "host_cache": cfg.offload["host_cache"],
-        "subgroup_size": cfg.offload["subgroup_size"],
-        "tiers": [t["path"] for t in cfg.offload["tiers"]],
+        "host_cache": cfg.offload.host_cache,
+        "subgroup_size": cfg.offload.subgroup_size,
+        "tiers": [t.path for t in cfg.offload.tiers],
         "run_s": run_s,
         "losses": [r["loss"] for r in records],
         "steps": steps,
@@ -200,7 +201,7 @@ def ds_command(args, cfg, model, n_params: int, nvme_path: str) -> list[str]:
         "--weight-decay", str(o.weight_decay),
         "--clip-norm", str(o.clip_norm),
         "--nvme-path", nvme_path,
-        "--sub-group-size", str(cfg.offload["subgroup_size"]),
+        "--sub-group-size", str(cfg.offload.subgroup_size),
         "--buffer-count", str(args.buffer_count),
         "--pipeline", args.pipeline,
         "--steps", str(cfg.steps),
@@ -276,16 +277,16 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
-    from experiments import pretrain
+    from experiments.run_config import load_config, plain, resolve_model
     from models import param_count
 
-    cfg = pretrain.load_config(args.config, args.set)
-    model = pretrain.resolve_model(cfg)
+    cfg = load_config(args.config, args.set)
+    model = resolve_model(cfg)
     n_params = param_count(model)
-    tiers = cfg.offload["tiers"]
+    tiers = cfg.offload.tiers
     if len(tiers) != 1:
         sys.exit(f"{args.config}: give exactly one offload tier (DeepSpeed has one nvme_path)")
-    directory = os.path.dirname(os.path.abspath(tiers[0]["path"]))
+    directory = os.path.dirname(os.path.abspath(tiers[0].path))
     args.nvme_path = os.path.join(directory, "ds")
     os.makedirs(directory, exist_ok=True)
     systems = args.systems.split(",")
@@ -309,9 +310,9 @@ def main() -> None:
         cfg.steps,
         cfg.report.skip_steps,
         state_bytes / 1e9,
-        tiers[0]["path"],
-        cfg.offload["host_cache"] / 2**20,
-        cfg.offload["subgroup_size"],
+        tiers[0].path,
+        cfg.offload.host_cache / 2**20,
+        cfg.offload.subgroup_size,
         args.nvme_path,
         args.buffer_count,
         args.pipeline,
@@ -356,12 +357,12 @@ def main() -> None:
             )
             if system == "deepspeed" and rnd == 0:
                 pinned = out["pinned_bytes"]
-                if pinned != cfg.offload["host_cache"]:
+                if pinned != cfg.offload.host_cache:
                     logger.warning(
                         "DeepSpeed's pinned swap buffers are %d bytes, jax_mlpo's host_cache %d: "
                         "set offload.host_cache to %d for the same budget",
                         pinned,
-                        cfg.offload["host_cache"],
+                        cfg.offload.host_cache,
                         pinned,
                     )
     machine["loadavg_end"] = os.getloadavg()
@@ -447,7 +448,7 @@ def main() -> None:
     if args.json:
         result = {
             "args": vars(args),
-            "config": pretrain._plain(dataclasses.asdict(cfg)),
+            "config": plain(dataclasses.asdict(cfg)),
             "machine": machine,
             "total_s": total_s,
             "disk": disk,

@@ -35,8 +35,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pretrain  # noqa: E402  (experiments/pretrain.py: the config and the model it trains)
-
+from experiments.run_config import RunConfig, load_config, resolve_model  # noqa: E402
 from models import Llama, loss_fn, matmul, param_count  # noqa: E402
 
 log = logging.getLogger("bench.matmul")
@@ -107,8 +106,8 @@ def bench_layers(shapes, tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_model(cfg: pretrain.RunConfig, repeats: int) -> dict:
-    model_cfg = pretrain.resolve_model(cfg)
+def bench_model(cfg: RunConfig, repeats: int) -> dict:
+    model_cfg = resolve_model(cfg)
     steps, grads = {}, {}
     rng = np.random.default_rng(cfg.seed)
     tokens = jnp.asarray(
@@ -157,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
-    cfg = pretrain.load_config(args.config)
-    model_cfg = pretrain.resolve_model(cfg)
+    cfg = load_config(args.config)
+    model_cfg = resolve_model(cfg)
     tokens = cfg.batch_size * cfg.seq_len
     out = {
         "args": vars(args),

@@ -1,0 +1,369 @@
+"""The run configuration of the pre-training job: typed sections read from YAML and ``--set``.
+
+A YAML file (see experiments/configs/) plus ``key=value`` overrides become a frozen
+:class:`RunConfig`. Every value is checked against its field's type and range when it is read,
+and every error names the key and a fix. The ``offload`` section is jax_mlpo's own
+:class:`jax_mlpo.OffloadConfig` (built by :meth:`~jax_mlpo.OffloadConfig.from_dict`), with its
+tiers defaulting to ``<run_dir>/tiers/t0`` and ``t1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import jax_mlpo
+from models import LlamaConfig, get_preset
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "default"
+    """'default' (the Python standard library's sources, byte-level), 'text' (``paths`` are
+    text files, byte-level) or 'tokens' (``paths`` is one pre-tokenized .npy or raw file)."""
+    paths: tuple[str, ...] = ()
+    """Text files (source 'text') or the one token file (source 'tokens')."""
+    token_dtype: str = "uint16"
+    """Element type of a raw token file: 'uint16' or 'uint32' (a .npy carries its own)."""
+    check_vocab: bool = True
+    """Scan a token file once for ids >= the model's vocab_size (bounded memory)."""
+    cache_dir: str | None = None
+    """Where text corpora are concatenated once; None means <run_dir>/../data-cache."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    peak_lr: float = 3e-3
+    """Peak learning rate of the warm-up + cosine schedule."""
+    warmup_steps: int = 30
+    """Linear warm-up from 0 to peak_lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of peak_lr."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay (times the learning rate, as optax); not on 1-D params."""
+    clip_norm: float = 1.0
+    """Global gradient norm clipping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    skip_steps: int = 5
+    """Steps left out of the summary's medians (compilation, first writes)."""
+    plot: bool = True
+    """Write <run_dir>/pretrain-<optimizer>.png at the end (needs matplotlib)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps and at the last step; 0: no checkpoints."""
+    dir: str | None = None
+    """Where the checkpoints go; None means <run_dir>/checkpoints-<optimizer>."""
+    keep: int = 2
+    """Checkpoints kept (the oldest are deleted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    run_dir: str = "runs/tiny"
+    """Output directory: config, metrics, summary, plot and default tiers."""
+    model: str = "tiny"
+    """A preset of models/presets.py (tiny, small, 125M, 1B, 7B, ..., 280B)."""
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    """LlamaConfig fields replacing the preset's, e.g. {layers: 4, remat: true}."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    batch_size: int = 8
+    """Sequences per step per process (the global batch is batch_size x processes)."""
+    seq_len: int = 128
+    """Tokens per sequence; also the model's max_seq_len."""
+    steps: int = 300
+    seed: int = 0
+    log_every: int = 10
+    """Log a line (loss, times, tiers) every this many steps."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    offload: jax_mlpo.OffloadConfig = dataclasses.field(default_factory=jax_mlpo.OffloadConfig)
+    """jax_mlpo's offload config; :func:`load_config` defaults its tiers to <run_dir>/tiers/t0
+    and t1."""
+    report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Params, optimizer state and data position, saved in the background (jax_mlpo.checkpoint)."""
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads the YAML config, applies ``key=value`` overrides and validates the result.
+
+    Args:
+        path: a YAML file (see experiments/configs/), or None for the defaults.
+        overrides: ``key=value`` strings; dotted keys reach into sections
+            (``optimizer.peak_lr=1e-3``); values are parsed as YAML (``data.paths=[a, b]``).
+
+    Returns:
+        The validated config, its ``offload`` an OffloadConfig whose tiers default to
+        ``<run_dir>/tiers/t0`` and ``t1``. Nothing is created on disk.
+
+    Raises:
+        ConfigError: for a missing file, an unknown key, a value of the wrong type, a missing
+            data file, an unknown model preset or an invalid model or offload setting. The
+            message names the key and the fix.
+    """
+    data: dict[str, Any] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} not found; see experiments/configs/*.yaml")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of keys, got {data!r}")
+    for item in overrides:
+        _set(data, item)
+    # Built last: its default tiers lie under run_dir, which the rest of the config gives.
+    offload = data.pop("offload", None)
+    if not isinstance(offload, dict | None):
+        raise ConfigError(
+            f"config key 'offload' is a section, got {_describe(offload)}; set its keys "
+            "instead, e.g. --set offload.host_cache=4MiB"
+        )
+    cfg = _build(RunConfig, data, "")
+    _check(cfg)
+    resolve_model(cfg)
+    return dataclasses.replace(cfg, offload=offload_config(offload or {}, cfg.run_dir))
+
+
+def offload_config(section: dict[str, Any], run_dir: str) -> jax_mlpo.OffloadConfig:
+    """The ``offload`` section as an OffloadConfig; tiers default to <run_dir>/tiers/t0 and t1.
+
+    Args:
+        section: the section's keys (OffloadConfig fields; tiers as paths or mappings).
+        run_dir: the run directory, home of the default tiers (not created).
+
+    Returns:
+        The OffloadConfig.
+
+    Raises:
+        ConfigError: for an unknown key or an invalid value, naming the section.
+    """
+    tiers = Path(run_dir) / "tiers"
+    section = {"tiers": [str(tiers / "t0"), str(tiers / "t1")], **section}
+    if not isinstance(section["tiers"], list | tuple):  # a string would be split into characters
+        raise ConfigError(
+            f"config key 'offload.tiers' must be a list of paths or {{path: ...}} mappings, got "
+            f"{_describe(section['tiers'])}; e.g. --set 'offload.tiers=[/nvme/run, /pfs/run]'"
+        )
+    try:
+        return jax_mlpo.OffloadConfig.from_dict(section)
+    except (jax_mlpo.ConfigError, TypeError) as e:
+        message = str(e).removeprefix("offload: ")
+        raise ConfigError(f"config section 'offload': {message}") from None
+
+
+def resolve_model(cfg: RunConfig) -> LlamaConfig:
+    """The model shape: the preset with ``model_overrides`` and ``max_seq_len = seq_len``.
+
+    Raises:
+        ConfigError: for an unknown preset or override, or a vocabulary too small for the data.
+    """
+    try:
+        preset = get_preset(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model': {e}") from None
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    for name in cfg.model_overrides:
+        if name == "max_seq_len":
+            raise ConfigError("config key 'model_overrides.max_seq_len': set seq_len instead")
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config key 'model_overrides.{name}'; valid keys: {', '.join(fields)}"
+            )
+    try:
+        model = preset.replace(**cfg.model_overrides, max_seq_len=cfg.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model_overrides': {e}") from None
+    if cfg.data.source != "tokens" and model.vocab_size < 256:
+        raise ConfigError(
+            f"data.source={cfg.data.source!r} is byte-level (256 ids) but the model's vocab_size "
+            f"is {model.vocab_size}; raise config key 'model_overrides.vocab_size' to >= 256"
+        )
+    return model
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML, every field given: what ``<run_dir>/config.yaml`` holds.
+
+    :func:`load_config` reads it back to the same config.
+    """
+    return yaml.safe_dump(plain(dataclasses.asdict(cfg)), sort_keys=False)
+
+
+def plain(x: Any) -> Any:
+    """Tuples to lists, for yaml.safe_dump and json."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [plain(v) for v in x]
+    return x
+
+
+# -- reading and checking values ---------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    kinds = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an int"}
+    kind = kinds.get(type(value), f"a {type(value).__name__}")
+    return f"{value!r} ({kind})"
+
+
+def _coerce(value: Any, hint: Any, key: str, default: Any) -> Any:
+    """Checks ``value`` against the field type ``hint``; returns it converted (tuple, float)."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"config key '{key}' is a section, got {_describe(value)}; set its keys "
+                f"instead, e.g. --set {key}.<key>=<value>"
+            )
+        return _build(hint, value, key)
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    example = f"--set {key}={default!r}" if default not in (None, (), {}) else f"--set {key}=..."
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, str):
+        return value
+    if hint is dict and isinstance(value, dict | None):
+        return dict(value or {})
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(
+            f"config key '{key}' must be a list of strings, got {_describe(value)}; "
+            f"e.g. {key}: [a.txt, b.txt] in YAML or --set '{key}=[a.txt, b.txt]'"
+        )
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    want = names.get(hint, "a mapping" if hint is dict else str(hint))
+    raise ConfigError(f"config key '{key}' must be {want}, got {_describe(value)}; e.g. {example}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in data:
+        if name not in fields:
+            key = f"{where}.{name}" if where else name
+            close = difflib.get_close_matches(str(name), fields, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"unknown config key '{key}'; {hint}valid keys{' in ' + where if where else ''}: "
+                f"{', '.join(fields)}"
+            )
+    values = {}
+    for name, value in data.items():
+        f = fields[name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        values[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name, default)
+    return cls(**values)
+
+
+def _set(data: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set steps=100")
+    node = data
+    *parents, leaf = key.split(".")
+    parts = key.split(".")
+    for i, p in enumerate(parents):
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"--set {item!r}: config key '{'.'.join(parts[: i + 1])}' is "
+                f"{_describe(child)}, not a section, so it has no key '{parts[i + 1]}'"
+            )
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+
+
+def _check(cfg: RunConfig) -> None:
+    """Rejects values of the right type but out of range, and contradictions."""
+    positive = {
+        "batch_size": cfg.batch_size,
+        "steps": cfg.steps,
+        "log_every": cfg.log_every,
+        "optimizer.peak_lr": cfg.optimizer.peak_lr,
+        "optimizer.eps": cfg.optimizer.eps,
+        "optimizer.clip_norm": cfg.optimizer.clip_norm,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value!r}")
+    non_negative = {
+        "seed": cfg.seed,
+        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "optimizer.min_lr_ratio": cfg.optimizer.min_lr_ratio,
+        "report.skip_steps": cfg.report.skip_steps,
+        "checkpoint.every": cfg.checkpoint.every,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value!r}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
+    if cfg.seq_len < 2:
+        raise ConfigError(f"config key 'seq_len' must be >= 2 (input + target), got {cfg.seq_len}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(cfg.optimizer, key) < 1:
+            raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")
+    d = cfg.data
+    if d.source not in ("default", "text", "tokens"):
+        raise ConfigError(
+            f"config key 'data.source' must be 'default', 'text' or 'tokens', got {d.source!r}"
+        )
+    if d.source == "default" and d.paths:
+        raise ConfigError(
+            "config key 'data.paths' is set but data.source is 'default' (the stdlib corpus); "
+            "set data.source=text (text files) or data.source=tokens (a token file)"
+        )
+    if d.source != "default" and not d.paths:
+        raise ConfigError(f"data.source is {d.source!r}: set config key 'data.paths' to the files")
+    if d.source == "tokens" and len(d.paths) != 1:
+        raise ConfigError(f"config key 'data.paths' must name one token file, got {len(d.paths)}")
+    for i, p in enumerate(d.paths):
+        if not os.path.isfile(p):
+            raise ConfigError(
+                f"config key 'data.paths[{i}]': data file {p!r} not found; fix the path "
+                "(--set 'data.paths=[...]') or use data.source=default"
+            )
+    if d.token_dtype not in ("uint16", "uint32"):
+        raise ConfigError(
+            f"config key 'data.token_dtype' must be uint16 or uint32: {d.token_dtype}"
+        )

@@ -1,0 +1,367 @@
+"""The training loop of the pre-training job, on one process or as one of several.
+
+:func:`train` runs a :class:`~experiments.run_config.RunConfig`'s steps: the model from its
+preset, the batches of :mod:`experiments.data`, the optimizer (jax_mlpo's offloaded AdamW, or
+optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a later run
+resumes exactly. A step is two jitted halves timed apart (forward + backward, then the update);
+:mod:`experiments.records` turns each into a metrics record. In a multi-process run
+(:func:`init_distributed`) every process runs the same loop on its rows of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import jax_mlpo
+from experiments.data import TokenDataset, batches
+from experiments.records import earlier_records, finish, progress, step_record
+from experiments.run_config import ConfigError, RunConfig, resolve_model
+from jax_mlpo import checkpoint, distributed
+from models import Llama, loss_fn, param_count
+
+logger = logging.getLogger("pretrain")
+
+
+def init_distributed(
+    coordinator: str | None, num_processes: int | None, process_id: int | None
+) -> int:
+    """Starts ``jax.distributed`` for a multi-process run; nothing for a single process.
+
+    The processes are given explicitly (``--coordinator``, ``--num-processes``,
+    ``--process-id``, or ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES``,
+    ``$JAX_PROCESS_ID`` as ``experiments/launch/rank.sh`` exports them), or, when none is
+    given, detected by JAX inside a Slurm step (``srun``) or an Open MPI job of more than one
+    task.
+
+    Args:
+      coordinator: ``host:port`` of process 0, or None.
+      num_processes: processes of the job, or None.
+      process_id: this process's index, or None.
+
+    Returns:
+      This process's index (0 for a single process).
+
+    Raises:
+      ConfigError: for an incomplete or inconsistent set of the three.
+    """
+    if jax.distributed.is_initialized():
+        return jax.process_index()
+    given = (coordinator, num_processes, process_id)
+    if all(v is None for v in given):
+        tasks = os.environ.get("SLURM_NTASKS") if "SLURM_STEP_NODELIST" in os.environ else None
+        tasks = tasks or os.environ.get("OMPI_COMM_WORLD_SIZE")
+        if tasks and int(tasks) > 1:
+            jax.distributed.initialize()  # JAX reads the launcher's environment
+            logger.info("jax.distributed: process %d of %d (detected)", jax.process_index(),
+                        jax.process_count())  # fmt: skip
+            return jax.process_index()
+        return 0
+    if num_processes is None or num_processes < 1:
+        raise ConfigError(
+            f"--num-processes is {num_processes}: give the job's process count (>= 1) with "
+            "--process-id and --coordinator (or $JAX_NUM_PROCESSES)"
+        )
+    if num_processes == 1:
+        return 0
+    if process_id is None or not 0 <= process_id < num_processes or not coordinator:
+        raise ConfigError(
+            f"a run of {num_processes} processes needs --process-id in 0..{num_processes - 1} "
+            f"(got {process_id}) and --coordinator HOST:PORT (got {coordinator!r})"
+        )
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
+    logger.info("jax.distributed: process %d of %d, coordinator %s", process_id,
+                num_processes, coordinator)  # fmt: skip
+    return process_id
+
+
+def build_dataset(cfg: RunConfig, vocab_size: int) -> TokenDataset:
+    """The config's token data (``data`` section).
+
+    Args:
+      cfg: the run config.
+      vocab_size: the model's vocabulary, checked against a token file's ids.
+
+    Returns:
+      The dataset (text corpora cached under ``data.cache_dir``).
+    """
+    d = cfg.data
+    cache = Path(d.cache_dir) if d.cache_dir else Path(cfg.run_dir).parent / "data-cache"
+    if d.source == "default":
+        return TokenDataset.from_default_corpus(cache)
+    if d.source == "text":
+        return TokenDataset.from_text_files(d.paths, cache)
+    return TokenDataset.from_token_file(
+        d.paths[0], dtype=d.token_dtype, vocab_size=vocab_size if d.check_vocab else None
+    )
+
+
+def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
+    """AdamW with the config's schedule, decay mask and clipping.
+
+    Args:
+      cfg: the run config.
+      use_optax: optax's in-memory AdamW (clipping chained before it) instead of jax_mlpo's
+        offloaded one (clipping inside the host update).
+
+    Returns:
+      The transformation. The parents of default tiers (under ``<run_dir>/tiers``) are
+      created; explicitly given tiers' parents must exist.
+    """
+    o = cfg.optimizer
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        o.peak_lr,
+        o.warmup_steps,
+        max(cfg.steps, o.warmup_steps + 1),
+        o.peak_lr * o.min_lr_ratio,
+    )
+
+    def decay_mask(params):  # no weight decay on norms' scales (1-D leaves)
+        return jax.tree.map(lambda x: x.ndim > 1, params)
+
+    kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    if use_optax:
+        return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(schedule, **kwargs))
+    for tier in cfg.offload.tiers:
+        if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
+            Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
+    # The same clipping as the chain above, applied inside the host update (no pass of XLA's
+    # over the gradients to scale them).
+    return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
+
+
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+    """The two jitted halves of a training step, timed apart.
+
+    ``grad_step(params, rest, tokens) -> (loss, grads)`` is the forward and backward pass;
+    ``update_step(grads, opt_state, params) -> (params, opt_state)`` is the optimizer update.
+    With jax_mlpo the update's AdamW runs on the host inside an ordered ``io_callback``, so the
+    wall time of ``update_step`` is the update phase. Off CPU, the update donates its inputs.
+
+    Args:
+      graphdef: the model's graph (``nnx.split``).
+      tx: the optimizer.
+
+    Returns:
+      ``(grad_step, update_step)``.
+    """
+
+    @jax.jit
+    def grad_step(params: nnx.State, rest: nnx.State, tokens: jax.Array):
+        def loss_of(p: nnx.State) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, p, rest), tokens)
+
+        return jax.value_and_grad(loss_of)(params)
+
+    def update(grads: nnx.State, opt_state: Any, params: nnx.State):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    donate = (0, 1, 2) if jax.default_backend() != "cpu" else ()
+    return grad_step, jax.jit(update, donate_argnums=donate)
+
+
+def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:
+    """The run's checkpoint manager, or None without ``checkpoint.every`` and ``--resume``.
+
+    In a multi-process run every process opens it on the same directory (which must be on a
+    file system all of them see, as ``run_dir``): orbax saves and restores collectively.
+
+    Raises:
+        ConfigError: for a new run (no ``--resume``) into a directory that holds checkpoints,
+            which it would otherwise mix with its own.
+    """
+    c = cfg.checkpoint
+    if not c.every and not resume:
+        return None
+    directory = Path(c.dir) if c.dir else Path(cfg.run_dir) / f"checkpoints-{name}"
+    mngr = checkpoint.manager(directory, max_to_keep=c.keep)
+    latest = mngr.latest_step()
+    if not resume and latest is not None:
+        mngr.close()
+        raise ConfigError(
+            f"checkpoint directory {str(directory)!r} holds checkpoints (latest: step "
+            f"{latest}) of an earlier run: pass --resume to continue it, or set "
+            "checkpoint.dir (or run_dir) elsewhere to start a new run"
+        )
+    return mngr
+
+
+def restore(cfg: RunConfig, mngr: Any, params: Any, opt_state: Any) -> tuple[int, Any, Any]:
+    """(data step, params, opt_state) of the latest checkpoint; step 0 and the inputs if none.
+
+    Every process of a multi-process run calls it (the restore is collective); each gets its
+    shards, whatever the process count that saved the checkpoint.
+
+    Raises:
+        ConfigError: for a checkpoint written with another seed (other batches).
+    """
+    if mngr.latest_step() is None:
+        logger.warning("--resume: no checkpoint in %s, starting at step 0", mngr.directory)
+        return 0, params, opt_state
+    step, params, opt_state, extra = checkpoint.restore(mngr, params, opt_state)
+    if extra.get("seed") != cfg.seed:
+        raise ConfigError(
+            f"checkpoint {step} in {mngr.directory} was written with seed {extra.get('seed')}, "
+            f"this config has seed {cfg.seed} (other batches): resume with the run's config, "
+            "or start a new run elsewhere"
+        )
+    nproc = jax.process_count()
+    saved_by, saved_batch = int(extra.get("processes", 1)), extra.get("global_batch")
+    if saved_batch is not None and int(saved_batch) != cfg.batch_size * nproc:
+        saved_batch = int(saved_batch)
+        # Allowed (a deliberate change of batch size), but usually an oversight when the
+        # process count changed: batch_size is per process.
+        fix = (f"; set batch_size={saved_batch // nproc} to continue it unchanged"
+               if saved_batch % nproc == 0 else "")  # fmt: skip
+        logger.warning(
+            "checkpoint %d was written with a global batch of %d rows (%d processes), this run "
+            "has %d (%d x batch_size %d): it goes on with other batches%s",
+            step, saved_batch, saved_by, cfg.batch_size * nproc, nproc, cfg.batch_size, fix,
+        )  # fmt: skip
+    logger.info("resumed from step %d (%s), saved by %d process(es)", step, mngr.directory,
+                saved_by)  # fmt: skip
+    return int(extra["data_step"]), params, opt_state
+
+
+def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, Any]:
+    """Runs the config's steps; writes metrics, summary and plot under ``cfg.run_dir``.
+
+    With ``checkpoint.every`` it saves params, optimizer state and the data position every
+    that many steps and at the end; ``resume`` continues from the latest checkpoint (the
+    batches of step ``k`` depend only on ``(seed, k)``, so the run goes on exactly).
+
+    In a multi-process run (``jax.distributed`` initialised, see :func:`init_distributed`)
+    every process calls it with the same config: params and optimizer state are sharded over
+    the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
+    the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
+    summary and plot, with the slowest process's step time (``jax_mlpo.metrics.aggregate``).
+    Checkpoints are saved and restored by every process (each writes and reads its shards;
+    :mod:`jax_mlpo.checkpoint`), so a run resumes on any process count; process 0 continues
+    the metrics file.
+
+    Args:
+      cfg: the run config.
+      use_optax: train with optax's in-memory AdamW instead of jax_mlpo's.
+      resume: continue from the latest checkpoint.
+
+    Returns:
+      :func:`experiments.records.finish`'s ``losses``, ``summary``, ``metrics`` and ``plot``;
+      the processes other than 0 return the losses of the steps they ran only.
+    """
+    name = "optax" if use_optax else "offload"
+    nproc, pid = jax.process_count(), jax.process_index()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
+    model_cfg = resolve_model(cfg)
+    graphdef, params, rest = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
+    logger.info("model %s: %s parameters", cfg.model, f"{param_count(model_cfg):,}")
+    dataset = build_dataset(cfg, model_cfg.vocab_size)
+    logger.info("data: %r", dataset)
+    if nproc > 1:
+        # Every process built the same params from the seed; each keeps its shards only.
+        mesh = distributed.data_parallel_mesh()
+        params, rest = distributed.shard_params(params, mesh), distributed.shard_params(rest, mesh)
+        rows = distributed.batch_sharding(mesh)
+        logger.info("%d processes, global batch %d x %d tokens", nproc, cfg.batch_size * nproc,
+                    cfg.seq_len)  # fmt: skip
+    tx = build_optimizer(cfg, use_optax)
+    opt_state = tx.init(params)
+    start = 0
+    try:
+        if resume:
+            start, params, opt_state = restore(cfg, mngr, params, opt_state)
+    except BaseException:
+        mngr.close()
+        if not use_optax:
+            jax_mlpo.close(opt_state)
+        raise
+    grad_step, update_step = make_steps(graphdef, tx)
+    tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
+    metrics_path = run_dir / f"metrics-{name}.jsonl"
+    lead = pid == 0  # writes the metrics, summary and plot
+    records = earlier_records(metrics_path, start) if lead else []
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc=f"pretrain[{name}]",
+        unit="step",
+        mininterval=0.5,
+        disable=not lead,
+    )
+    log = metrics_path.open("a" if start else "w") if lead else contextlib.nullcontext()
+    try:
+        with log, logging_redirect_tqdm(), bar:
+            t_data = time.perf_counter()
+            # The global batch of a step is the same for any process count: each process takes
+            # its rows of it (generating all rows is cheap: random windows of a memory map).
+            for step, batch in batches(
+                dataset, cfg.batch_size * nproc, cfg.seq_len, cfg.seed, start, end_step=cfg.steps
+            ):
+                if nproc > 1:
+                    mine = batch[pid * cfg.batch_size : (pid + 1) * cfg.batch_size]
+                    tokens = jax.make_array_from_process_local_data(rows, mine)
+                else:
+                    tokens = jnp.asarray(batch)
+                t0 = time.perf_counter()
+                loss, grads = jax.block_until_ready(grad_step(params, rest, tokens))
+                t1 = time.perf_counter()
+                params, opt_state = jax.block_until_ready(update_step(grads, opt_state, params))
+                t2 = time.perf_counter()
+                timings = {"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "update_s": t2 - t1,
+                           "data_s": t0 - t_data}  # fmt: skip
+                every = cfg.checkpoint.every
+                if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                    extra = {"data_step": step + 1, "seed": cfg.seed, "processes": nproc,
+                             "global_batch": cfg.batch_size * nproc}  # fmt: skip
+                    checkpoint.save(mngr, step + 1, params, opt_state, extra)
+                    timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
+                engine = None if use_optax else jax_mlpo.engine_of(opt_state).metrics[-1]
+                # A collective: every process's figures reach every process; the job moves at
+                # the pace of its slowest process, whose figures the record holds.
+                job = jax_mlpo.metrics.aggregate(engine, timings, time_key="step_s")
+                loss_value = float(np.asarray(loss.addressable_data(0)))  # replicated
+                r = step_record(step + 1, loss_value, job, tokens_per_step, nproc)
+                if lead:
+                    log.write(json.dumps(r) + "\n")
+                records.append(r)
+                shown = progress(r)
+                bar.set_postfix(shown, refresh=False)
+                bar.update()
+                if lead and ((step + 1) % cfg.log_every == 0 or step == 0):
+                    logger.info(
+                        "step %d %s", step + 1, " ".join(f"{k}={v}" for k, v in shown.items())
+                    )
+                if not math.isfinite(r["loss"]):  # the same loss in every process
+                    raise SystemExit(f"loss became {r['loss']} at step {step + 1}")
+                t_data = time.perf_counter()
+    finally:
+        try:
+            if mngr is not None:
+                mngr.wait_until_finished()  # the last checkpoint is durable
+                mngr.close()
+        finally:
+            if not use_optax:
+                jax_mlpo.close(opt_state)
+    if not lead:
+        return {"losses": [r["loss"] for r in records], "summary": None, "metrics": None,
+                "plot": None}  # fmt: skip
+    return finish(cfg, name, records, metrics_path)

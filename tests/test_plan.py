@@ -1,0 +1,105 @@
+"""The dry run's plan is the engine's: for every shipped config, ``pretrain.py --dry-run``'s host
+buffers, retained subgroups and tier split equal what jax_mlpo's engine builds for the same
+state.
+
+Each config keeps its order, retention, placement, prefetch depth and tier count; its model
+becomes the tiny preset (in the config's parameter dtype), its subgroup size is scaled so the
+state has about as many subgroups as the config's model, and its host cache holds as many
+buffers as the config's does. The tiers go to ``tmp_path`` with given bandwidths (unequal, so
+measured placement splits unevenly), so no probe runs.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+import jax_mlpo
+from experiments.dry_run import dry_run, memory_plan
+from experiments.run_config import RunConfig, load_config
+from jax_mlpo.plan import host_plan
+from models import get_preset, param_count
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
+
+
+def _scaled(path: Path, tmp_path: Path) -> RunConfig:
+    """``path``'s config on the tiny model, with the same plan shape as the config's own."""
+    full = load_config(str(path), [f"run_dir={tmp_path / 'full'}"])
+    shape = memory_plan(full, 1)
+    n = param_count(get_preset("tiny"))
+    subgroup = math.ceil(n / shape.num_subgroups)
+    tiers = []
+    for k, tier in enumerate(full.offload.tiers):
+        t = dataclasses.asdict(tier)
+        t["path"] = str(tmp_path / f"t{k}")
+        t["read_bandwidth"] = tier.read_bandwidth or 2_000_000_000 // (k + 1)
+        t["write_bandwidth"] = tier.write_bandwidth or 1_000_000_000 // (k + 1)
+        tiers.append(t)
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        "model=tiny",
+        f"model_overrides={{param_dtype: {shape.param_dtype}}}",
+        f"offload.subgroup_size={subgroup}",
+        f"offload.tiers={json.dumps(tiers)}",
+    ]
+    if not shape.host.host_only:
+        # as many buffers as the config's host cache holds, of the tiny state's size
+        cfg = load_config(str(path), [*overrides, "offload.host_cache=0"])
+        per_buffer = memory_plan(cfg, 1).host.buffer_bytes
+        overrides.append(f"offload.host_cache={shape.host.buffers * per_buffer}")
+    return load_config(str(path), overrides)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_dry_run_plan_is_the_engines(path, tmp_path):
+    cfg = _scaled(path, tmp_path)
+    full = memory_plan(load_config(str(path), [f"run_dir={tmp_path / 'full'}"]), 1)
+    plan = memory_plan(cfg, 1)
+    assert plan.host.problem is None, plan.host.problem
+    assert (plan.host.buffers, plan.host.minimum) == (full.host.buffers, full.host.minimum)
+    report = dry_run(cfg, 1)
+    dtype = jnp.bfloat16 if plan.param_dtype == "bfloat16" else jnp.float32
+    params = {"w": jnp.zeros(plan.params_per_process, dtype)}  # the model's size, one leaf
+    state = jax_mlpo.adamw(1e-3, offload=cfg.offload).init(params)
+    try:
+        engine = jax_mlpo.engine_of(state)
+        assert engine.plan == plan.host
+        assert engine.split == plan.split
+    finally:
+        jax_mlpo.close(state)
+    assert report["pipeline_buffers"] == engine.plan.minimum
+    assert report["retained_subgroups"] == engine.plan.retained
+    assert report["engine_host_bytes"] == engine.plan.host_bytes
+    assert report["problem"] == engine.plan.problem
+    if engine.split is None:
+        assert report["tiers"] == {}
+        return
+    assert list(report["tiers"]) == [t.path for t in engine.plan.tiers]
+    for k, tier in enumerate(engine.plan.tiers):
+        shown = report["tiers"][tier.path]
+        assert shown["subgroups"] == engine.split.counts[k]
+        assert shown["retained"] == engine.split.retained[k]
+
+
+def test_alternate_order_keeps_every_buffer():
+    """The drift this plan fixes: with the alternating order every host buffer keeps its
+    subgroup across the step boundary, not only those beyond the pipeline's."""
+    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"))
+    report = dry_run(cfg, 1)
+    assert cfg.offload.order == "alternate" and cfg.offload.retain
+    # tiny.yaml: 1 MiB of 128 KiB buffers, 10 subgroups, a pipeline of 2 x 2 tiers + 2
+    assert report["pipeline_buffers"] == 6 and report["retained_subgroups"] == 8
+    ascending = dataclasses.replace(cfg.offload, order="ascending")
+    kept = host_plan(
+        ascending,
+        num_subgroups=report["subgroups_per_process"],
+        state_bytes=report["state_bytes_per_process"],
+        max_state_elems=report["subgroup_bytes"] // 4,
+        max_subgroup_elems=report["subgroup_bytes"] // 8,
+    )
+    assert kept.retained == 2  # the buffers beyond the pipeline
