@@ -65,6 +65,7 @@ def main() -> None:
 
     import jax_mlpo
     from jax_mlpo import checkpoint, distributed
+    from jax_mlpo.checkpoint import restore_plan
 
     def barrier(name: str) -> None:
         if nproc > 1:
@@ -153,9 +154,9 @@ def main() -> None:
         saved = {"state": logical_state(opt_state), "params": gathered(params)}
         checkpoint.save(mngr, steps, params, opt_state, {"step": steps, "seed": 7})
     else:
-        # what each process reads of every leaf (checkpoint._read_sharding's choice), recorded
+        # what each process reads of every leaf (restore_plan.read_sharding's choice), recorded
         reads = info["reads"] = []
-        read_sharding = checkpoint._read_sharding
+        read_sharding = restore_plan.read_sharding
 
         def recording(want, shards):
             sharding = read_sharding(want, shards)
@@ -166,9 +167,9 @@ def main() -> None:
             reads.append({"shape": list(want.shape), "saved": len(shards), "rows": rows})
             return sharding
 
-        checkpoint._read_sharding = recording
+        restore_plan.read_sharding = recording
         restored = checkpoint.restore(mngr, params, opt_state)
-        checkpoint._read_sharding = read_sharding
+        restore_plan.read_sharding = read_sharding
         params, opt_state = restored.params, restored.opt_state
         info["restored"] = {"step": restored.step, "extra": restored.extra}
         saved = {"state": logical_state(opt_state), "params": gathered(params)}

@@ -1,0 +1,214 @@
+"""The orbax handler of a pytree that may hold offloaded AdamW states, and its args.
+
+:class:`OffloadCheckpointHandler` is an ``ocp.AsyncCheckpointHandler``: it composes with any
+orbax ``CheckpointManager``, e.g. ``OffloadSave(tree, params=...)`` and ``OffloadRestore(target)``
+as items of ``ocp.args.Composite`` next to the caller's own. It snapshots the tree
+(:mod:`~jax_mlpo.checkpoint.snapshot`), has orbax's ``PyTreeCheckpointHandler`` write it, writes
+the checksum manifest (:mod:`~jax_mlpo.checkpoint.manifest`) and, on restore, reads what the
+restore plan says (:mod:`~jax_mlpo.checkpoint.restore_plan`), verifies it and loads it
+(:mod:`~jax_mlpo.checkpoint.load`).
+
+Crash safety: everything is written into orbax's temporary directory and published by orbax's
+atomic rename once every file is written (tensorstore fsyncs the array files; the manifest is
+fsynced), so a process killed at any moment leaves the previous checkpoints as they were and at
+most a temporary directory, which ``CheckpointManager`` never returns as a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jax_mlpo.checkpoint import manifest
+from jax_mlpo.checkpoint.blocks import as_read
+from jax_mlpo.checkpoint.load import load
+from jax_mlpo.checkpoint.manifest import FORMAT, CorruptCheckpointError
+from jax_mlpo.checkpoint.restore_plan import plan_restore
+from jax_mlpo.checkpoint.snapshot import snapshot
+from jax_mlpo.checkpoint.tree import leaves
+
+
+class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
+    """Saves and restores a pytree that may hold offloaded AdamW states, checksummed.
+
+    ``async_save`` snapshots the tree synchronously (device arrays copied to the host, every
+    :class:`~jax_mlpo.OffloadedAdamWState` replaced by its engine's ``state_dict`` at that
+    step; with several processes, each process's shards as global sharded arrays), then writes
+    it with orbax's ``PyTreeCheckpointHandler`` and computes and writes the sha256 manifest in
+    the background. ``restore`` needs the target tree (for the engines to load into) except for
+    trees without offloaded states; it verifies every shard it reads.
+    """
+
+    def __init__(self) -> None:
+        self._tree = ocp.PyTreeCheckpointHandler()
+
+    async def async_save(
+        self, directory: epath.Path, args: OffloadSave | None = None, **kwargs: Any
+    ) -> list[ocp.future.Future]:
+        """Snapshots ``args.item`` now; returns the futures that write it.
+
+        Args:
+          directory: the item's directory (orbax's temporary one).
+          args: ``OffloadSave(tree, params=...)``.
+          **kwargs: refused (orbax's legacy ``item=`` form).
+
+        Returns:
+          The futures writing the arrays and the manifest.
+
+        Raises:
+          StaleStateError: if an offloaded state is not the one its engine was last advanced to.
+          EngineFailedError: if an update failed midway (the state is inconsistent).
+          ValueError: in a multi-process run, for an offloaded state without its params.
+        """
+        host = _host_tree(args, kwargs)
+        futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
+        checksums = ocp.future.CommitFutureAwaitingContractedSignals(
+            self._write_manifest(directory, host), name="jax_mlpo_checksums"
+        )
+        return [*(futures or []), checksums]
+
+    async def _write_manifest(self, directory: Any, host: Any) -> None:
+        # Every process digests what it writes; with several, process 0 merges them at
+        # finalize, once orbax has seen every process's writes complete.
+        name, text = manifest.manifest_file(host, directory)
+        if hasattr(directory, "await_creation"):  # orbax creates the directory asynchronously
+            directory = await directory.await_creation()
+        manifest.write_synced(directory / name, text)
+
+    def save(self, directory: epath.Path, args: OffloadSave | None = None, **kwargs: Any) -> None:
+        """Like :meth:`async_save`, returning once everything is written.
+
+        Args:
+          directory: the item's directory.
+          args: ``OffloadSave(tree, params=...)``.
+          **kwargs: refused (orbax's legacy ``item=`` form).
+        """
+        # Orbax's synchronous save of the tree, rather than running async_save in an event
+        # loop: orbax exposes no public way to run a coroutine where a loop may be running.
+        host = _host_tree(args, kwargs)
+        self._tree.save(directory, args=ocp.args.PyTreeSave(host))
+        name, text = manifest.manifest_file(host, directory)
+        manifest.write_synced(directory / name, text)
+
+    def restore(self, directory: epath.Path, args: OffloadRestore | None = None) -> Any:
+        """Restores the tree saved in ``directory``, verified against its checksums.
+
+        Args:
+          directory: the item's directory.
+          args: ``OffloadRestore(target)``. Offloaded states in ``target`` (from ``tx.init``,
+            with any offload config and process count) get the checkpoint's state loaded into
+            their engines (each process its shards); device arrays come back on the target's
+            shardings. Without a target, the saved tree comes back in orbax's dict form (only
+            for trees without offloaded states or sharded arrays).
+
+        Returns:
+          The restored tree, of ``target``'s structure.
+
+        Raises:
+          CorruptCheckpointError: a leaf or shard, or the manifest, does not match its sha256
+            (on every process, whichever found it).
+          ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
+        """
+        target = args.item if args is not None else None
+        error, restored = None, None
+        try:
+            saved = manifest.read_manifest(directory)
+            if target is None:
+                restored = self._tree.restore(directory)
+                reads = {name: as_read(leaf) for name, leaf in leaves(restored).items()}
+                manifest.verify(reads, saved, directory)
+                restored = restored.get("tree", {})  # orbax leaves out an empty subtree
+            else:
+                restored = self._restore_into(directory, target, saved)
+        except Exception as e:  # noqa: BLE001 - raised below, once every process knows
+            error = e
+        _agree(error, directory)
+        return restored
+
+    def _restore_into(self, directory: epath.Path, target: Any, saved: dict[str, Any]) -> Any:
+        plan = plan_restore(target, saved, directory)
+        restored = self._tree.restore(
+            directory,
+            args=ocp.args.PyTreeRestore(item=plan.item, restore_args=plan.restore_args),
+        )
+        reads = jax.tree.map(as_read, restored)
+        manifest.verify(leaves(reads), saved, directory)
+        return load(target, plan.leaves["tree"], reads["tree"])
+
+    def metadata(self, directory: epath.Path) -> dict[str, Any]:
+        """The saved leaves' dtypes, shapes and sha256s by path, without reading arrays."""
+        return manifest.read_manifest(directory)["leaves"]
+
+    def finalize(self, directory: epath.Path) -> None:
+        """orbax's finalize (process 0, after every process wrote): merges the manifests."""
+        self._tree.finalize(directory)
+        manifest.merge_process_manifests(directory)
+
+    def close(self) -> None:
+        """Closes orbax's tree handler."""
+        self._tree.close()
+
+
+@ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class OffloadSave(ocp.args.CheckpointArgs):
+    """Save args of :class:`OffloadCheckpointHandler`.
+
+    Attributes:
+      item: the tree to save (params, opt_state, scalars).
+      params: the params the offloaded states in ``item`` were initialised with (arrays or
+        ``jax.ShapeDtypeStruct``); needed in a multi-process run, where they give the global
+        shapes of the leaves whose shards each process's engine holds.
+    """
+
+    item: Any
+    params: Any = None
+
+
+@ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class OffloadRestore(ocp.args.CheckpointArgs):
+    """Restore args of :class:`OffloadCheckpointHandler`: the target tree, or None."""
+
+    item: Any = None
+
+
+def _host_tree(args: OffloadSave | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The host tree orbax writes: the snapshot of ``args.item`` and the format."""
+    if not isinstance(args, OffloadSave):
+        raise ValueError(
+            "pass the item as args=jax_mlpo.checkpoint.OffloadSave(tree), got "
+            f"{type(args).__name__} (and {sorted(kwargs)})"
+        )
+    # The format leaf also keeps orbax from refusing a tree without leaves (optax.sgd's state).
+    return {"format": FORMAT, "tree": snapshot(args.item, args.params)}
+
+
+def _agree(error: BaseException | None, directory: Any) -> None:
+    """Raises on every process if restoring failed on any, so that none goes on alone.
+
+    Args:
+      error: what restoring raised on this process, or None.
+      directory: the item's directory, for the message.
+
+    Raises:
+      CorruptCheckpointError: this or another process found the checkpoint corrupt.
+      RuntimeError: restoring failed on another process (for another reason).
+    """
+    if jax.process_count() > 1:
+        code = 0 if error is None else 1 if isinstance(error, CorruptCheckpointError) else 2
+        codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+        failed = [k for k, c in enumerate(codes.tolist()) if c]
+        if error is None and failed:
+            message = f"checkpoint {directory}: restoring failed on process(es) {failed}"
+            if 1 in codes.tolist():
+                raise CorruptCheckpointError(f"{message}: the checkpoint is corrupt")
+            raise RuntimeError(f"{message} (see their errors)")
+    if error is not None:
+        raise error

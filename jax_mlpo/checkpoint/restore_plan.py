@@ -1,0 +1,247 @@
+"""Restore planning: what each process reads of every saved leaf, and as what.
+
+A restore starts from the target (params and a fresh ``tx.init``, with any offload config and
+process count) and the checkpoint's manifest. For every leaf the plan settles its global shape
+(an offloaded state's comes from the manifest; the engine only knows its own shard of it), the
+part of it this process needs, and the sharding orbax reads it with: each process reads only
+the saved shards that overlap its own, whole (so that their sha256s can be checked), and with 2
+processes saved and 4 restoring each reads the saved half holding its quarter. A leaf it needs
+all of, or whose shards are not equal slices along the first dimension, is read whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_mlpo import distributed
+from jax_mlpo.checkpoint.blocks import Index, full, index_of
+from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
+from jax_mlpo.transform import engine_of
+from jax_mlpo.types import F32
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """What the target asks of a leaf, before the manifest is read.
+
+    A dataclass rather than a NamedTuple: it is a leaf of the planned trees, and jax would
+    flatten a NamedTuple.
+
+    Attributes:
+      dtype: the leaf's dtype.
+      shape: its global shape; None for an offloaded state's leaf, whose engine holds only its
+        shard (the manifest has the global shape).
+      local: an offloaded state's leaf: its shape in this process's engine.
+      sharding: the leaf's sharding where this process needs only its shards; None where it
+        needs all of it.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...] | None
+    local: tuple[int, ...] | None = None
+    sharding: jax.sharding.Sharding | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """What this process needs of a saved leaf, once checked against the manifest.
+
+    Attributes:
+      dtype: the leaf's dtype.
+      shape: its global shape.
+      sharding: the leaf's sharding where this process needs only its shards; None where it
+        needs all of it.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    sharding: jax.sharding.Sharding | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one saved leaf is restored.
+
+    Attributes:
+      need: what this process needs of it.
+      read: the sharding orbax reads it with (see :func:`read_sharding`); None: read whole.
+    """
+
+    need: Need
+    read: jax.sharding.Sharding | None
+
+
+class RestorePlan(NamedTuple):
+    """What :func:`plan_restore` returns.
+
+    Attributes:
+      leaves: the saved host tree (``{"format": ..., "tree": ...}``) with a :class:`LeafPlan`
+        for every array leaf, other leaves as the target's.
+      item: the abstract tree for ``ocp.args.PyTreeRestore``.
+      restore_args: the ``ocp.RestoreArgs`` tree for it.
+    """
+
+    leaves: Any
+    item: Any
+    restore_args: Any
+
+
+def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> RestorePlan:
+    """Plans restoring the item with ``manifest`` into ``target``.
+
+    Args:
+      target: the tree to restore into (params, a fresh ``tx.init``, scalars).
+      manifest: the item's manifest (:func:`jax_mlpo.checkpoint.manifest.read_manifest`).
+      directory: the item's directory, for error messages.
+
+    Returns:
+      The plan of every leaf and the orbax restore args that carry it out.
+
+    Raises:
+      ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
+    """
+    wanted = {"format": FORMAT, "tree": _abstract(target)}
+    saved = manifest["leaves"]
+    names = set(leaves(wanted))
+    missing, extra = sorted(names - set(saved)), sorted(set(saved) - names)
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint {directory} does not fit the target tree: leaves only in the target "
+            f"{missing[:8]}, only in the checkpoint {extra[:8]}. Restore into the same model "
+            "and optimizer structure (and param dtypes: bfloat16 leaves carry a master copy)."
+        )
+
+    def plan(path: tuple[Any, ...], w: Any) -> Any:
+        if not isinstance(w, Wanted):
+            return w
+        name = path_name(path)
+        need = _need(name, w, saved[name], directory)
+        return LeafPlan(need, read_sharding(need, saved_shards(saved[name])))
+
+    planned = jax.tree_util.tree_map_with_path(plan, wanted)
+
+    def item(p: Any) -> Any:
+        if not isinstance(p, LeafPlan):
+            return p
+        if p.read is None:
+            return np.empty(p.need.shape, p.need.dtype)  # not touched: no memory
+        return jax.ShapeDtypeStruct(p.need.shape, p.need.dtype, sharding=p.read)
+
+    def restore_args(p: Any) -> ocp.RestoreArgs:
+        if not isinstance(p, LeafPlan):
+            return ocp.RestoreArgs()
+        if p.read is None:
+            return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.ArrayRestoreArgs(sharding=p.read, global_shape=p.need.shape, dtype=p.need.dtype)
+
+    return RestorePlan(planned, jax.tree.map(item, planned), jax.tree.map(restore_args, planned))
+
+
+def read_sharding(need: Need, shards: list[tuple[Index, str]]) -> jax.sharding.Sharding | None:
+    """How a leaf is read, so that each process reads whole saved shards, only those it needs.
+
+    Where the leaf was saved in ``s`` equal shards along its first dimension and is needed in
+    ``t`` such shards, each device reads the block of ``1/gcd(s, t)`` of the leaf holding the
+    shard it needs: a union of whole saved shards (so their sha256s can be checked) and, with
+    ``s`` a multiple of ``t``, exactly what it needs.
+
+    Args:
+      need: what this process needs of the leaf.
+      shards: the leaf's saved shards, as (index, sha256).
+
+    Returns:
+      That sharding, or None where every process reads the whole leaf (it needs it all, it was
+      saved whole, or the shards are not such slices).
+    """
+    if need.sharding is None or len(shards) < 2 or not need.shape:
+        return None
+    shape, rows = need.shape, need.shape[0]
+    rest = full(shape)[1:]
+
+    def slices(indexes: list[Index]) -> int | None:
+        """k if ``indexes`` are the k equal slices along the first dimension, else None."""
+        k = len(indexes)
+        if rows % k:
+            return None
+        size = rows // k
+        expect = [((j * size, (j + 1) * size), *rest) for j in range(k)]
+        return k if sorted(indexes) == expect else None
+
+    needs = {d: index_of(i, shape) for d, i in need.sharding.devices_indices_map(shape).items()}
+    s, t = slices([index for index, _ in shards]), slices(sorted(set(needs.values())))
+    if s is None or t is None or math.gcd(s, t) == 1:
+        return None
+    g = math.gcd(s, t)
+    groups: list[list[jax.Device]] = [[] for _ in range(g)]
+    for device, index in sorted(needs.items(), key=lambda item: item[0].id):
+        groups[index[0][0] // (rows // g)].append(device)
+    if len({len(group) for group in groups}) != 1:
+        return None
+    return NamedSharding(Mesh(np.array(groups), ("block", "replica")), P("block"))
+
+
+def _abstract(target: Any) -> Any:
+    """The host tree a checkpoint of ``target`` holds, with a :class:`Wanted` per array leaf."""
+
+    def sharded(x: Any) -> jax.sharding.Sharding | None:
+        sharding = getattr(x, "sharding", None)
+        return sharding if sharding is not None and not sharding.is_fully_addressable else None
+
+    def convert(x: Any) -> Any:
+        if is_offloaded(x):
+            layout = engine_of(x).layout
+            return {
+                "count": Wanted(np.dtype(np.int32), ()),
+                "mu": [Wanted(F32, None, shape) for shape in layout.shapes],
+                "nu": [Wanted(F32, None, shape) for shape in layout.shapes],
+                "master": [
+                    Wanted(F32, None, shape) if dt != F32 else None
+                    for shape, dt in zip(layout.shapes, layout.dtypes, strict=True)
+                ],
+            }
+        if is_key(x):
+            x = jax.eval_shape(jax.random.key_data, x)
+            return Wanted(np.dtype(x.dtype), tuple(x.shape))  # small: read whole everywhere
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+            return Wanted(np.dtype(x.dtype), tuple(x.shape), sharding=sharded(x))
+        return x
+
+    return jax.tree.map(convert, target, is_leaf=is_offloaded)
+
+
+def _need(name: str, wanted: Wanted, record: dict[str, Any], directory: Any) -> Need:
+    """What this process needs of the saved leaf ``name``, checked against its record.
+
+    Raises:
+      ValueError: the saved leaf's dtype or shape is not the target's (for an offloaded
+        state's leaf: its shard on this run's processes is not the engine's).
+    """
+    got = (record["dtype"], list(record["shape"]))
+    shape, sharding = wanted.shape, wanted.sharding
+    if shape is None:  # an offloaded state's leaf: this process's shard of got's shape
+        n = jax.process_count()
+        shape = tuple(got[1])
+        if distributed.local_shape(shape, n) != wanted.local:
+            raise ValueError(
+                f"checkpoint {directory}: leaf {name} is {got[0]}{got[1]}, whose shard on "
+                f"each of {n} processes is {list(distributed.local_shape(shape, n))}; the "
+                f"target optimizer's is {list(wanted.local)}"
+            )
+        if n > 1:  # the optimizer's engine holds its shards of the leaf
+            mesh = distributed.data_parallel_mesh()
+            sharding = NamedSharding(mesh, distributed.leaf_spec(shape, n))
+    if (wanted.dtype.name, list(shape)) != got:
+        raise ValueError(
+            f"checkpoint {directory}: leaf {name} is {got[0]}{got[1]}, the target's is "
+            f"{wanted.dtype.name}{list(shape)}"
+        )
+    return Need(wanted.dtype, tuple(shape), sharding)

@@ -1,0 +1,130 @@
+"""A training checkpoint: params, optimizer state and extra scalars, as one orbax step.
+
+:func:`save` and :func:`restore` are the usual way in: each step directory holds three items of
+:class:`~jax_mlpo.checkpoint.handler.OffloadCheckpointHandler`, ``params``, ``opt_state`` and
+``extra``, saved and restored together through an ``ocp.args.Composite``. A checkpoint is durable
+once ``mngr.wait_until_finished()`` returns (or the next save has started: orbax waits for the
+previous one first).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import orbax.checkpoint as ocp
+
+from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave
+from jax_mlpo.checkpoint.snapshot import check_savable
+
+
+class Restored(NamedTuple):
+    """What :func:`restore` returns: the checkpoint's step and the restored trees."""
+
+    step: int
+    params: Any
+    opt_state: Any
+    extra: dict[str, Any]
+
+
+def manager(
+    directory: str | os.PathLike,
+    *,
+    max_to_keep: int | None = 2,
+    async_save: bool = True,
+    **options: Any,
+) -> ocp.CheckpointManager:
+    """An orbax ``CheckpointManager`` for :func:`save` and :func:`restore`.
+
+    Args:
+      directory: where the step directories go (created).
+      max_to_keep: checkpoints kept (oldest deleted first); None keeps all.
+      async_save: write in the background (``save`` returns after the snapshot).
+      **options: more ``ocp.CheckpointManagerOptions`` fields.
+
+    Returns:
+      The manager; it removes the temporary directories a killed save left behind.
+    """
+    options.setdefault("cleanup_tmp_directories", True)  # leftovers of a killed save
+    return ocp.CheckpointManager(
+        os.path.abspath(os.fspath(directory)),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, **options
+        ),
+    )
+
+
+def save(
+    mngr: ocp.CheckpointManager,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    extra: dict[str, Any] | None = None,
+    *,
+    force: bool = False,
+) -> bool:
+    """Saves params, the optimizer state and ``extra`` as checkpoint ``step``.
+
+    Call it between updates with the params and state the last update returned. It returns
+    once the state is snapshotted in host memory (the next update may run); with an async
+    manager the files are written in the background, and the checkpoint is durable once
+    ``mngr.wait_until_finished()`` returns. See the module docstring for the contents. With
+    several processes, every process calls it (orbax saves collectively); each writes its
+    shards, and the checkpoint holds the global state.
+
+    Args:
+      mngr: from :func:`manager` (or any ``ocp.CheckpointManager``).
+      step: the checkpoint's step, usually the number of updates applied.
+      params: the params pytree.
+      opt_state: the optimizer state (e.g. an ``optax.chain`` state with ``jax_mlpo.adamw``).
+      extra: JSON-like scalars to keep with it (data position, RNG seeds...).
+      force: save even if the manager's save policy would skip this step.
+
+    Returns:
+      Whether a checkpoint was started (orbax's save policy may skip a step).
+
+    Raises:
+      StaleStateError: ``opt_state`` is not the latest state of its optimizer.
+      EngineFailedError: an update failed midway; restore from the previous checkpoint.
+    """
+    check_savable(opt_state)  # before orbax starts a step directory
+    args = ocp.args.Composite(
+        params=OffloadSave(params),
+        opt_state=OffloadSave(opt_state, params=params),
+        extra=OffloadSave(dict(extra or {})),
+    )
+    return mngr.save(step, args=args, force=force)
+
+
+def restore(
+    mngr: ocp.CheckpointManager, params: Any, opt_state: Any, *, step: int | None = None
+) -> Restored:
+    """Restores checkpoint ``step`` (default: the latest) into ``params`` and ``opt_state``.
+
+    Args:
+      mngr: the manager the checkpoint was saved with (or one on the same directory).
+      params: a params tree of the saved structure (arrays or ``jax.ShapeDtypeStruct``), giving
+        dtypes and shardings.
+      opt_state: a fresh ``tx.init(params)`` (with any offload config: subgroups, tiers and
+        host cache may differ from the saved run's, and so may the process count; every
+        process calls ``restore``). Its engines get the saved state, each process its shards.
+
+    Returns:
+      ``Restored(step, params, opt_state, extra)``.
+
+    Raises:
+      FileNotFoundError: no (such) checkpoint in the manager's directory.
+      CorruptCheckpointError: a file of the checkpoint was changed or is incomplete.
+      ValueError: the checkpoint does not fit ``params``/``opt_state``.
+    """
+    if step is None:
+        step = mngr.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
+    elif step not in mngr.all_steps():
+        raise FileNotFoundError(f"no checkpoint of step {step} in {mngr.directory}")
+    args = ocp.args.Composite(
+        params=OffloadRestore(params), opt_state=OffloadRestore(opt_state), extra=OffloadRestore()
+    )
+    out = mngr.restore(step, args=args)
+    return Restored(int(step), out["params"], out["opt_state"], dict(out["extra"]))
