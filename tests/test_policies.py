@@ -17,6 +17,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import placement
+from jax_mlpo.plan import tier_split
 from jax_mlpo.tiers.permits import TierPermits
 
 N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements
@@ -182,7 +183,11 @@ def test_measured_placement_follows_the_probe(tmp_path):
     (r_fast, w_fast), (r_slow, w_slow) = engine.bandwidth
     assert r_fast / r_slow > 2.5 and w_fast / w_slow > 2.5  # the caps, seen by the probe
     fast, slow = engine.tier_of.count(0), engine.tier_of.count(1)
-    assert fast == 8 and slow == 2  # 10 subgroups split 4:1
+    # the split is the bandwidth model's for what the probe measured (10 subgroups, ~4:1 here;
+    # the exact ratio is the loaded machine's), nothing retained
+    effective = [placement.effective_bandwidth(r, w) for r, w in engine.bandwidth]
+    want = tier_split(10, effective, 0, config.retain_policy)
+    assert (fast, slow) == want.counts and fast >= 2 * slow
     jax_mlpo.close(state)
 
 
