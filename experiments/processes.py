@@ -1,5 +1,5 @@
 """Runs a program on several local processes (a jax.distributed job on one machine) and
-collects their exit codes and logs; the tests and experiments/bench/dist_update.py use it."""
+collects their exit codes and logs; the tests and experiments/bench/mlpo/dist_update.py use it."""
 
 from __future__ import annotations
 

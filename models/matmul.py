@@ -5,7 +5,7 @@ where the CPU has them) only when the dot accumulates into float32 and contracts
 of the left operand with the first of the right, or a transposed form it recognises. A plain
 bfloat16 ``x @ w`` and the transposed dots that autodiff derives from it run on the generic
 float32 path instead, 4-6x slower on this project's 2-core machines (measured with
-``experiments/bench/matmul.py``). :func:`dot_general` writes the forward pass and both
+``experiments/bench/mlpo/matmul.py``). :func:`dot_general` writes the forward pass and both
 backward products in forms XLA puts on the fast path, each accumulated in float32 and rounded
 once to bfloat16, which is what the plain dot computes too (up to the order of the sum). Other
 dtypes and contractions go to ``lax.dot_general`` unchanged.

@@ -252,7 +252,6 @@ _FAILING_PYTHON = """#!{python}
 # runs it (pretrain.cli), its update step failing in process 1 at step 3.
 import sys
 
-sys.path.insert(0, {root!r})
 import jax
 from experiments import pretrain, train
 
@@ -283,7 +282,7 @@ def test_a_failed_process_stops_the_job_at_once(data_cache, tmp_path):
     the step's collective (with pretrain.main instead, the job still ran after 180 s); process
     0's collective then fails, and single_node.sh stops the job."""
     python = tmp_path / "failing-python"
-    python.write_text(_FAILING_PYTHON.format(python=sys.executable, root=str(ROOT)))
+    python.write_text(_FAILING_PYTHON.format(python=sys.executable))
     python.chmod(0o755)
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
     nvme.mkdir()

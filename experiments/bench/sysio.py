@@ -1,15 +1,16 @@
-"""Standard-library helpers shared by the benchmarks (also run in the DeepSpeed venv, which has
-no jax_mlpo): page-cache control, per-process I/O counters, median timing."""
+"""The machine around a benchmark: page-cache control, per-process I/O counters, the disk's raw
+bandwidth (fio) and its file system.
+
+Standard library only, shared by every benchmark group: the DeepSpeed peer's workers
+(``experiments/bench/deepspeed/ds_*.py``) run in a venv without jax and import it too.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import statistics
 import subprocess
-import time
-from collections.abc import Callable
 
 
 def drop_page_cache(level: int = 3) -> bool:
@@ -37,17 +38,6 @@ def proc_io() -> dict[str, int]:
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
     """Sequential O_DIRECT write then read of one file: 1 MiB requests, queue depth 8 (libaio)."""
     if shutil.which("fio") is None:
@@ -73,3 +63,10 @@ def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
         out[f"{rw}_gbps"] = job["bw_bytes"] / 1e9
     os.remove(path)
     return out
+
+
+def filesystem(directory: str) -> str:
+    """``df -hT``'s line for the file system holding ``directory`` (for a result's metadata)."""
+    res = subprocess.run(["df", "-hT", directory], capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    return lines[-1] if lines else f"df -hT {directory} failed: {res.stderr.strip()}"

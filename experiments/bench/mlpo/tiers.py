@@ -9,22 +9,20 @@ sequential bandwidth, as DeepSpeed's aio config uses it) on the same directory; 
 medians and ``tier_efficiency`` = tier GB/s / fio GB/s of the same repeat (median over repeats).
 
 Usage:
-  python experiments/bench/tiers.py --dir /tmp/jax_mlpo-tierbench --blob-mib 96 --blobs 16 \
-      --repeats 5 [--json experiments/results/tiers.json]
+  python -m experiments.bench.mlpo.tiers --dir /tmp/jax_mlpo-tierbench --blob-mib 96 \
+      --blobs 16 --repeats 5 [--json experiments/results/tiers.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
-import statistics
 import time
 
-from sysio import drop_page_cache, fio_bandwidth
-
+from experiments.bench.harness import interleave, medians, spread, write_json
+from experiments.bench.sysio import drop_page_cache, fio_bandwidth
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.permits import TierPermits
@@ -90,40 +88,39 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     configs = args.configs.split(",")
-    results: dict[str, dict[str, list[float]]] = {
-        c: {"w": [], "r": [], "w_eff": [], "r_eff": []} for c in configs
-    }
-    fio: dict[str, list[float]] = {"write_gbps": [], "read_gbps": []}
-    cold_reads = True
-    for rep in range(args.repeats):
+    disk: list[dict[str, float]] = []
+
+    def measure_disk(rep: int) -> None:
         raw = fio_bandwidth(os.path.join(args.dir, "fio"))
         if "error" in raw:
             raise SystemExit(raw["error"])
-        for k in fio:
-            fio[k].append(raw[k])
-        for config in configs:  # interleaved: slow phases of the disk hit every config
-            w, r, cold = run_once(os.path.join(args.dir, "tier"), config, args)
-            cold_reads &= cold
-            res = results[config]
-            res["w"].append(w)
-            res["r"].append(r)
-            res["w_eff"].append(w / raw["write_gbps"])
-            res["r_eff"].append(r / raw["read_gbps"])
-        logger.info("repeat %d/%d done (fio %s)", rep + 1, args.repeats, raw)
-    med = statistics.median
-    table = {
-        c: {
-            "write_gbps": med(v["w"]),
-            "read_gbps": med(v["r"]),
-            "write_range": [min(v["w"]), max(v["w"])],
-            "read_range": [min(v["r"]), max(v["r"])],
-            "write_efficiency": med(v["w_eff"]),
-            "read_efficiency": med(v["r_eff"]),
+        disk.append(raw)
+        logger.info("repeat %d/%d: fio %s", rep + 1, args.repeats, raw)
+
+    def run(config: str, rep: int) -> dict[str, float]:
+        w, r, cold = run_once(os.path.join(args.dir, "tier"), config, args)
+        raw = disk[rep]
+        return {"w": w, "r": r, "w_eff": w / raw["write_gbps"], "r_eff": r / raw["read_gbps"],
+                "cold": cold}  # fmt: skip
+
+    # interleaved with fio and each other: slow phases of the disk hit every config
+    results = interleave(configs, args.repeats, run, before_round=measure_disk)
+    cold_reads = all(r["cold"] for rows in results.values() for r in rows)
+    table = {}
+    for c, rows in results.items():
+        w, r = spread(x["w"] for x in rows), spread(x["r"] for x in rows)
+        eff = medians(rows, ("w_eff", "r_eff"))
+        table[c] = {
+            "write_gbps": w["median"],
+            "read_gbps": r["median"],
+            "write_range": [w["min"], w["max"]],
+            "read_range": [r["min"], r["max"]],
+            "write_efficiency": eff["w_eff"],
+            "read_efficiency": eff["r_eff"],
         }
-        for c, v in results.items()
-    }
-    limits = {k: med(v) for k, v in fio.items()} | {
-        f"{k}_range": [min(v), max(v)] for k, v in fio.items()
+    fio = {k: spread(d[k] for d in disk) for k in ("write_gbps", "read_gbps")}
+    limits = {k: v["median"] for k, v in fio.items()} | {
+        f"{k}_range": [v["min"], v["max"]] for k, v in fio.items()
     }
     print(
         f"{args.blobs} blobs of {args.blob_mib} MiB, {args.chunk_mib} MiB requests, "
@@ -133,9 +130,9 @@ def main() -> None:
     )
     print(
         f"raw (fio O_DIRECT 1 MiB QD8): write {limits['write_gbps']:.2f} GB/s "
-        f"[{min(fio['write_gbps']):.2f}-{max(fio['write_gbps']):.2f}], "
+        f"[{fio['write_gbps']['min']:.2f}-{fio['write_gbps']['max']:.2f}], "
         f"read {limits['read_gbps']:.2f} GB/s "
-        f"[{min(fio['read_gbps']):.2f}-{max(fio['read_gbps']):.2f}]"
+        f"[{fio['read_gbps']['min']:.2f}-{fio['read_gbps']['max']:.2f}]"
     )
     print(f"{'config':<22}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}")
     for c, v in table.items():
@@ -143,18 +140,8 @@ def main() -> None:
             f"{c:<22}{v['write_gbps']:>11.2f}{v['write_efficiency']:>6.2f}"
             f"{v['read_gbps']:>11.2f}{v['read_efficiency']:>6.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "cold_reads": cold_reads,
-                    "fio": limits,
-                    "results": table,
-                },
-                f,
-                indent=2,
-            )
+    result = {"args": vars(args), "cold_reads": cold_reads, "fio": limits, "results": table}
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ one JSON line with the per-step times. What one run does, following
   ``DeepSpeedCPUAdam.step`` → copy of the fp32 params into the model's param partition →
   ``swap_out_optimizer_state`` (asynchronous for all but the last subgroup when pipelined).
 
-Usage (normally through deepspeed_peer.py):
-  DS_ACCELERATOR=cpu .peer-venv/bin/python experiments/bench/ds_update.py --swapper pipelined \
-      --dir /tmp/ds-nvme --elems 134217728 --subgroup 8388608 --buffer-count 12
+Usage (normally through deepspeed_peer.py; the repository root on ``PYTHONPATH`` for
+:mod:`experiments.bench.sysio` and :mod:`experiments.bench.harness`):
+  DS_ACCELERATOR=cpu PYTHONPATH=$PWD .peer-venv/bin/python \
+      experiments/bench/deepspeed/ds_update.py --swapper pipelined --dir /tmp/ds-nvme \
+      --elems 134217728 --subgroup 8388608 --buffer-count 12
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 
-from sysio import drop_page_cache, proc_io
+from experiments.bench.harness import medians
+from experiments.bench.sysio import drop_page_cache, proc_io
 
 
 def main() -> None:
@@ -201,9 +203,7 @@ def main() -> None:
         "import_s": import_s,
         "init_s": init_s,
         "steps": steps,
-        "update_s": statistics.median(s["update_s"] for s in steps),
-        "grad_write_s": statistics.median(s["grad_write_s"] for s in steps),
-        "adam_s": statistics.median(s["adam_s"] for s in steps),
+        **medians(steps, ("update_s", "grad_write_s", "adam_s")),
     }
     # stage3 note: a swapper left alive aborts the interpreter at exit on some versions.
     del swapper

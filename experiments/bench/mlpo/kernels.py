@@ -7,7 +7,7 @@ All kernels run in one process, interleaved round-robin (the machines are shared
 bandwidth drifts; interleaving exposes every kernel to the same conditions), one warm-up each,
 and each figure is the median of ``--repeats`` rounds.
 
-    python experiments/bench/kernels.py --n 67108864 --repeats 7 \\
+    python -m experiments.bench.mlpo.kernels --n 67108864 --repeats 7 \\
         --json experiments/results/kernels.json
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import platform
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.bench.harness import round_robin, write_json
 from jax_mlpo import native
 from jax_mlpo.kernels import BF16, F32, AdamWHyper, adamw_step_reference
 
@@ -176,16 +176,9 @@ def measure(cases: list[Case], n: int, repeats: int) -> dict[str, float]:
 
     The steady-state cases are measured together first, then the allocating ones.
     """
-    times: dict[str, list[float]] = {c.key: [] for c in cases}
+    times: dict[str, list[float]] = {}
     for group in ([c for c in cases if not c.allocates], [c for c in cases if c.allocates]):
-        for c in group:
-            c.fn()  # warm-up: compilation, first touch
-        for r in range(repeats):
-            for c in group:
-                t0 = time.perf_counter()
-                c.fn()
-                times[c.key].append(time.perf_counter() - t0)
-            log.debug("round %d done", r)
+        times |= round_robin({c.key: c.fn for c in group}, repeats)
     for key, ts in times.items():
         log.debug("%s: %s", key, [f"{t:.4f}" for t in ts])
     return {c.key: c.bytes_per_elem * n / statistics.median(times[c.key]) / 1e9 for c in cases}
@@ -258,9 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_after": os.getloadavg(),
     }
     print(table(cases, figures))
+    write_json(args.json, result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
         log.info("wrote %s", args.json)
     return result
 

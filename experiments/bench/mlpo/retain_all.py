@@ -17,31 +17,26 @@ this measures.
 "pipeline written back" sets the engine's retention count to the old value after ``init``: a
 benchmark-only switch (the count is not an option).
 
-    python experiments/bench/retain_all.py --state 1GiB --subgroup 8388608 --cache 384MiB \\
+    python -m experiments.bench.mlpo.retain_all --state 1GiB --subgroup 8388608 --cache 384MiB \\
         --rounds 7 --json experiments/results/retain_all.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_mlpo
+from experiments.bench.harness import format_spread, interleave, medians, ratio_spread, write_json
+from experiments.bench.sysio import drop_page_cache
 from jax_mlpo.config import parse_size
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deepspeed_peer import drop_page_cache  # noqa: E402
 
 log = logging.getLogger("bench.retain_all")
 
@@ -96,65 +91,59 @@ def main(argv: list[str] | None = None) -> dict:
         if not keep_all:
             minimum = config.prefetch_depth * len(engine.tiers) + 2
             engine._retain_counts = [len(engine._buffers) - minimum]
-        runs[name] = {"update": jax.jit(tx.update), "state": state, "engine": engine, "steps": []}
+        runs[name] = {"update": jax.jit(tx.update), "state": state, "engine": engine}
+
+    def run(name: str, rnd: int) -> list[dict]:
+        """``args.steps`` steps of one system; round 0 is the warm-up (compilation, first
+        reads)."""
+        r = runs[name]
+        steps = []
+        for _ in range(args.steps):
+            drop_page_cache(level=1)
+            t0 = time.perf_counter()
+            updates, r["state"] = r["update"](grads, r["state"], params)
+            jax.block_until_ready(updates)
+            r["engine"].drain()
+            elapsed = time.perf_counter() - t0
+            del updates
+            m = r["engine"].metrics[-1]
+            steps.append(
+                {
+                    "update_s": elapsed,
+                    "host_s": m.total_s,
+                    "read_GB": sum(m.bytes_read.values()) / 1e9,
+                    "write_GB": sum(m.bytes_written.values()) / 1e9,
+                    "cache_hits": m.cache_hits,
+                }
+            )
+        if rnd:
+            log.info("round %d %s: %.3f s", rnd, name, steps[-1]["update_s"])
+        return steps
+
     try:
-        for rnd in range(args.rounds + 1):  # round 0: warm-up (compilation, first reads)
-            # the order rotates every round: each system runs first, second, ... equally often
-            order = list(runs.values())
-            for run in order[rnd % len(order) :] + order[: rnd % len(order)]:
-                for _ in range(args.steps):
-                    drop_page_cache(level=1)
-                    t0 = time.perf_counter()
-                    updates, run["state"] = run["update"](grads, run["state"], params)
-                    jax.block_until_ready(updates)
-                    run["engine"].drain()
-                    elapsed = time.perf_counter() - t0
-                    del updates
-                    m = run["engine"].metrics[-1]
-                    if rnd:
-                        run["steps"].append(
-                            {
-                                "update_s": elapsed,
-                                "host_s": m.total_s,
-                                "read_GB": sum(m.bytes_read.values()) / 1e9,
-                                "write_GB": sum(m.bytes_written.values()) / 1e9,
-                                "cache_hits": m.cache_hits,
-                            }
-                        )
-            if rnd:
-                log.info(
-                    "round %d: %s", rnd,
-                    {k: round(r["steps"][-1]["update_s"], 3) for k, r in runs.items()},
-                )  # fmt: skip
+        # the order rotates every round: each system runs first, second, ... equally often
+        rounds = interleave(names, args.rounds + 1, run, rotate=True)
     finally:
-        for run in runs.values():
-            jax_mlpo.close(run["state"])
+        for r in runs.values():
+            jax_mlpo.close(r["state"])
         shutil.rmtree(args.dir, ignore_errors=True)
+    steps = {name: [s for rnd in rounds[name][1:] for s in rnd] for name in names}
     out = {"args": vars(args), "systems": {}}
-    base = runs[names[0]]["steps"]
-    for name, run in runs.items():
-        steps = run["steps"]
-        out["systems"][name] = {
-            key: statistics.median(s[key] for s in steps) for key in steps[0]
-        } | {"steps": steps}
-        row = out["systems"][name]
+    for name in names:
+        row = medians(steps[name], steps[name][0]) | {"steps": steps[name]}
+        out["systems"][name] = row
         log.info(
             "%-24s update %.3f s (host %.3f s), read %.2f GB, written %.2f GB, %d cache hits",
             name, row["update_s"], row["host_s"], row["read_GB"], row["write_GB"],
             row["cache_hits"],
         )  # fmt: skip
     out["speedup"] = {}
+    base = [s["update_s"] for s in steps[names[0]]]
     for name in names[1:]:
-        pairs = zip(base, runs[name]["steps"], strict=True)
-        ratios = [y["update_s"] / x["update_s"] for x, y in pairs]
-        r = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        r = ratio_spread([s["update_s"] for s in steps[name]], base)  # per step pair
         out["speedup"][name] = r
-        log.info(
-            "%s / %s (update time, per step pair): %.2f [%.2f-%.2f]",
-            name, names[0], r["median"], r["min"], r["max"],
-        )  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        log.info("%s / %s (update time, per step pair): %s", name, names[0], format_spread(r))
+    write_json(args.json, out, indent=1)
     return out
 
 

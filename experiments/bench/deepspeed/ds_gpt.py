@@ -27,9 +27,11 @@ swap in p, m, v and the gradient, clip, CPU Adam, bf16 copy, swap out); inside t
 around DeepSpeed's swapper and optimizer: ``grad_swap_out_s``, ``swap_in_s``, ``adam_s``,
 ``swap_out_s``; the bytes this process read and wrote (``/proc/self/io``).
 
-Usage (normally through deepspeed_e2e.py, which passes the shape of the jax config):
-  DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.torch_ext .peer-venv/bin/python \
-      experiments/bench/ds_gpt.py --nvme-path /tmp/jax_mlpo-e2e/ds --steps 8 --warmup 3
+Usage (normally through deepspeed_e2e.py, which passes the shape of the jax config; the
+repository root on ``PYTHONPATH`` for :mod:`experiments.data` and :mod:`experiments.bench.sysio`):
+  DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.torch_ext PYTHONPATH=$PWD .peer-venv/bin/python \
+      experiments/bench/deepspeed/ds_gpt.py --nvme-path /tmp/jax_mlpo-e2e/ds --steps 8 \
+      --warmup 3
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import sys
 import time
+from pathlib import Path
 
-from sysio import drop_page_cache, proc_io
+from experiments.bench.harness import medians
+from experiments.bench.sysio import drop_page_cache, proc_io
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = str(Path(__file__).resolve().parents[3])
 
 logger = logging.getLogger("bench.ds_gpt")
 
@@ -440,21 +442,11 @@ def main() -> None:
         "losses": [s["loss"] for s in steps],
         "steps": steps,
     }
-    for key in (
-        "iter_s",
-        "fwd_s",
-        "bwd_s",
-        "fwd_bwd_s",
-        "step_s",
-        "swap_in_s",
-        "swap_out_s",
-        "grad_swap_out_s",
-        "adam_s",
-        "bytes_read",
-        "bytes_written",
-        "drop_s",
-    ):
-        out[key] = statistics.median(s.get(key, 0.0) for s in steps)
+    keys = (
+        "iter_s", "fwd_s", "bwd_s", "fwd_bwd_s", "step_s", "swap_in_s", "swap_out_s",
+        "grad_swap_out_s", "adam_s", "bytes_read", "bytes_written", "drop_s",
+    )  # fmt: skip
+    out.update(medians(steps, keys, missing=0.0))
     # A ZeRO-3 engine left alive aborts the interpreter at exit (deepspeed-on-cpu.md).
     engine.destroy()
     del engine, optimizer, swapper, basic

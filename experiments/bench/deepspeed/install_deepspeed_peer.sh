@@ -5,13 +5,13 @@
 # (~3 min on an idle 2-core machine, 18 min on a loaded one) so that no benchmark run includes a
 # build; re-running when everything is there takes ~15 s.
 #
-#   bash experiments/bench/install_deepspeed_peer.sh
+#   bash experiments/bench/deepspeed/install_deepspeed_peer.sh
 #
 # Recipe: /work/shared/reference/deepspeed-on-cpu.md. torch==2.13.0 because a CPU wheel of exactly
 # that version lies in the pip find-links directory; any other version pulls a multi-GB CUDA build.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 VENV="$ROOT/.peer-venv"
 export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.torch_ext}"

@@ -6,13 +6,13 @@
 #      e.g. scikit-build-core is missing, configures and builds with cmake directly and copies
 #      the modules into jax_mlpo/);
 #   2. runs tests/test_native.py (best effort: it needs pytest, optax and jax_mlpo's deps);
-#   3. runs experiments/bench/gpu_check.py: FFI D2H/H2D against raw cudaMemcpyAsync, exactness,
+#   3. runs experiments/bench/gpu/gpu_check.py: FFI D2H/H2D against raw cudaMemcpyAsync, exactness,
 #      no recompilation for a new host buffer, a jitted step through the FFI copies == CPU path.
 # Everything goes to experiments/results/gpu_check.txt. Exit status: that of gpu_check.py.
 #
-# Usage, from anywhere:  bash experiments/bench/gpu_check.sh   (PYTHON=... to pick the python)
+# Usage, from anywhere:  bash experiments/bench/gpu/gpu_check.sh   (PYTHON=... to pick the python)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.." || exit 2
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 OUT=experiments/results/gpu_check.txt
 mkdir -p experiments/results
@@ -56,8 +56,7 @@ if [ -z "$built" ]; then
 fi
 echo "built with $built"
 "$PY" - <<'PYEOF'
-import importlib.util, sys
-sys.path.insert(0, ".")
+import importlib.util  # python - puts the working directory (the repo root) on the path
 for name in ("jax_mlpo._native", "jax_mlpo._native_cuda"):
     try:
         spec = importlib.util.find_spec(name)
@@ -75,7 +74,7 @@ else
 fi
 
 section "gpu_check.py"
-timeout 400 "$PY" experiments/bench/gpu_check.py "$@"
+timeout 400 "$PY" -m experiments.bench.gpu.gpu_check "$@"
 rc=$?
 section "done: gpu_check.py exit status $rc"
 exit $rc

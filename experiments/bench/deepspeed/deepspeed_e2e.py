@@ -4,11 +4,12 @@ Both systems train the same model (``experiments/configs/e2e-*.yaml``: a preset 
 ``models/presets.py``, bf16 params and compute) on the same batches (``experiments/data.py``),
 with the same optimizer settings, subgroup size, pinned host memory budget and disk directory:
 
-- ``deepspeed``: ``experiments/bench/ds_gpt.py`` in the DeepSpeed venv (``.peer-venv``): the model
-  in torch, ``deepspeed.initialize`` with ZeRO stage 3, bf16, ``offload_optimizer`` to ``nvme``
-  (``<dir>/ds``, pinned, ``buffer_count`` 12, pipelined reads and writes), libaio, sub_group_size
-  = the config's ``offload.subgroup_size``, DeepSpeedCPUAdam (AdamW). Iteration = forward +
-  backward (with the fp32 gradient swap-out) + ``engine.step`` (swap in, Adam, swap out).
+- ``deepspeed``: ``ds_gpt.py`` (beside this file) in the DeepSpeed venv (``.peer-venv``): the
+  model in torch, ``deepspeed.initialize`` with ZeRO stage 3, bf16, ``offload_optimizer`` to
+  ``nvme`` (``<dir>/ds``, pinned, ``buffer_count`` 12, pipelined reads and writes), libaio,
+  sub_group_size = the config's ``offload.subgroup_size``, DeepSpeedCPUAdam (AdamW). Iteration =
+  forward + backward (with the fp32 gradient swap-out) + ``engine.step`` (swap in, Adam, swap
+  out).
 - ``jax_mlpo``: ``experiments/pretrain.py`` as it is, with the config (its one file tier in the
   same directory as DeepSpeed's ``nvme_path``, ``host_cache`` = DeepSpeed's pinned buffers).
   Iteration = pretrain.py's ``step_s``: the jitted forward + backward plus the jitted update
@@ -26,9 +27,11 @@ system and round; a run's figure is the median of its steps after the warm-up (t
 ``e2e_speedup_vs_deepspeed`` = DeepSpeed's iteration / jax_mlpo's, per round. Each round starts
 with fio on the directory (O_DIRECT, 1 MiB, queue depth 8).
 
-Usage (after ``bash experiments/bench/install_deepspeed_peer.sh``; root, for the cache drops):
-  .venv/bin/python experiments/bench/deepspeed_e2e.py --config experiments/configs/e2e-125m.yaml \
-      --rounds 5 --json experiments/results/deepspeed_e2e.json
+Usage (after ``bash experiments/bench/deepspeed/install_deepspeed_peer.sh``; root, for the cache
+drops):
+  .venv/bin/python -m experiments.bench.deepspeed.deepspeed_e2e \
+      --config experiments/configs/e2e-125m.yaml --rounds 5 \
+      --json experiments/results/deepspeed_e2e.json
 """
 
 from __future__ import annotations
@@ -41,19 +44,25 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sysio import drop_page_cache, proc_io
+from experiments.bench.deepspeed.peer import (
+    ROOT,
+    module_command,
+    require_peer,
+    worker_command,
+    worker_env,
+)
+from experiments.bench.harness import format_spread as fmt
+from experiments.bench.harness import interleave, medians, ratio_spread, spread, write_json
+from experiments.bench.sysio import drop_page_cache, filesystem, fio_bandwidth, proc_io
 
 logger = logging.getLogger("bench.deepspeed_e2e")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PEER_PYTHON = os.path.join(ROOT, ".peer-venv", "bin", "python")
-DS_WORKER = os.path.join(ROOT, "experiments", "bench", "ds_gpt.py")
+MODULE = "experiments.bench.deepspeed.deepspeed_e2e"  # its jax_mlpo worker runs it again
 SYSTEMS = ("deepspeed", "jax_mlpo")
 
 
@@ -61,7 +70,6 @@ SYSTEMS = ("deepspeed", "jax_mlpo")
 
 
 def jax_worker(args) -> dict:
-    sys.path.insert(0, ROOT)
     from experiments import pretrain, train
     from experiments.run_config import load_config, resolve_model
 
@@ -137,25 +145,12 @@ def jax_worker(args) -> dict:
         "losses": [r["loss"] for r in records],
         "steps": steps,
     }
-    for key in (
-        "iter_s",
-        "fwd_bwd_s",
-        "update_s",
-        "host_update_s",
-        "read_wait_s",
-        "compute_s",
-        "write_wait_s",
-        "cache_hits",
-        "bytes_read",
-        "bytes_written",
-        "tier_bytes_read",
-        "tier_bytes_written",
-        "tier_busy_s",
-        "drop_s",
-    ):
-        values = [s[key] for s in steps if s.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
+    keys = (
+        "iter_s", "fwd_bwd_s", "update_s", "host_update_s", "read_wait_s", "compute_s",
+        "write_wait_s", "cache_hits", "bytes_read", "bytes_written", "tier_bytes_read",
+        "tier_bytes_written", "tier_busy_s", "drop_s",
+    )  # fmt: skip
+    out.update(medians(steps, keys))
     return out
 
 
@@ -174,9 +169,8 @@ def library_fingerprint() -> str:
 def ds_command(args, cfg, model, n_params: int, nvme_path: str) -> list[str]:
     o = cfg.optimizer
     data_cache = cfg.data.cache_dir or str(Path(cfg.run_dir).parent / "data-cache")
-    return [
-        PEER_PYTHON,
-        DS_WORKER,
+    return worker_command(
+        "ds_gpt.py",
         "--vocab", str(model.vocab_size),
         "--hidden", str(model.hidden),
         "--layers", str(model.layers),
@@ -206,19 +200,17 @@ def ds_command(args, cfg, model, n_params: int, nvme_path: str) -> list[str]:
         "--pipeline", args.pipeline,
         "--steps", str(cfg.steps),
         "--warmup", str(cfg.report.skip_steps),
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def run_system(system: str, args, cfg, model, n_params, log_dir: Path, rnd: int) -> dict:
     if system == "deepspeed":
-        env = dict(
-            os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".torch_ext")
-        )
+        env = worker_env()
         cmd = ds_command(args, cfg, model, n_params, args.nvme_path)
     else:
         env = dict(os.environ)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "jax", "--config",
-               args.config] + [x for s in args.set for x in ("--set", s)]  # fmt: skip
+        cmd = module_command(MODULE, "--worker", "jax", "--config", args.config,
+                             *[x for s in args.set for x in ("--set", s)])  # fmt: skip
     log = log_dir / f"{system}-round{rnd}.log"
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -238,19 +230,6 @@ def run_system(system: str, args, cfg, model, n_params, log_dir: Path, rnd: int)
     out["loadavg_after"] = os.getloadavg()
     out["log"] = str(log)
     return out
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
-    if not s:
-        return "-"
-    return (
-        f"{s['median'] * scale:.{digits}f} [{s['min'] * scale:.{digits}f}-"
-        f"{s['max'] * scale:.{digits}f}]"
-    )
 
 
 def main() -> None:
@@ -276,7 +255,6 @@ def main() -> None:
         sys.stdout.write(json.dumps(jax_worker(args)) + "\n")  # the driver reads this line
         return
 
-    sys.path.insert(0, ROOT)
     from experiments.run_config import load_config, plain, resolve_model
     from models import param_count
 
@@ -290,8 +268,8 @@ def main() -> None:
     args.nvme_path = os.path.join(directory, "ds")
     os.makedirs(directory, exist_ok=True)
     systems = args.systems.split(",")
-    if "deepspeed" in systems and not os.path.exists(PEER_PYTHON):
-        sys.exit(f"{PEER_PYTHON} missing: run experiments/bench/install_deepspeed_peer.sh first")
+    if "deepspeed" in systems:
+        require_peer()
     if not drop_page_cache(level=1):
         logger.warning("cannot drop the page cache (not root): state may be served from RAM")
     log_dir = Path(cfg.run_dir) / "e2e-logs"
@@ -317,54 +295,53 @@ def main() -> None:
         args.buffer_count,
         args.pipeline,
     )
-    from deepspeed_peer import fio_bandwidth
-
     machine = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "disk_dir": directory,
-        "filesystem": subprocess.run(
-            ["df", "-hT", directory], capture_output=True, text=True
-        ).stdout.splitlines()[-1],
+        "filesystem": filesystem(directory),
         "loadavg_start": os.getloadavg(),
     }
     disk = []
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    t_all = time.perf_counter()
-    for rnd in range(args.rounds):
+
+    def measure_disk(rnd: int) -> None:
         if not args.no_fio:
             d = fio_bandwidth(os.path.join(directory, "fio"))
             disk.append(d)
             logger.info("round %d disk: %s, load %s", rnd, d, os.getloadavg())
-        for system in systems:
-            out = run_system(system, args, cfg, model, n_params, log_dir, rnd)
-            out["round"] = rnd
-            runs[system].append(out)
-            logger.info(
-                "round %d %s: iteration %.2f s (fwd+bwd %.2f s, %s %.2f s), read %.2f GB "
-                "written %.2f GB per step, process %.0f s, load %.1f -> %.1f",
-                rnd,
-                system,
-                out["iter_s"],
-                out["fwd_bwd_s"],
-                "step" if system == "deepspeed" else "update",
-                out["step_s"] if system == "deepspeed" else out["update_s"],
-                out.get("bytes_read", 0) / 1e9,
-                out.get("bytes_written", 0) / 1e9,
-                out["process_s"],
-                out["loadavg_before"][0],
-                out["loadavg_after"][0],
-            )
-            if system == "deepspeed" and rnd == 0:
-                pinned = out["pinned_bytes"]
-                if pinned != cfg.offload.host_cache:
-                    logger.warning(
-                        "DeepSpeed's pinned swap buffers are %d bytes, jax_mlpo's host_cache %d: "
-                        "set offload.host_cache to %d for the same budget",
-                        pinned,
-                        cfg.offload.host_cache,
-                        pinned,
-                    )
+
+    def run(system: str, rnd: int) -> dict:
+        out = run_system(system, args, cfg, model, n_params, log_dir, rnd)
+        out["round"] = rnd
+        logger.info(
+            "round %d %s: iteration %.2f s (fwd+bwd %.2f s, %s %.2f s), read %.2f GB "
+            "written %.2f GB per step, process %.0f s, load %.1f -> %.1f",
+            rnd,
+            system,
+            out["iter_s"],
+            out["fwd_bwd_s"],
+            "step" if system == "deepspeed" else "update",
+            out["step_s"] if system == "deepspeed" else out["update_s"],
+            out.get("bytes_read", 0) / 1e9,
+            out.get("bytes_written", 0) / 1e9,
+            out["process_s"],
+            out["loadavg_before"][0],
+            out["loadavg_after"][0],
+        )
+        if system == "deepspeed" and rnd == 0:
+            pinned = out["pinned_bytes"]
+            if pinned != cfg.offload.host_cache:
+                logger.warning(
+                    "DeepSpeed's pinned swap buffers are %d bytes, jax_mlpo's host_cache %d: "
+                    "set offload.host_cache to %d for the same budget",
+                    pinned,
+                    cfg.offload.host_cache,
+                    pinned,
+                )
+        return out
+
+    t_all = time.perf_counter()
+    runs = interleave(systems, args.rounds, run, before_round=measure_disk)
     machine["loadavg_end"] = os.getloadavg()
     versions = sorted({o["jax_mlpo_sha256"] for o in runs.get("jax_mlpo", [])})
     if len(versions) > 1:
@@ -381,7 +358,7 @@ def main() -> None:
         row = {"system": system}
         for key in keys:
             if all(key in o for o in outs):
-                row[key] = summarize([o[key] for o in outs])
+                row[key] = spread(o[key] for o in outs)
         for key in ("params", "dtype", "subgroups", "pinned_bytes", "host_cache", "disk_bytes",
                     "deepspeed", "torch", "torch_threads", "subgroup_size"):  # fmt: skip
             if key in outs[0]:
@@ -391,17 +368,17 @@ def main() -> None:
 
     ratios = {}
     if "deepspeed" in runs and "jax_mlpo" in runs:
-        pairs = list(zip(runs["deepspeed"], runs["jax_mlpo"], strict=True))
-        ratios["e2e_speedup_vs_deepspeed"] = summarize(
-            [d["iter_s"] / j["iter_s"] for d, j in pairs]
-        )
-        ratios["fwd_bwd_ratio"] = summarize([d["fwd_bwd_s"] / j["fwd_bwd_s"] for d, j in pairs])
-        ratios["update_ratio"] = summarize([d["step_s"] / j["update_s"] for d, j in pairs])
-        ratios["update_ratio_host"] = summarize(
-            [d["step_s"] / j["host_update_s"] for d, j in pairs]
-        )
-        ratios["update_ratio_with_grad_swap"] = summarize(
-            [(d["step_s"] + d["grad_swap_out_s"]) / j["update_s"] for d, j in pairs]
+        ds, jx = runs["deepspeed"], runs["jax_mlpo"]
+
+        def per_round(ds_key: str, jax_key: str) -> list[list[float]]:
+            return [[d[ds_key] for d in ds], [j[jax_key] for j in jx]]
+
+        ratios["e2e_speedup_vs_deepspeed"] = ratio_spread(*per_round("iter_s", "iter_s"))
+        ratios["fwd_bwd_ratio"] = ratio_spread(*per_round("fwd_bwd_s", "fwd_bwd_s"))
+        ratios["update_ratio"] = ratio_spread(*per_round("step_s", "update_s"))
+        ratios["update_ratio_host"] = ratio_spread(*per_round("step_s", "host_update_s"))
+        ratios["update_ratio_with_grad_swap"] = ratio_spread(
+            [d["step_s"] + d["grad_swap_out_s"] for d in ds], [j["update_s"] for j in jx]
         )
 
     lines: list[str] = []
@@ -445,20 +422,19 @@ def main() -> None:
         lines.append(f"WARNING: jax_mlpo's sources changed between rounds ({', '.join(versions)})")
     lines.append(f"load average start {machine['loadavg_start']}, end {machine['loadavg_end']}")
     logger.info("summary\n%s", "\n".join(lines))
+    result = {
+        "args": vars(args),
+        "config": plain(dataclasses.asdict(cfg)),
+        "machine": machine,
+        "total_s": total_s,
+        "disk": disk,
+        "rows": rows,
+        "ratios": ratios,
+        "runs": runs,
+        "jax_mlpo_versions": versions,
+    }
+    write_json(args.json, result)
     if args.json:
-        result = {
-            "args": vars(args),
-            "config": plain(dataclasses.asdict(cfg)),
-            "machine": machine,
-            "total_s": total_s,
-            "disk": disk,
-            "rows": rows,
-            "ratios": ratios,
-            "runs": runs,
-            "jax_mlpo_versions": versions,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
         logger.info("results in %s", args.json)
 
 

@@ -9,7 +9,7 @@
 
 Prints a report; exits non-zero if a check fails.
 
-    python experiments/bench/gpu_check.py [--mib 256] [--repeats 10]
+    python -m experiments.bench.gpu.gpu_check [--mib 256] [--repeats 10]   # from the repo root
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import statistics
 import sys
 import types
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 log = logging.getLogger("gpu_check")
 
 
@@ -50,8 +49,8 @@ native = import_native()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from sysio import median_time  # noqa: E402
 
+from experiments.bench.harness import median_time  # noqa: E402
 from jax_mlpo.native import copies  # noqa: E402
 from jax_mlpo.types import BF16, F32, AdamWHyper  # noqa: E402
 

@@ -11,7 +11,7 @@ The I/O lower bound of a row is max over tiers of (bytes the tier moved per step
 ``bound_efficiency`` = lower bound / update time.
 
 Usage:
-  python experiments/bench/update_phase.py --state 1GiB --cache 256MiB --caps 600MB,300MB \
+  python -m experiments.bench.mlpo.update_phase --state 1GiB --cache 256MiB --caps 600MB,300MB \
       --json experiments/results/update_phase.json
 """
 
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import shutil
-import statistics
 import time
 
 import jax
@@ -32,6 +30,7 @@ import numpy as np
 import optax
 
 import jax_mlpo
+from experiments.bench.harness import medians, spread, write_json
 from jax_mlpo.config import parse_size
 
 logger = logging.getLogger("bench.update_phase")
@@ -81,21 +80,26 @@ def run_row(name, config, params, grads, steps: int, warmup: int) -> dict:
             if config is not None:
                 metrics.append(jax_mlpo.engine_of(state).metrics[-1])
         logger.info("%s: step %d %.2f s", name, step, dt)
-    out = {"update_s": statistics.median(times), "update_s_range": [min(times), max(times)]}
+    t = spread(times)
+    out = {"update_s": t["median"], "update_s_range": [t["min"], t["max"]]}
     if config is not None:
         engine = jax_mlpo.engine_of(state)
-        out["cache_hits"] = statistics.median(m.cache_hits for m in metrics)
-        out["grad_write_s"] = statistics.median(m.grad_write_s for m in metrics)
-        out["read_wait_s"] = statistics.median(m.read_wait_s for m in metrics)
-        out["compute_s"] = statistics.median(m.compute_s for m in metrics)
-        out["engine_s"] = statistics.median(m.total_s for m in metrics)
+        steps = [
+            {"cache_hits": m.cache_hits, "grad_write_s": m.grad_write_s,
+             "read_wait_s": m.read_wait_s, "compute_s": m.compute_s, "engine_s": m.total_s}
+            for m in metrics
+        ]  # fmt: skip
+        out.update(medians(steps, steps[0]))
         tiers = {}
         bound = 0.0
         for store in engine.tiers:
             path = store.tier.path
-            moved_r = statistics.median(m.bytes_read[path] for m in metrics)
-            moved_w = statistics.median(m.bytes_written[path] for m in metrics)
-            busy = statistics.median(m.tier_busy_s[path] for m in metrics)
+            moved = medians(
+                [{"r": m.bytes_read[path], "w": m.bytes_written[path], "busy": m.tier_busy_s[path]}
+                 for m in metrics],
+                ("r", "w", "busy"),
+            )  # fmt: skip
+            moved_r, moved_w, busy = moved["r"], moved["w"], moved["busy"]
             tiers[os.path.basename(path)] = {
                 "read_gbps": moved_r / out["update_s"] / 1e9,
                 "write_gbps": moved_w / out["update_s"] / 1e9,
@@ -170,9 +174,7 @@ def main() -> None:
               f"{tiers}")  # fmt: skip
     for k, v in summary.items():
         print(f"{k} = {v:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": results, **summary}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "rows": results, **summary})
 
 
 if __name__ == "__main__":

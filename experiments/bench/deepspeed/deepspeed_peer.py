@@ -29,9 +29,9 @@ step, and the table gives the median and min-max over the rounds. Each round als
 disk (fio, O_DIRECT, 1 MiB requests, queue depth 8 as DeepSpeed's aio config); memcpy and STREAM
 triad are measured at the start and the end.
 
-Usage (after ``bash experiments/bench/install_deepspeed_peer.sh``):
-  .venv/bin/python experiments/bench/deepspeed_peer.py --state 1GiB --subgroup 8388608 \
-      --rounds 5 --json experiments/results/deepspeed_update.json
+Usage (after ``bash experiments/bench/deepspeed/install_deepspeed_peer.sh``):
+  .venv/bin/python -m experiments.bench.deepspeed.deepspeed_peer --state 1GiB \
+      --subgroup 8388608 --rounds 5 --json experiments/results/deepspeed_update.json
 """
 
 from __future__ import annotations
@@ -47,12 +47,27 @@ import subprocess
 import sys
 import time
 
-from sysio import drop_page_cache, fio_bandwidth, median_time, proc_io
+from experiments.bench.deepspeed.peer import (
+    ROOT,
+    module_command,
+    require_peer,
+    worker_command,
+    worker_env,
+)
+from experiments.bench.harness import (
+    format_spread,
+    interleave,
+    median_time,
+    medians,
+    ratio_spread,
+    spread,
+    write_json,
+)
+from experiments.bench.sysio import drop_page_cache, filesystem, fio_bandwidth, proc_io
 
 logger = logging.getLogger("bench.deepspeed_peer")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PEER_PYTHON = os.path.join(ROOT, ".peer-venv", "bin", "python")
+MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
 SYSTEMS = ("ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir")
 LABELS = {
     "ds-partitioned": "deepspeed partitioned",
@@ -135,12 +150,11 @@ def jax_worker(args) -> dict:
         "subgroups_per_tier": [engine.tier_of.count(k) for k in range(len(engine.tiers))],
         "host_cache": config.host_cache,
         "dtype": args.jax_dtype,
-        "retained": sum(jax_mlpo.engine_of(state)._retain_counts),
+        "retained": engine.plan.retained,
         "init_s": init_s,
         "steps": steps,
     }
-    for key in ("update_s", "engine_s", "grad_write_s", "read_wait_s", "compute_s"):
-        out[key] = statistics.median(s[key] for s in steps)
+    out.update(medians(steps, ("update_s", "engine_s", "grad_write_s", "read_wait_s", "compute_s")))
     jax_mlpo.close(state)
     shutil.rmtree(args.dir, ignore_errors=True)
     return out
@@ -172,12 +186,9 @@ def memory_bandwidth(n: int = 1 << 26, repeats: int = 7) -> dict:
 def run_system(system: str, args, directory: str) -> dict:
     common = ["--subgroup", str(args.subgroup), "--steps", str(args.steps)]
     if system.startswith("ds-"):
-        env = dict(
-            os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.path.join(ROOT, ".torch_ext")
-        )
-        cmd = [
-            PEER_PYTHON,
-            os.path.join(ROOT, "experiments", "bench", "ds_update.py"),
+        env = worker_env()
+        cmd = worker_command(
+            "ds_update.py",
             "--swapper",
             system[3:],
             "--dir",
@@ -189,12 +200,11 @@ def run_system(system: str, args, directory: str) -> dict:
             "--warmup",
             str(args.ds_warmup),
             *common,
-        ]
+        )
     else:
         env = dict(os.environ)
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
+        cmd = module_command(
+            MODULE,
             "--worker",
             system,
             "--dir",
@@ -212,7 +222,7 @@ def run_system(system: str, args, directory: str) -> dict:
             "--jax-dtype",
             args.jax_dtype,
             *common,
-        ]
+        )
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode != 0:
@@ -220,10 +230,6 @@ def run_system(system: str, args, directory: str) -> dict:
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["process_s"] = time.perf_counter() - t0
     return out
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> None:
@@ -273,42 +279,40 @@ def main() -> None:
     args.elems = parse_size(args.state, "--state") // 8
     args.cache_bytes = args.buffer_count * args.subgroup * 4
     systems = args.systems.split(",")
-    if not os.path.exists(PEER_PYTHON) and any(s.startswith("ds-") for s in systems):
-        sys.exit(f"{PEER_PYTHON} missing: run experiments/bench/install_deepspeed_peer.sh first")
+    if any(s.startswith("ds-") for s in systems):
+        require_peer()
     machine = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "disk_dir": args.dir,
-        "filesystem": subprocess.run(
-            ["df", "-hT", os.path.dirname(args.dir)], capture_output=True, text=True
-        ).stdout.splitlines()[-1],
+        "filesystem": filesystem(os.path.dirname(args.dir)),
     }
     limits = {"memory_start": memory_bandwidth(), "disk": []}
     logger.info("memory: %s", limits["memory_start"])
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    for rnd in range(args.rounds):
+
+    def measure_disk(rnd: int) -> None:
         disk = fio_bandwidth(os.path.join(args.dir, "fio"))
         shutil.rmtree(args.dir, ignore_errors=True)
         limits["disk"].append(disk)
         logger.info("round %d disk: %s", rnd, disk)
-        for system in systems:
-            out = run_system(system, args, os.path.join(args.dir, system))
-            out["round"] = rnd
-            runs[system].append(out)
-            logger.info(
-                "round %d %s: update %.2f s (grad write %.2f s) process %.0f s",
-                rnd,
-                system,
-                out["update_s"],
-                out["grad_write_s"],
-                out["process_s"],
-            )
+
+    def run(system: str, rnd: int) -> dict:
+        out = run_system(system, args, os.path.join(args.dir, system))
+        out["round"] = rnd
+        logger.info(
+            "round %d %s: update %.2f s (grad write %.2f s) process %.0f s",
+            rnd,
+            system,
+            out["update_s"],
+            out["grad_write_s"],
+            out["process_s"],
+        )
+        return out
+
+    runs = interleave(systems, args.rounds, run, before_round=measure_disk)
     limits["memory_end"] = memory_bandwidth()
     limits["disk_summary"] = (
-        {
-            k: summarize([d[k] for d in limits["disk"] if k in d])
-            for k in ("write_gbps", "read_gbps")
-        }
+        {k: spread(d[k] for d in limits["disk"] if k in d) for k in ("write_gbps", "read_gbps")}
         if all("error" not in d for d in limits["disk"])
         else limits["disk"]
     )
@@ -318,12 +322,13 @@ def main() -> None:
         row = {"label": LABELS[system]}
         for key in ("update_s", "engine_s", "grad_write_s", "adam_s", "compute_s", "read_wait_s"):
             if key in outs[0]:
-                row[key] = summarize([o[key] for o in outs])
+                row[key] = spread(o[key] for o in outs)
         steps = [s for o in outs for s in o["steps"]]
-        row["bytes_read_per_step"] = statistics.median(s["bytes_read"] for s in steps)
-        row["bytes_written_per_step"] = statistics.median(s["bytes_written"] for s in steps)
+        per_step = medians(steps, ("bytes_read", "bytes_written", "cache_hits"))
+        row["bytes_read_per_step"] = per_step["bytes_read"]
+        row["bytes_written_per_step"] = per_step["bytes_written"]
         if "cache_hits" in steps[0]:
-            row["cache_hits"] = statistics.median(s["cache_hits"] for s in steps)
+            row["cache_hits"] = per_step["cache_hits"]
         for key in (
             "subgroups",
             "pinned_bytes",
@@ -360,18 +365,15 @@ def main() -> None:
                 effs.append(need / busy if busy > 0 else float("nan"))
             per_round.append(statistics.median(effs))
         if per_round:
-            rows[system]["tier_efficiency"] = summarize(per_round)
+            rows[system]["tier_efficiency"] = spread(per_round)
 
     ratios = {}
 
     def ratio(name: str, num: str, num_key: str, den: str, den_key: str, add_grad=False):
         if num not in runs or den not in runs:
             return
-        per_round = []
-        for a, b in zip(runs[num], runs[den], strict=True):
-            top = a[num_key] + (a["grad_write_s"] if add_grad else 0.0)
-            per_round.append(top / b[den_key])
-        ratios[name] = summarize(per_round)
+        tops = [a[num_key] + (a["grad_write_s"] if add_grad else 0.0) for a in runs[num]]
+        ratios[name] = ratio_spread(tops, [b[den_key] for b in runs[den]])
 
     for jax_sys, tag in (
         ("jax-all-2dirs", ""),
@@ -436,35 +438,28 @@ def main() -> None:
     for row in rows.values():
         host = row.get("engine_s", row["update_s"])
         full = row["update_s"] if "engine_s" in row else None
-
-        def fmt(s):
-            return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]" if s else "-"
-
+        grad = row["grad_write_s"]
         print(
-            f"{row['label']:<26}{fmt(host):>22}{fmt(full):>20}{fmt(row['grad_write_s']):>20}"
+            f"{row['label']:<26}{format_spread(host):>22}{format_spread(full):>20}"
+            f"{format_spread(grad):>20}"
             f"{row['bytes_read_per_step'] / 1e9:>9.2f}{row['bytes_written_per_step'] / 1e9:>9.2f}"
         )
     print("disk (fio O_DIRECT 1 MiB QD8):", json.dumps(limits["disk_summary"]))
     for row in rows.values():
         if "tier_efficiency" in row:
-            e = row["tier_efficiency"]
-            print(
-                f"tier_efficiency {row['label']}: {e['median']:.2f} [{e['min']:.2f}-{e['max']:.2f}]"
-            )
+            print(f"tier_efficiency {row['label']}: {format_spread(row['tier_efficiency'])}")
     print("memory:", json.dumps(limits["memory_start"]), json.dumps(limits["memory_end"]))
     for k, v in ratios.items():
-        print(f"{k} = {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
-    if args.json:
-        result = {
-            "args": vars(args),
-            "machine": machine,
-            "limits": limits,
-            "rows": rows,
-            "ratios": ratios,
-            "runs": runs,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        print(f"{k} = {format_spread(v)}")
+    result = {
+        "args": vars(args),
+        "machine": machine,
+        "limits": limits,
+        "rows": rows,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Plots the DeepSpeed comparisons from their JSON results (docs/deepspeed.md).
 
-Left: the update phase (experiments/bench/deepspeed_peer.py), time per step split into what
-each system does, with the bytes it moved. Right: the end-to-end iteration
-(experiments/bench/deepspeed_e2e.py), forward+backward and update. Bars are medians over the
-interleaved rounds; whiskers are [min, max] of the totals.
+Left: the update phase (experiments/bench/deepspeed/deepspeed_peer.py), time per step split into
+what each system does, with the bytes it moved. Right: the end-to-end iteration
+(experiments/bench/deepspeed/deepspeed_e2e.py), forward+backward and update. Bars are medians
+over the interleaved rounds; whiskers are [min, max] of the totals.
 
 Usage:
-  python experiments/bench/plot_deepspeed.py \
+  python -m experiments.bench.deepspeed.plot_deepspeed \
       --update experiments/results/deepspeed_update_posix.json \
       --e2e experiments/results/deepspeed_e2e.json --out docs/deepspeed.png
 """

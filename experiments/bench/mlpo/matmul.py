@@ -9,7 +9,7 @@ median of ``--repeats`` rounds:
    ``experiments/pretrain.py``'s ``grad_step``) of the model built with each contraction from
    the same params, with the loss and gradient differences between the two.
 
-    python experiments/bench/matmul.py --config experiments/configs/e2e-125m.yaml \\
+    python -m experiments.bench.mlpo.matmul --config experiments/configs/e2e-125m.yaml \\
         --repeats 7 --json experiments/results/matmul.json
 """
 
@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import platform
 import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,31 +28,22 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.run_config import RunConfig, load_config, resolve_model  # noqa: E402
-from models import Llama, loss_fn, matmul, param_count  # noqa: E402
+from experiments.bench.harness import ratio_spread, round_robin, write_json
+from experiments.run_config import RunConfig, load_config, resolve_model
+from models import Llama, loss_fn, matmul, param_count
 
 log = logging.getLogger("bench.matmul")
 
 SYSTEMS = {"xla": lax.dot_general, "models.matmul": matmul.dot_general}
 
 
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
-
-
 def _round_robin(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    for fn in cases.values():  # compile and warm up
-        _time(fn)
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(repeats):
-        for key, fn in cases.items():
-            times[key].append(_time(fn))
-    return times
+    """:func:`experiments.bench.harness.round_robin` of the cases, each waiting for its result."""
+
+    def waited(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: jax.block_until_ready(fn())
+
+    return round_robin({k: waited(fn) for k, fn in cases.items()}, repeats)
 
 
 def _fwd_bwd(dot, x: jax.Array, w: jax.Array, g: jax.Array):
@@ -73,8 +60,7 @@ def layer_shapes(model: nnx.Module) -> list[tuple[int, int]]:
 
 def _speedup(times: dict[str, list[float]]) -> float:
     """The median over rounds of xla's time / models.matmul's time."""
-    pairs = zip(times["xla"], times["models.matmul"], strict=True)
-    return statistics.median(a / b for a, b in pairs)
+    return ratio_spread(times["xla"], times["models.matmul"])["median"]
 
 
 def bench_layers(shapes, tokens: int, repeats: int) -> list[dict]:
@@ -192,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         m["loss"],
         m["grad_max_rel_diff"],
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out, indent=1)
     return out
 
 

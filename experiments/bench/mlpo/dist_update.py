@@ -37,7 +37,7 @@ times and permit waits, and the merged request traces of the last repeat (``--pl
 one step of them).
 
 Usage:
-  python experiments/bench/dist_update.py --processes 2 --state 512MiB --cache 64MiB \
+  python -m experiments.bench.mlpo.dist_update --processes 2 --state 512MiB --cache 64MiB \
       --caps 300MB,150MB --repeats 3 --json experiments/results/dist_update.json \
       --plot docs/dist_update_trace.png
 """
@@ -55,10 +55,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from experiments.processes import free_port, run_local  # noqa: E402
+from experiments.bench.harness import interleave, write_json
+from experiments.bench.sysio import drop_page_cache
+from experiments.processes import free_port, run_local
 
 logger = logging.getLogger("bench.dist_update")
+
+MODULE = "experiments.bench.mlpo.dist_update"  # its worker processes run it again
 
 VARIANTS = ("process", "node")
 DEVICES = ("shared-cap", "disk", "process-cap")
@@ -192,8 +195,6 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
 
 def launch(cfg: dict[str, Any], variant: str, repeat: int) -> dict[str, Any]:
     """Runs one variant in fresh processes and tier directories; returns process 0's result."""
-    from sysio import drop_page_cache
-
     run = dict(cfg)
     run["run_dir"] = os.path.join(cfg["dir"], f"{variant}-{repeat}")
     run["permits_dir"] = os.path.join(cfg["permits_root"], f"{variant}-{repeat}")
@@ -205,7 +206,7 @@ def launch(cfg: dict[str, Any], variant: str, repeat: int) -> dict[str, Any]:
     dropped = drop_page_cache() if cfg["device"] == "disk" else None
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(run)]
+    argv = [sys.executable, "-m", MODULE, "--worker", json.dumps(run)]
     argvs = [[*argv, str(k), variant, str(port)] for k in range(cfg["processes"])]
     done = run_local(argvs, env, Path(run["out"]), cfg["timeout"])
     if not done.ok:
@@ -362,13 +363,15 @@ def main() -> None:
         "permits_root": args.permits_dir,
         "timeout": args.timeout,
     }
-    results = []
-    for repeat in range(args.repeats):
-        for variant in VARIANTS:  # interleaved: process node process node ...
-            r = launch(cfg, variant, repeat)
-            logger.info("%s repeat %d: median step %.3f s (run %.1f s)", variant, repeat,
-                        r["median_step_s"], r["wall_s"])  # fmt: skip
-            results.append(r)
+
+    def run(variant: str, repeat: int) -> dict[str, Any]:
+        r = launch(cfg, variant, repeat)
+        logger.info("%s repeat %d: median step %.3f s (run %.1f s)", variant, repeat,
+                    r["median_step_s"], r["wall_s"])  # fmt: skip
+        return r
+
+    by_variant = interleave(VARIANTS, args.repeats, run)  # process node process node ...
+    results = [by_variant[v][k] for k in range(args.repeats) for v in VARIANTS]  # run order
     shutil.rmtree(args.dir, ignore_errors=True)
     summary: dict[str, Any] = {}
     steps = {v: [s for r in results if r["variant"] == v for s in r["steps"]] for v in VARIANTS}
@@ -413,9 +416,9 @@ def main() -> None:
     if args.json:
         for r in results[: -len(VARIANTS)]:
             r.pop("trace")  # keep the last repeat's traces only
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "ratio_node_over_process": ratio,
-                       "runs": results}, f)  # fmt: skip
+        result = {"args": vars(args), "summary": summary, "ratio_node_over_process": ratio,
+                  "runs": results}  # fmt: skip
+        write_json(args.json, result, indent=None)  # one line: the traces are long
     if args.plot:
         plot(results[-len(VARIANTS) :], args.plot)
 
