@@ -24,6 +24,7 @@ benchmark-only switch (the count is not an option).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -89,8 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
         state = tx.init(params)
         engine = jax_mlpo.engine_of(state)
         if not keep_all:
-            minimum = config.prefetch_depth * len(engine.tiers) + 2
-            engine._retain_counts = [len(engine._buffers) - minimum]
+            # the retention this stop replaced: only the buffers beyond the pipeline keep their
+            # subgroup (one tier, so the split's retained count is the engine's retain set)
+            kept = engine.plan.buffers - engine.plan.minimum
+            engine.split = dataclasses.replace(engine.split, retained=(kept,))
         runs[name] = {"update": jax.jit(tx.update), "state": state, "engine": engine}
 
     def run(name: str, rnd: int) -> list[dict]:
