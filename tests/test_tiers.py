@@ -584,3 +584,30 @@ def test_node_bandwidth_cap_is_shared_by_the_node(tmp_path):
         assert time.monotonic() - t0 < 0.8 * together
     finally:
         single.close()
+
+
+@pytest.mark.parametrize("io_engine", ["posix", "tensorstore"])
+def test_a_full_file_system_is_recognised_by_its_errno(tmp_path, io_engine):
+    """ENOSPC from the I/O engine, whatever its text, is a TierFullError (which the pool
+    falls back on); any other OSError stays a plain TierIOError."""
+    from jax_mlpo.tiers.file import TierFullError
+
+    store = open_store(tmp_path / io_engine, [64], io_engine=io_engine, sync=False)
+    real_write = store._blobs.write
+    try:
+        for code, want in ((errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)):
+
+            def failing_write(slot, kind, data, code=code):
+                raise OSError(code, "the device said no")
+
+            store._blobs.write = failing_write
+            with pytest.raises(TierIOError) as info:
+                store.write(0, np.zeros(64, np.float32)).result()
+            assert type(info.value) is want, (code, info.value)
+            assert "the device said no" in str(info.value)
+            if want is TierFullError:
+                assert "the file system is full" in str(info.value)
+        store._blobs.write = real_write
+        store.write(0, np.ones(64, np.float32)).result()  # the tier still works afterwards
+    finally:
+        store.close()
