@@ -6,7 +6,7 @@ in a host cache and file tiers, streamed subgroup by subgroup.
 
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import CorruptCheckpointError
-from jax_mlpo.config import ConfigError, FileTier, OffloadConfig, parse_size
+from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
@@ -21,6 +21,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EngineFailedError",
     "FileTier",
+    "ObjectTier",
     "OffloadConfig",
     "OffloadedAdamWState",
     "StaleStateError",

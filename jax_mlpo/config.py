@@ -8,61 +8,16 @@ names the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*(?:/S)?\s*$")
+from jax_mlpo.object_tier import ObjectTier
+from jax_mlpo.sizes import ConfigError, check_keys, parse_rates, parse_size
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
-
-
-def parse_size(value: int | float | str, field: str) -> int:
-    """Parses a byte count such as ``8589934592``, ``"8GiB"``, ``"600MB"`` or ``"600MB/s"``.
-
-    Args:
-      value: an int (bytes), a float, or a string with an optional decimal (KB, MB, GB, TB) or
-        binary (KiB, MiB, GiB, TiB) unit, case-insensitive.
-      field: the config field, for the error message.
-
-    Returns:
-      The number of bytes, as an int.
-
-    Raises:
-      ConfigError: if the value is not a size.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{field}={value!r} is not a size; give bytes or a string like '8GiB'")
-    if isinstance(value, int | float | str):
-        if isinstance(value, str):
-            match = _SIZE_RE.match(value.upper())
-            number = float(match.group(1)) * _UNITS[match.group(2)] if match and (
-                match.group(2) in _UNITS) else None  # fmt: skip
-        else:
-            number = value
-        if number is not None and math.isfinite(number):
-            return int(number)
-    raise ConfigError(
-        f"{field}={value!r} is not a size; give bytes (an int) or a string like '8GiB' or '600MB'"
-    )
+__all__ = ["ConfigError", "FileTier", "ObjectTier", "OffloadConfig", "parse_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,38 +83,7 @@ class FileTier:
         if not isinstance(self.path, str | os.PathLike) or not str(self.path):
             raise ConfigError(f"FileTier.path={self.path!r} must be a non-empty directory path")
         object.__setattr__(self, "path", os.fspath(self.path))
-        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise ConfigError(
-                f"FileTier.max_concurrency={self.max_concurrency!r} for {self.path}: must be an "
-                "int >= 1 (use 1 for a shared parallel file system)"
-            )
-        for name, none_means in (
-            ("bandwidth_cap", "for no cap"),
-            ("node_bandwidth_cap", "for no cap"),
-            ("read_bandwidth", "to measure it"),
-            ("write_bandwidth", "to measure it"),
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                rate = parse_size(value, f"FileTier.{name} ({self.path})")
-                if rate <= 0:
-                    raise ConfigError(
-                        f"FileTier.{name}={value!r} for {self.path}: must be positive "
-                        f"(bytes/s, e.g. '600MB'), or None {none_means}"
-                    )
-                object.__setattr__(self, name, rate)
-        if self.node_max_concurrency is not None and (
-            not isinstance(self.node_max_concurrency, int) or self.node_max_concurrency < 1
-        ):
-            raise ConfigError(
-                f"FileTier.node_max_concurrency={self.node_max_concurrency!r} for {self.path}: "
-                "must be an int >= 1, or None for no node-level limit"
-            )
-        if self.node_permits not in ("tier", "direction"):
-            raise ConfigError(
-                f"FileTier.node_permits={self.node_permits!r} for {self.path}: must be 'tier' "
-                "(reads and writes share node_max_concurrency) or 'direction' (each has it)"
-            )
+        parse_rates(self, "FileTier")
         chunk = parse_size(self.chunk_bytes, f"FileTier.chunk_bytes ({self.path})")
         if chunk < 4 or chunk % 4:
             raise ConfigError(
@@ -191,6 +115,14 @@ class FileTier:
                 f"FileTier.queue_depth={self.queue_depth!r} for {self.path}: must be an int >= 1 "
                 "(chunk requests in flight; 8 suits NVMe and virtual disks)"
             )
+
+    def for_process(self, index: int) -> FileTier:
+        """This tier for process ``index`` of a multi-process run: ``<path>/proc<index>``,
+        sharing node permits with the other processes through ``permits_key``."""
+        return dataclasses.replace(
+            self, path=os.path.join(self.path, f"proc{index}"),
+            permits_key=self.permits_key or self.path,
+        )  # fmt: skip
 
     def validate(self) -> None:
         """Checks the path against the file system: creates the directory and writes a probe.
@@ -281,12 +213,12 @@ class OffloadConfig:
         object.__setattr__(self, "host_cache", parse_size(self.host_cache, "host_cache"))
         if self.host_cache < 0:
             raise ConfigError(f"host_cache={self.host_cache!r} must be >= 0 bytes")
-        if isinstance(self.tiers, FileTier | str | os.PathLike) or not isinstance(
+        if isinstance(self.tiers, FileTier | ObjectTier | str | os.PathLike) or not isinstance(
             self.tiers, Sequence
         ):
             raise ConfigError(
-                f"tiers={self.tiers!r} must be a list of FileTier (or of paths), e.g. "
-                f"tiers=[FileTier({str(self.tiers)!r})]"
+                f"tiers={self.tiers!r} must be a list of FileTier or ObjectTier (or of paths), "
+                f"e.g. tiers=[FileTier({str(self.tiers)!r})]"
             )
         tiers = tuple(_as_tier(t) for t in self.tiers)
         object.__setattr__(self, "tiers", tiers)
@@ -319,11 +251,12 @@ class OffloadConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         seen: dict[str, str] = {}
         for tier in tiers:
-            key = os.path.realpath(os.path.expanduser(tier.path))
+            key = tier.path if isinstance(tier, ObjectTier) else os.path.realpath(
+                os.path.expanduser(tier.path))  # fmt: skip
             if key in seen:
                 raise ConfigError(
-                    f"tiers: {tier.path!r} and {seen[key]!r} are the same directory; give each "
-                    "tier its own directory"
+                    f"tiers: {tier.path!r} and {seen[key]!r} are the same place; give each "
+                    "tier its own directory or prefix"
                 )
             seen[key] = tier.path
 
@@ -345,7 +278,8 @@ class OffloadConfig:
         )
 
     def validate(self) -> None:
-        """Checks every tier path against the file system (see :meth:`FileTier.validate`)."""
+        """Checks every tier: file tiers against the file system (:meth:`FileTier.validate`),
+        object tiers with a small write and read (:meth:`ObjectTier.validate`)."""
         for tier in self.tiers:
             tier.validate()
 
@@ -358,7 +292,7 @@ class OffloadConfig:
         """
         if not isinstance(data, Mapping):
             raise ConfigError(f"offload config must be a mapping, got {type(data).__name__}")
-        return cls(**_check_keys(cls, data, "offload"))
+        return cls(**check_keys(cls, data, "offload"))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> OffloadConfig:
@@ -369,19 +303,16 @@ class OffloadConfig:
             return cls.from_dict(yaml.safe_load(f) or {})
 
 
-def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(names)}")
-    return dict(data)
-
-
-def _as_tier(tier: Any) -> FileTier:
-    if isinstance(tier, FileTier):
+def _as_tier(tier: Any) -> FileTier | ObjectTier:
+    """A tier from a config value: a tier, a path (``s3://`` URLs are object tiers) or a
+    mapping (with ``url`` or ``kvstore``: an object tier; with ``path``: a file tier)."""
+    if isinstance(tier, FileTier | ObjectTier):
         return tier
     if isinstance(tier, str | os.PathLike):
-        return FileTier(os.fspath(tier))
+        text = os.fspath(tier)
+        return ObjectTier(text) if text.startswith("s3://") else FileTier(text)
     if isinstance(tier, Mapping):
-        return FileTier(**_check_keys(FileTier, tier, "tiers[]"))
-    raise ConfigError(f"tiers: {tier!r} is not a FileTier, a path or a mapping")
+        if "url" in tier or "kvstore" in tier:
+            return ObjectTier(**check_keys(ObjectTier, tier, "tiers[]"))
+        return FileTier(**check_keys(FileTier, tier, "tiers[]"))
+    raise ConfigError(f"tiers: {tier!r} is not a FileTier, an ObjectTier, a path or a mapping")

@@ -28,7 +28,6 @@ Example (one process per host, or per accelerator)::
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,20 +109,13 @@ def batch_sharding(mesh: Mesh | None = None) -> NamedSharding:
 
 
 def process_config(offload: OffloadConfig, process_index: int) -> OffloadConfig:
-    """``offload`` with every tier moved to its per-process subdirectory ``<tier>/proc<k>``.
+    """``offload`` with every tier moved to its per-process ``<tier>/proc<k>`` (or prefix).
 
     The subdirectories are created (and probed) here, so every process has tier locks of its
     own. Node-level permits (``node_max_concurrency``) stay keyed by the tier's own path
     (``permits_key``), so the processes of one node share them.
     """
-    tiers = tuple(
-        dataclasses.replace(
-            t,
-            path=os.path.join(t.path, f"proc{process_index}"),
-            permits_key=t.permits_key or t.path,
-        )
-        for t in offload.tiers
-    )
+    tiers = tuple(t.for_process(process_index) for t in offload.tiers)
     config = dataclasses.replace(offload, tiers=tiers)
     config.validate()
     return config

@@ -87,7 +87,7 @@ CONFIG_ERRORS = [
     ("host_cache-garbage", dict(host_cache="lots"), r"host_cache='lots' is not a size"),
     ("tiers-single", dict(tiers=FileTier("/tmp/x")), r"tiers=.* must be a list of FileTier"),
     ("tiers-int", dict(tiers=3), r"tiers=3 must be a list of FileTier"),
-    ("tiers-bad-item", dict(tiers=[3]), r"tiers: 3 is not a FileTier, a path or a mapping"),
+    ("tiers-bad-item", dict(tiers=[3]), r"tiers: 3 is not a FileTier, an ObjectTier, a path or"),
     ("placement", dict(placement="fast"), r"placement='fast' must be one of \('measured', "),
     ("order", dict(order="random"), r"order='random' must be one of \('alternate', 'ascending'\)"),
     ("retain_policy", dict(retain_policy="all"), r"retain_policy='all' must be one of"),
@@ -166,7 +166,7 @@ def test_duplicate_tier_paths(spell, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "a")
     other = spell(tmp_path)
-    with pytest.raises(ConfigError, match="are the same directory; give each tier its own"):
+    with pytest.raises(ConfigError, match="are the same place; give each tier its own directory"):
         OffloadConfig(tiers=[FileTier(str(tmp_path / "a")), FileTier(other)])
     OffloadConfig(tiers=[str(tmp_path / "a"), str(tmp_path / "b")])  # distinct ones are fine
 

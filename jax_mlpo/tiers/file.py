@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from jax_mlpo.config import FileTier
+from jax_mlpo.tiers import kvstore
 from jax_mlpo.tiers.errors import CorruptBlobError, TierFullError, TierIOError
 from jax_mlpo.tiers.lock import TierLock
 from jax_mlpo.tiers.permits import TierPermits
@@ -112,7 +113,8 @@ class NodeTokenBucket(TokenBucket):
 
 
 class FileTierStore:
-    """The open, locked blob arrays of one :class:`~jax_mlpo.config.FileTier`.
+    """The open, locked blobs of one tier: a :class:`~jax_mlpo.config.FileTier` directory, or
+    an :class:`~jax_mlpo.object_tier.ObjectTier` prefix (``directory`` is then None).
 
     A tier holds blobs of several kinds: ``"state"`` (a subgroup's ``[p | m | v]``), ``"grad"``
     (fp32 gradients, only when gradient conversion is not delayed) and ``"probe"`` (bandwidth
@@ -134,9 +136,18 @@ class FileTierStore:
         node_dir: str | None = None,
     ) -> None:
         self.tier = tier
-        self.directory = os.path.abspath(os.path.expanduser(tier.path))
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._lock = TierLock(self.directory)
+        self._kvstore = None
+        if tier.io_engine == "kvstore":  # an object tier: a prefix, not a directory
+            self.directory = None
+            try:
+                self._kvstore = kvstore.open_kvstore(tier)
+            except ValueError as e:
+                raise TierIOError(self._explain(e, "opening")) from e
+            self._lock = kvstore.ObjectLock(tier, self._kvstore)
+        else:
+            self.directory = os.path.abspath(os.path.expanduser(tier.path))
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            self._lock = TierLock(self.directory)
         self.permits = permits
         self.bytes_read = 0
         self.bytes_written = 0
@@ -156,10 +167,13 @@ class FileTierStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
         )
-        self._blobs: PosixBlobs | ZarrBlobs | None = None
+        self._blobs: PosixBlobs | ZarrBlobs | kvstore.KvstoreBlobs | None = None
         try:
-            engine = PosixBlobs if tier.io_engine == "posix" else ZarrBlobs
-            self._blobs = engine(self.directory, tier, kinds)
+            if self._kvstore is not None:
+                self._blobs = kvstore.KvstoreBlobs(tier, kinds, self._kvstore)
+            else:
+                engine = PosixBlobs if tier.io_engine == "posix" else ZarrBlobs
+                self._blobs = engine(self.directory, tier, kinds)
         except Exception as e:
             self.close()
             raise TierIOError(self._explain(e, "creating the blob files in")) from e
@@ -245,7 +259,10 @@ class FileTierStore:
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)
-        if isinstance(error, CorruptBlobError):
+        remote = kvstore.explain(self.tier, error) if self.tier.io_engine == "kvstore" else None
+        if remote is not None:
+            hint = remote
+        elif isinstance(error, CorruptBlobError):
             hint = (
                 "the blob on disk does not match its checksum (corrupted or half-written). "
                 "Restore the optimizer state from your last checkpoint."

@@ -50,8 +50,11 @@ def probe(store: FileTierStore, blob_elems: int, blobs: int = PROBE_BLOBS) -> tu
 
 
 def cached_probe(store: FileTierStore, blob_elems: int) -> tuple[float, float]:
-    """:func:`probe`, remembered in the tier directory for the same tier settings."""
+    """:func:`probe`, remembered in the tier directory for the same tier settings (an object
+    tier, which has no directory, is probed every time)."""
     tier = store.tier
+    if store.directory is None:
+        return probe(store, blob_elems)
     key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
                       blob_elems])  # fmt: skip
     path = os.path.join(store.directory, ".jax_mlpo-probe.json")

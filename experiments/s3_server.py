@@ -1,0 +1,87 @@
+"""A local S3 protocol server (moto_server) for the object-tier tests and benchmark.
+
+``moto[server]`` (the test and experiments extras) speaks the S3 REST protocol on 127.0.0.1;
+tensorstore's ``s3`` kvstore driver talks to it as to any S3-compatible store. Credentials are
+dummies in the environment (tensorstore's ``environment`` credentials); buckets are created
+with a plain PUT, as tensorstore's own tests do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """A moto_server process at a free port: :meth:`start`, :meth:`kill` (as a crash)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = ""
+
+    def start(self, timeout_s: float = 60.0) -> S3Server:
+        """Starts the server and waits until it answers.
+
+        Raises:
+          RuntimeError: if it exits or does not answer within ``timeout_s``.
+        """
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"moto_server did not answer within {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL: the server and every object in it are gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def bucket(self) -> str:
+        """A new, empty bucket's name."""
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        urllib.request.urlopen(request, timeout=10).close()
+        return name
+
+
+@contextlib.contextmanager
+def dummy_credentials():
+    """The dummy credentials in ``os.environ`` for the duration (restored after)."""
+    saved = {k: os.environ.get(k) for k in DUMMY_CREDENTIALS}
+    os.environ.update(DUMMY_CREDENTIALS)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,292 @@
+"""The object-store tier against a real S3 protocol server (moto_server on 127.0.0.1).
+
+Each test module run starts one server at a free port, with dummy credentials in the
+environment (tensorstore's ``environment`` credentials); each test gets its own bucket.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tensorstore as ts
+from test_transform import assert_matches_reference, offloaded_adamw, run_offloaded
+
+import jax_mlpo
+from experiments.s3_server import S3Server, dummy_credentials, free_port
+from jax_mlpo.tiers.kvstore import LOCK_KEY
+
+SUBGROUP = 131_072
+
+
+@pytest.fixture(scope="module")
+def server():
+    with dummy_credentials():
+        s3 = S3Server().start()
+        yield s3
+        s3.kill()
+
+
+def object_tier(server: S3Server, bucket: str, prefix: str = "run/", **kw) -> jax_mlpo.ObjectTier:
+    return jax_mlpo.ObjectTier(
+        f"s3://{bucket}/{prefix}", endpoint=server.endpoint, region="us-east-1", **kw
+    )
+
+
+def config(server, tmp_path, kinds: str, dtype, **switches) -> jax_mlpo.OffloadConfig:
+    """[file, s3] or [s3]: the host cache holds only the pipeline's buffers."""
+    bucket = server.bucket()
+    tiers = [object_tier(server, bucket)]
+    if kinds == "file+s3":
+        tiers.insert(0, jax_mlpo.FileTier(str(tmp_path / "disk")))
+    blob = (12 if dtype == jnp.bfloat16 else 8) * SUBGROUP
+    return jax_mlpo.OffloadConfig(
+        host_cache=(len(tiers) + 2) * blob, tiers=tiers, subgroup_size=SUBGROUP,
+        prefetch_depth=1, **switches,
+    )  # fmt: skip
+
+
+def list_values(server, bucket: str, prefix: str) -> dict[str, bytes]:
+    kv = ts.KvStore.open(
+        {
+            "driver": "s3",
+            "bucket": bucket,
+            "path": prefix,
+            "endpoint": server.endpoint,
+            "aws_region": "us-east-1",
+            "aws_credentials": {"type": "environment"},
+        }  # fmt: skip
+    ).result()
+    return {k.decode(): kv.read(k).result().value for k in kv.list().result()}
+
+
+# -- parity -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kinds", ["file+s3", "s3"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_parity_with_optax(server, tmp_path, kinds, dtype, mode):
+    tx = offloaded_adamw(config(server, tmp_path, kinds, dtype))
+    assert_matches_reference(run_offloaded(tx, dtype, mode), dtype)
+
+
+# -- what is in the bucket ----------------------------------------------------------------------
+
+
+def test_bucket_holds_the_placements_share(server, tmp_path):
+    cfg = config(server, tmp_path, "file+s3", jnp.bfloat16)
+    s3 = cfg.tiers[1]
+    tx = jax_mlpo.adamw(1e-3, offload=cfg)
+    params = {"w": jnp.linspace(-1, 1, 10 * SUBGROUP, dtype=jnp.bfloat16)}
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    on_s3 = [i for i, k in enumerate(engine.tier_of) if k == 1]
+    assert on_s3 and len(on_s3) == engine.split.counts[1]
+    values = list_values(server, s3.bucket, "run/")
+    assert LOCK_KEY in values  # one run per prefix
+    blobs = {k: v for k, v in values.items() if k.startswith("state-")}
+    assert sorted(blobs) == sorted(f"state-{i}.blob" for i in on_s3)
+    trailer = 16
+    for value in blobs.values():  # 12 B/param (fp32 master, m, v) for bf16 params
+        assert len(value) - trailer == 12 * SUBGROUP
+    jax_mlpo.close(state)
+    assert LOCK_KEY not in list_values(server, s3.bucket, "run/")  # released
+
+
+def test_retention_and_alternating_order_hold_on_the_object_tier(server, tmp_path):
+    cfg = config(server, tmp_path, "s3", jnp.float32, write_behind=False, replan=False)
+    cfg = jax_mlpo.OffloadConfig(**{**cfg.__dict__, "host_cache": 5 * 8 * SUBGROUP})
+    tx = jax_mlpo.adamw(1e-3, offload=cfg)
+    n = 10
+    params = {"w": jnp.linspace(-1, 1, n * SUBGROUP, dtype=jnp.float32)}
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    update = jax.jit(tx.update)
+    traces = []
+    for step in range(3):
+        engine.tiers[0].trace = []
+        updates, state = update({"w": jnp.cos(params["w"] * (step + 1))}, state, params)
+        params = optax.apply_updates(params, updates)
+        jax.block_until_ready(params)
+        traces.append(list(engine.tiers[0].trace))
+    for step in range(2):
+        written = {slot for kind, slot, *_ in traces[step] if kind == "write"}
+        kept = set(range(n)) - written  # retained in host memory, not written back
+        assert len(kept) == 5
+        starts = {slot: t0 for kind, slot, t0, _ in traces[step + 1] if kind == "read"}
+        assert set(starts) == written  # the kept ones are never read again
+        lo, hi = min(starts), max(starts)
+        descending = step % 2 == 0  # the step after an ascending one runs descending
+        assert (starts[hi] < starts[lo]) == descending, starts
+    jax_mlpo.close(state)
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+def test_a_flipped_byte_in_a_stored_value_is_detected(server, tmp_path):
+    cfg = config(server, tmp_path, "s3", jnp.float32, write_behind=False)
+    s3 = cfg.tiers[0]
+    tx = jax_mlpo.adamw(1e-3, offload=cfg)
+    params = {"w": jnp.linspace(-1, 1, 8 * SUBGROUP, dtype=jnp.float32)}
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    update = jax.jit(tx.update)
+    updates, state = update({"w": jnp.ones_like(params["w"])}, state, params)
+    jax.block_until_ready(updates)
+    victim = next(i for i in range(8) if i not in engine.pool.dirty)  # read by the next step
+    kv = ts.KvStore.open(s3.spec()).result()
+    value = bytearray(kv.read(f"state-{victim}.blob").result().value)
+    value[1234] ^= 0x10
+    kv.write(f"state-{victim}.blob", bytes(value)).result()
+    with pytest.raises(Exception, match=rf"state-{victim}.blob: the value fails its crc32c"):
+        jax.block_until_ready(update({"w": jnp.ones_like(params["w"])}, state, params))
+    assert engine.failed
+
+
+def test_a_missing_bucket_fails_at_init_naming_it(server, tmp_path):
+    tier = object_tier(server, "no-such-bucket-here")
+    with pytest.raises(jax_mlpo.ConfigError, match="bucket 'no-such-bucket-here' does not exist"):
+        jax_mlpo.OffloadConfig(host_cache="1MiB", tiers=[tier]).validate()
+    with pytest.raises(jax_mlpo.ConfigError, match="bucket 'b' is not a valid S3 bucket name"):
+        object_tier(server, "b").validate()
+
+
+def test_an_unreachable_endpoint_fails_at_init_naming_it(server):
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    tier = jax_mlpo.ObjectTier("s3://bucket/p/", endpoint=endpoint, region="us-east-1",
+                               request_retries=1)  # fmt: skip
+    with pytest.raises(jax_mlpo.ConfigError, match=f"the endpoint {endpoint} is unreachable"):
+        jax_mlpo.adamw(1e-3, offload=jax_mlpo.OffloadConfig(host_cache="1MiB", tiers=[tier]))
+
+
+def test_missing_credentials_fail_at_init(server, monkeypatch):
+    tier = object_tier(server, server.bucket())
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(jax_mlpo.ConfigError, match="no credentials were found.*AWS_ACCESS_KEY_ID"):
+        tier.validate()
+
+
+def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
+    cfg = config(server, tmp_path, "s3", jnp.float32)
+    params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
+    state = jax_mlpo.adamw(1e-3, offload=cfg).init(params)
+    with pytest.raises(jax_mlpo.TierInUseError, match=f"tier {cfg.tiers[0].path!r} is in use by"):
+        jax_mlpo.adamw(1e-3, offload=cfg).init(params)
+    jax_mlpo.close(state)
+
+
+def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(
+    server, tmp_path, fresh_effect_tokens
+):
+    """The server dies during an update's reads: the update fails naming the endpoint, nothing
+    is applied, and a new optimizer on a new server restored from the last checkpoint goes on
+    exactly as a run that was never interrupted."""
+    lost = S3Server().start()
+    try:
+        cfg = config(lost, tmp_path, "file+s3", jnp.float32, write_behind=False)
+        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=cfg)
+        params = {"w": jnp.linspace(-1, 1, 8 * SUBGROUP, dtype=jnp.float32)}
+        grads = [{"w": jnp.cos(params["w"] * (k + 1))} for k in range(4)]
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for k in range(2):
+            updates, state = update(grads[k], state, params)
+            params = optax.apply_updates(params, updates)
+        mngr = jax_mlpo.checkpoint.manager(str(tmp_path / "ckpt"), max_to_keep=1)
+        jax_mlpo.checkpoint.save(mngr, 2, params, state, {"step": 2})
+        mngr.wait_until_finished()
+        s3_store = jax_mlpo.engine_of(state).tiers[1]
+        real_read = s3_store._blobs.read
+
+        def read_then_lose_the_server(slot, kind, out):
+            lost.kill()
+            return real_read(slot, kind, out)
+
+        s3_store._blobs.read = read_then_lose_the_server
+        with pytest.raises(Exception, match=f"the endpoint {lost.endpoint} is unreachable"):
+            jax.block_until_ready(update(grads[2], state, params))
+        assert jax_mlpo.engine_of(state).failed
+        jax_mlpo.close(state)
+    finally:
+        lost.kill()
+
+    # resume: the same tiers on a new (empty) server, state from the checkpoint
+    cfg2 = config(server, tmp_path / "again", "file+s3", jnp.float32, write_behind=False)
+    (tmp_path / "again").mkdir(exist_ok=True)
+    tx2 = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=cfg2)
+    restored = jax_mlpo.checkpoint.restore(mngr, params, tx2.init(params))
+    params2, state2 = restored.params, restored.opt_state
+    update2 = jax.jit(tx2.update)
+    for k in (2, 3):
+        updates, state2 = update2(grads[k], state2, params2)
+        params2 = optax.apply_updates(params2, updates)
+
+    # the uninterrupted run, on file tiers only
+    ref_cfg = jax_mlpo.OffloadConfig(
+        host_cache=cfg.host_cache, tiers=[jax_mlpo.FileTier(str(tmp_path / "ref"))],
+        subgroup_size=SUBGROUP, prefetch_depth=1,
+    )  # fmt: skip
+    ref_tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=ref_cfg)
+    ref_params = {"w": jnp.linspace(-1, 1, 8 * SUBGROUP, dtype=jnp.float32)}
+    ref_state = ref_tx.init(ref_params)
+    ref_update = jax.jit(ref_tx.update)
+    for k in range(4):
+        updates, ref_state = ref_update(grads[k], ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    np.testing.assert_array_equal(np.asarray(params2["w"]), np.asarray(ref_params["w"]))
+    jax_mlpo.close(state2)
+    jax_mlpo.close(ref_state)
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def test_object_tiers_from_yaml_dicts_and_urls():
+    cfg = jax_mlpo.OffloadConfig.from_dict(
+        {
+            "host_cache": "64MiB",
+            "tiers": [
+                "/tmp/x",
+                "s3://bucket/a/",
+                {"url": "s3://bucket/b", "endpoint": "http://h:1", "region": "r",
+                 "request_concurrency": 4},
+                {"kvstore": {"driver": "s3", "bucket": "c", "path": "p"}},
+            ],
+        }
+    )  # fmt: skip
+    kinds = [type(t).__name__ for t in cfg.tiers]
+    assert kinds == ["FileTier", "ObjectTier", "ObjectTier", "ObjectTier"]
+    assert [t.path for t in cfg.tiers[1:]] == ["s3://bucket/a/", "s3://bucket/b/", "s3://c/p/"]
+    spec = cfg.tiers[2].spec()
+    assert spec["endpoint"] == "http://h:1" and spec["aws_region"] == "r"
+    assert cfg.tiers[2].context()["s3_request_concurrency"] == {"limit": 4}
+    assert cfg.tiers[1].for_process(3).path == "s3://bucket/a/proc3/"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), "give exactly one of url"),
+        (dict(url="http://x/y"), "must look like 's3://bucket/prefix/'"),
+        (dict(url="s3:///p"), "names no bucket"),
+        (dict(url="s3://b/p", credentials="password"), "credentials='password'"),
+        (dict(url="s3://b/p", max_concurrency=0), "max_concurrency=0"),
+        (dict(url="s3://b/p", bandwidth_cap="0MB"), "bandwidth_cap='0MB'"),
+        (dict(kvstore={"bucket": "b"}), "must be a tensorstore kvstore spec"),
+    ],
+)
+def test_bad_object_tier_configs_are_refused(kwargs, match):
+    with pytest.raises(jax_mlpo.ConfigError, match=match):
+        jax_mlpo.ObjectTier(**kwargs)
+
+
+def test_spec_is_json():
+    tier = jax_mlpo.ObjectTier("s3://b/p", endpoint="http://h:1", credentials="anonymous")
+    assert json.loads(json.dumps(tier.spec()))["aws_credentials"] == {"type": "anonymous"}
