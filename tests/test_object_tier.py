@@ -290,3 +290,32 @@ def test_bad_object_tier_configs_are_refused(kwargs, match):
 def test_spec_is_json():
     tier = jax_mlpo.ObjectTier("s3://b/p", endpoint="http://h:1", credentials="anonymous")
     assert json.loads(json.dumps(tier.spec()))["aws_credentials"] == {"type": "anonymous"}
+
+
+def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, tmp_path):
+    """As for two file tiers (test_policies): the object tier becomes 10x slower than its
+    given bandwidth; after 3 steps off the model its subgroups migrate on their write-backs,
+    and the blobs they left are never read again (their new homes are)."""
+    given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB")
+    tiers = [
+        jax_mlpo.FileTier(str(tmp_path / "disk"), sync=False, **given),
+        object_tier(server, server.bucket(), **given),
+    ]
+    n, sub = 12, 4096
+    config = jax_mlpo.OffloadConfig(
+        host_cache=4 * 8 * sub, tiers=tiers, subgroup_size=sub, prefetch_depth=1, retain=False,
+        write_behind=False,
+    )  # fmt: skip
+    params = {"w": jnp.linspace(-1, 1, n * sub, dtype=jnp.float32)}
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
+    engine.tiers[1]._bucket.rate = 4e6
+    update = jax.jit(tx.update)
+    for _ in range(6):
+        updates, state = update({"w": jnp.full(n * sub, 0.1)}, state, params)
+        jax.block_until_ready(updates)
+    assert engine.tier_of.count(1) <= 3, engine.tier_of
+    assert engine.bandwidth[0][0] / engine.bandwidth[1][0] > 2
+    jax_mlpo.close(state)
