@@ -28,17 +28,26 @@ def free_port() -> int:
 
 
 class S3Server:
-    """A moto_server process at a free port: :meth:`start`, :meth:`kill` (as a crash)."""
+    """A moto_server process at a free port: :meth:`start`, :meth:`kill` (as a crash).
 
-    def __init__(self) -> None:
+    Args:
+      check_credentials: refuse requests whose access key moto does not know (after the
+        first request, which creates a bucket): moto accepts any key otherwise.
+    """
+
+    def __init__(self, check_credentials: bool = False) -> None:
         self.proc: subprocess.Popen | None = None
         self.endpoint = ""
+        # moto's switch: the first N requests go unauthenticated, then every one is checked
+        self._env = (
+            {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"} if check_credentials else None
+        )
 
     def start(self, timeout_s: float = 60.0) -> S3Server:
-        """Starts the server and waits until it answers.
+        """Starts the server and waits until it accepts connections.
 
         Raises:
-          RuntimeError: if it exits or does not answer within ``timeout_s``.
+          RuntimeError: if it exits or does not listen within ``timeout_s``.
         """
         port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
@@ -46,17 +55,18 @@ class S3Server:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self._env,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return self
+            with socket.socket() as probe:  # a bare connect: no request moto would count
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
             time.sleep(0.1)
         self.kill()
-        raise RuntimeError(f"moto_server did not answer within {timeout_s} s")
+        raise RuntimeError(f"moto_server did not listen within {timeout_s} s")
 
     def kill(self) -> None:
         """SIGKILL: the server and every object in it are gone."""

@@ -173,6 +173,17 @@ def test_missing_credentials_fail_at_init(server, monkeypatch):
         tier.validate()
 
 
+def test_wrong_credentials_fail_at_init(server):
+    """A server that checks access keys (moto's own check) refuses the dummy ones."""
+    strict = S3Server(check_credentials=True).start()
+    try:
+        tier = object_tier(strict, strict.bucket(), request_retries=0)
+        with pytest.raises(jax_mlpo.ConfigError, match="was refused.*InvalidAccessKeyId"):
+            jax_mlpo.adamw(1e-3, offload=jax_mlpo.OffloadConfig(host_cache="1MiB", tiers=[tier]))
+    finally:
+        strict.kill()
+
+
 def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
     cfg = config(server, tmp_path, "s3", jnp.float32)
     params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
