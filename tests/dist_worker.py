@@ -12,6 +12,10 @@ MODE "node-permits" or "process-permits": the slow tier gets max_concurrency=1 a
 cap (so that each request lasts a few ms), with node_max_concurrency=1 (permits shared by the
 processes, lock files in TIER_ROOT/../permits) or without; every process records its tiers'
 request traces (time.monotonic, comparable across the processes of a machine) into its JSON.
+
+MODE "s3": the slow tier is an ObjectTier at JAX_MLPO_TEST_S3_ENDPOINT, bucket
+JAX_MLPO_TEST_S3_BUCKET (prefix dist/, per process dist/proc<k>/), credentials from the
+environment.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    if mode not in ("plain", "fused-clip", "node-permits", "process-permits"):
+    if mode not in ("plain", "fused-clip", "node-permits", "process-permits", "s3"):
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
         jax.distributed.initialize(
@@ -99,19 +103,26 @@ def main() -> None:
     from jax_mlpo import distributed
 
     slow = {}
-    if mode not in ("plain", "fused-clip"):
+    if mode not in ("plain", "fused-clip", "s3"):
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
         if mode == "node-permits":
             slow["node_max_concurrency"] = 1
+    slow_tier = jax_mlpo.FileTier(os.path.join(tier_root, "slow"), read_bandwidth="1GB",
+                                  write_bandwidth="1GB", sync=False, **slow)  # fmt: skip
+    if mode == "s3":  # the slow tier is an object store (test_object_tier's moto_server)
+        slow_tier = jax_mlpo.ObjectTier(
+            f"s3://{os.environ['JAX_MLPO_TEST_S3_BUCKET']}/dist/", region="us-east-1",
+            endpoint=os.environ["JAX_MLPO_TEST_S3_ENDPOINT"], read_bandwidth="1GB",
+            write_bandwidth="1GB",
+        )  # fmt: skip
     offload = jax_mlpo.OffloadConfig(
         host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
         tiers=[
             jax_mlpo.FileTier(os.path.join(tier_root, "fast"), read_bandwidth="2GB",
                               write_bandwidth="2GB", sync=False),
-            jax_mlpo.FileTier(os.path.join(tier_root, "slow"), read_bandwidth="1GB",
-                              write_bandwidth="1GB", sync=False, **slow),
+            slow_tier,
         ],
         subgroup_size=64,
         replan=False,  # no migrations: each subgroup's blob is on one tier only

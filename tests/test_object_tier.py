@@ -330,3 +330,25 @@ def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, t
     assert engine.tier_of.count(1) <= 3, engine.tier_of
     assert engine.bandwidth[0][0] / engine.bandwidth[1][0] > 2
     jax_mlpo.close(state)
+
+
+def test_two_processes_each_use_their_own_prefix(server, tmp_path, monkeypatch):
+    """A data-parallel run on 2 processes with a disk tier and an object tier gives the
+    1-process run's params (test_distributed's worker), each process under its own prefix."""
+    from test_distributed import _run
+
+    bucket = server.bucket()
+    monkeypatch.setenv("JAX_MLPO_TEST_S3_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("JAX_MLPO_TEST_S3_BUCKET", bucket)
+    ref_params, _, _ = _run(1, tmp_path / "one", mode="s3")
+    params, infos, _ = _run(2, tmp_path / "two", mode="s3")
+    for name, ref in ref_params.items():
+        np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
+    assert [info["tiers"][1] for info in infos] == [
+        f"s3://{bucket}/dist/proc0/",
+        f"s3://{bucket}/dist/proc1/",
+    ]
+    keys = list_values(server, bucket, "dist/")
+    for k in range(2):  # each process's blobs under its prefix; every lock released
+        assert any(key.startswith(f"proc{k}/state-") for key in keys), sorted(keys)
+    assert not any(key.endswith(LOCK_KEY) for key in keys)
