@@ -64,11 +64,9 @@ class KvstoreBlobs:
 
     def write(self, slot: int, kind: str, data: np.ndarray) -> None:
         raw = memoryview(np.ascontiguousarray(data)).cast("B")
-        # one copy into the value (tensorstore takes bytes); the trailer rides along
-        value = bytearray(raw.nbytes + _TRAILER.size)
-        value[: raw.nbytes] = raw
-        value[raw.nbytes :] = _TRAILER.pack(_MAGIC, crc32c(raw), raw.nbytes)
-        self._kv.write(self.key(slot, kind), bytes(value)).result()
+        trailer = _TRAILER.pack(_MAGIC, crc32c(raw), raw.nbytes)
+        # tensorstore takes bytes: one copy of the blob, with the trailer joined on
+        self._kv.write(self.key(slot, kind), b"".join((raw, trailer))).result()
 
     def read(self, slot: int, kind: str, out: np.ndarray) -> None:
         got = self._kv.read(self.key(slot, kind)).result()
@@ -139,7 +137,7 @@ def explain(tier: Any, error: BaseException) -> str | None:
         )
     if "NoSuchBucket" in text:
         return f"bucket {tier.bucket!r} does not exist at {endpoint}: create it or fix the URL."
-    if "credentials" in text.lower() or "PERMISSION_DENIED" in text or "403" in text:
+    if "credentials" in text.lower() or "PERMISSION_DENIED" in text or "code='403'" in text:
         return (
             f"access to bucket {tier.bucket!r} at {endpoint} was refused or no credentials were "
             f"found (ObjectTier.credentials={tier.credentials!r}): set AWS_ACCESS_KEY_ID and "
