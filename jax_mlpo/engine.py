@@ -236,7 +236,7 @@ class Engine:
             self.pool.drain()
         except BaseException as e:
             self._failed = e
-            self.pool.abort()
+            self.pool.abort(cancel=False)  # let the other write-backs land: less state lost
             raise
         if self.metrics:  # the last step's figures include its late write-backs
             last = self.metrics[-1]
@@ -274,7 +274,8 @@ class Engine:
             shapes = tuple(tuple(np.shape(x)) for x in state[name])
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
-        self.pool.clean.clear()  # the tiers are about to hold other state
+        self.drain()  # first: a drained write-back leaves its buffer as a clean hit...
+        self.pool.clean.clear()  # ...of the state this load replaces
         for sg, blob in self._each_blob(load=True):
             scatter_state(sg, state, blob)
         self.step_count = int(step)

@@ -107,7 +107,11 @@ def shared_tier_path(path: str) -> str:
     summed under ``<tier>``.
     """
     head, tail = os.path.split(path.rstrip(os.sep))
-    return head if _PROC_DIR.match(tail) else path
+    if not _PROC_DIR.match(tail):
+        return path
+    # an object tier's prefix (``s3://bucket/run/proc0/``) keeps its trailing slash, as
+    # configured (``s3://bucket/run/``)
+    return head + os.sep if path.endswith(os.sep) and "://" in path else head
 
 
 def flatten(metrics: StepMetrics) -> dict[str, float]:

@@ -81,10 +81,15 @@ class ObjectTier:
             bucket = self.url[len("s3://") :].split("/", 1)[0]
             if not bucket:
                 raise ConfigError(f"ObjectTier.url={self.url!r} names no bucket")
-        elif not isinstance(self.kvstore, dict) or "driver" not in self.kvstore:
+        elif (
+            not isinstance(self.kvstore, dict)
+            or "driver" not in self.kvstore
+            or (self.kvstore["driver"] == "s3" and not self.kvstore.get("bucket"))
+        ):
             raise ConfigError(
                 f"ObjectTier.kvstore={self.kvstore!r} must be a tensorstore kvstore spec (a dict "
-                "with a 'driver', e.g. {'driver': 's3', 'bucket': ..., 'path': ...})"
+                "with a 'driver', and a 'bucket' for s3: {'driver': 's3', 'bucket': ..., "
+                "'path': ...})"
             )
         creds = self.credentials
         if not (creds in _CREDENTIALS or (isinstance(creds, dict) and "type" in creds)):

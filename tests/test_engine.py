@@ -18,6 +18,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import FileTier, OffloadConfig
+from jax_mlpo.types import AdamWHyper
 
 
 def blob_files(tier_dir) -> list[Path]:
@@ -584,3 +585,43 @@ def test_a_tier_that_stops_answering_times_out(tmp_path, states, fresh_effect_to
         jax.block_until_ready(jax.jit(tx.update)(grads, state, params))
     assert time.monotonic() - t0 < 4
     hang.set()
+
+
+def test_load_state_dict_leaves_no_stale_subgroup_in_host_memory(tmp_path, states):
+    """Write-backs still queued when the state is replaced must not survive as clean hits:
+    the next update starts from the loaded state, exactly as a fresh engine loaded with it."""
+    blob = 8 * OVERLAP_SUBGROUP
+    # 5 buffers, 3 for the pipeline: each step keeps 4 and 5 and writes 0-3 back, the last
+    # write-back still queued when it returns
+    n = 6
+    hyper = AdamWHyper(bc1=0.3, bc2=0.01, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    params = [np.linspace(-1.0, 1.0, n * OVERLAP_SUBGROUP, dtype=np.float32)]
+
+    def make(name):
+        config = OffloadConfig(
+            host_cache=5 * blob, tiers=[FileTier(str(tmp_path / name), sync=False)],
+            subgroup_size=OVERLAP_SUBGROUP, prefetch_depth=1, placement="even",
+            order="ascending",  # the pipeline's write-backs end the step still queued
+        )  # fmt: skip
+        state = jax_mlpo.adamw(1e-3, offload=config).init({"w": jnp.asarray(params[0])})
+        states.append(state)
+        return jax_mlpo.engine_of(state)
+
+    engine = make("used")
+    for step in range(2):
+        engine.step(step, hyper, [np.cos(params[0] * (step + 1))], params)
+    assert engine.pool.writes  # queued write-backs whose buffers hold the old state
+    loaded = {
+        "mu": [np.full(params[0].shape, 0.5, np.float32)],
+        "nu": [np.full(params[0].shape, 0.25, np.float32)],
+        "master": [None],
+    }
+    engine.load_state_dict(2, loaded)
+    # no buffer may offer a subgroup as it was before the load (a clean hit would bypass it)
+    assert engine.pool.clean == {}
+    fresh = make("fresh")
+    fresh.load_state_dict(2, loaded)
+    grads = [np.cos(params[0] * 3)]
+    got = np.array(engine.step(2, hyper, grads, params)[0])
+    want = np.array(fresh.step(2, hyper, grads, params)[0])
+    np.testing.assert_array_equal(got, want)

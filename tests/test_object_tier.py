@@ -18,6 +18,7 @@ from test_transform import assert_matches_reference, offloaded_adamw, run_offloa
 
 import jax_mlpo
 from experiments.s3_server import S3Server, dummy_credentials, free_port
+from jax_mlpo.metrics import shared_tier_path
 from jax_mlpo.tiers.kvstore import LOCK_KEY
 
 SUBGROUP = 131_072
@@ -279,6 +280,8 @@ def test_object_tiers_from_yaml_dicts_and_urls():
     assert spec["endpoint"] == "http://h:1" and spec["aws_region"] == "r"
     assert cfg.tiers[2].context()["s3_request_concurrency"] == {"limit": 4}
     assert cfg.tiers[1].for_process(3).path == "s3://bucket/a/proc3/"
+    # a process's figures are summed under the tier as configured
+    assert shared_tier_path(cfg.tiers[1].for_process(3).path) == cfg.tiers[1].path
 
 
 @pytest.mark.parametrize(
@@ -291,6 +294,7 @@ def test_object_tiers_from_yaml_dicts_and_urls():
         (dict(url="s3://b/p", max_concurrency=0), "max_concurrency=0"),
         (dict(url="s3://b/p", bandwidth_cap="0MB"), "bandwidth_cap='0MB'"),
         (dict(kvstore={"bucket": "b"}), "must be a tensorstore kvstore spec"),
+        (dict(kvstore={"driver": "s3"}), "and a 'bucket' for s3"),
     ],
 )
 def test_bad_object_tier_configs_are_refused(kwargs, match):

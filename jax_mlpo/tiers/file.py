@@ -141,9 +141,9 @@ class FileTierStore:
             self.directory = None
             try:
                 self._kvstore = kvstore.open_kvstore(tier)
+                self._lock = kvstore.ObjectLock(tier, self._kvstore)
             except ValueError as e:
                 raise TierIOError(self._explain(e, "opening")) from e
-            self._lock = kvstore.ObjectLock(tier, self._kvstore)
         else:
             self.directory = os.path.abspath(os.path.expanduser(tier.path))
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -157,12 +157,16 @@ class FileTierStore:
         self._stats_lock = threading.Lock()
         self.trace: list[tuple[str, int, float, float]] | None = None
         self._bucket: TokenBucket | None = None
-        if tier.node_bandwidth_cap:
-            key = hashlib.sha1((tier.permits_key or tier.path).encode()).hexdigest()[:16]
-            clock = os.path.join(node_dir or "/dev/shm/jax_mlpo", f"{key}.bucket")
-            self._bucket = NodeTokenBucket(clock, tier.node_bandwidth_cap)
-        elif tier.bandwidth_cap:
-            self._bucket = TokenBucket(tier.bandwidth_cap)
+        try:
+            if tier.node_bandwidth_cap:
+                key = hashlib.sha1((tier.permits_key or tier.path).encode()).hexdigest()[:16]
+                clock = os.path.join(node_dir or "/dev/shm/jax_mlpo", f"{key}.bucket")
+                self._bucket = NodeTokenBucket(clock, tier.node_bandwidth_cap)
+            elif tier.bandwidth_cap:
+                self._bucket = TokenBucket(tier.bandwidth_cap)
+        except BaseException:
+            self._lock.release()  # an object tier's lock object would outlive this process
+            raise
         workers = 2 * tier.max_concurrency  # reads and writes have their own permits
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
@@ -314,4 +318,8 @@ def open_store(tier: FileTier, kinds: dict[str, list[int]], node_permits_dir: st
         node or 1,
         node_shared=tier.node_permits == "tier",
     )
-    return FileTierStore(tier, kinds, permits, node_permits_dir)
+    try:
+        return FileTierStore(tier, kinds, permits, node_permits_dir)
+    except BaseException:
+        permits.close()  # the store never took them (its own close would have)
+        raise

@@ -177,12 +177,13 @@ class HostBufferPool:
             while self.writes:
                 self._reclaim(block=True)
 
-    def abort(self) -> None:
-        """Lets no request outlive a failed step: cancels or waits for every one in flight."""
+    def abort(self, *, cancel: bool = True) -> None:
+        """Lets no request outlive a failure: cancels (``cancel``) the requests not started
+        and waits for the rest."""
         self.clean.clear()
         pending = [f for r in self._reads.values() for f in r.reads]
         pending += [w.future for w in self.writes]
-        for f in pending:
+        for f in pending if cancel else ():
             f.cancel()
         self._reads.clear()
         self.writes.clear()
@@ -220,12 +221,14 @@ class HostBufferPool:
 
         Call it with no write-back in flight (:meth:`drain` first).
         """
-        scratch = touched_buffer(max((sg.state_elems for sg in subgroups), default=0))
+        scratch = None  # one blob of host memory beyond the pool, only if a tier is read
         for sg in subgroups:
             i = sg.index
             if i in self.dirty:
                 yield sg, self.blob(i, self.dirty[i])
                 continue
+            if scratch is None:
+                scratch = aligned_empty(max(s.state_elems for s in subgroups), np.float32)
             blob, store = scratch[: sg.state_elems], self._stores[self._assignment.tier_of[i]]
             if not load:
                 self.wait(store.read(i, blob), i)
@@ -235,8 +238,9 @@ class HostBufferPool:
 
     # -- requests -------------------------------------------------------------------------
 
-    def wait(self, future: Future, index: int) -> None:
-        """Waits for a request of subgroup ``index``; its error names the subgroup.
+    def wait(self, future: Future, index: int, tier: int | None = None) -> None:
+        """Waits for a request of subgroup ``index`` (on ``tier``, default: where it lives);
+        its error names the subgroup and the tier.
 
         Raises:
           TierIOError: if it failed, or took longer than ``io_timeout_s``.
@@ -247,7 +251,8 @@ class HostBufferPool:
             raise type(e)(f"subgroup {index}: {e}") from e
         except concurrent.futures.TimeoutError:
             tier_of = self._assignment.tier_of if self._assignment else []
-            where = self._stores[tier_of[index]].tier.path if tier_of else "?"
+            k = tier if tier is not None else (tier_of[index] if tier_of else None)
+            where = self._stores[k].tier.path if k is not None else "?"
             raise TierIOError(
                 f"subgroup {index}: tier {where!r} did not complete a request within "
                 f"io_timeout_s={self._timeout} s. The file system may be hung or overloaded: "
@@ -347,7 +352,7 @@ class HostBufferPool:
             if k == full:
                 continue
             try:
-                self.wait(store.write(index, blob), index)
+                self.wait(store.write(index, blob), index, tier=k)
             except TierIOError:
                 continue
             self._assignment.moved(index, k)

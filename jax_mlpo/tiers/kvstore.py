@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,8 @@ class KvstoreBlobs:
     def write(self, slot: int, kind: str, data: np.ndarray) -> None:
         raw = memoryview(np.ascontiguousarray(data)).cast("B")
         trailer = _TRAILER.pack(_MAGIC, crc32c(raw), raw.nbytes)
-        # tensorstore takes bytes: one copy of the blob, with the trailer joined on
+        # tensorstore takes bytes: one copy of the blob, with the trailer joined on. Memory:
+        # up to max_concurrency blobs of it beyond host_cache while writes are in flight.
         self._kv.write(self.key(slot, kind), b"".join((raw, trailer))).result()
 
     def read(self, slot: int, kind: str, out: np.ndarray) -> None:
@@ -138,10 +140,11 @@ def explain(tier: Any, error: BaseException) -> str | None:
     if "NoSuchBucket" in text:
         return f"bucket {tier.bucket!r} does not exist at {endpoint}: create it or fix the URL."
     if "credentials" in text.lower() or "PERMISSION_DENIED" in text or "code='403'" in text:
+        used = tier.spec().get("aws_credentials", "the default chain")
         return (
             f"access to bucket {tier.bucket!r} at {endpoint} was refused or no credentials were "
-            f"found (ObjectTier.credentials={tier.credentials!r}): set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or give valid credentials."
+            f"found (credentials {used}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "give valid credentials."
         )
     return None
 
@@ -155,7 +158,8 @@ def check_reachable(tier: Any) -> None:
     """
     from jax_mlpo.sizes import ConfigError
 
-    key = ".jax_mlpo-probe"
+    # unique: every process of a run checks the same prefix at once
+    key = f".jax_mlpo-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         kv = open_kvstore(tier)
         kv.write(key, b"jax_mlpo").result()
