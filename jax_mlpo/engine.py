@@ -67,7 +67,6 @@ class Engine:
         self._kernel = kernels.native_adamw_step()
         sgs = layout.subgroups
         self.plan: HostPlan = layout_plan(config, layout)
-        self.host_only = self.plan.host_only
         self.tiers: list[FileTierStore] = []
         self.split: TierSplit | None = None
         self._assignment: TierAssignment | None = None
@@ -125,6 +124,11 @@ class Engine:
         )  # fmt: skip
         self._gradients.bind(self.pool, self.tiers, self._assignment)
         self.pool.write_all(self.pool.buffers[0])  # zero moments (the master is set at step 1)
+
+    @property
+    def host_only(self) -> bool:
+        """Whether the whole state lives in host memory (no tiers, no pipeline)."""
+        return self.plan.host_only
 
     @property
     def tier_of(self) -> list[int]:

@@ -115,8 +115,7 @@ class TierGradients:
             buf = full[: sg.size]
             t0 = time.monotonic()
             for seg in sg.segments:
-                leaf = slice(seg.leaf_start, seg.leaf_start + seg.size)
-                buf[seg.start : seg.start + seg.size] = grads[seg.leaf][leaf]
+                buf[seg.span] = grads[seg.leaf][seg.leaf_span]
             metrics.compute_s += time.monotonic() - t0
             store = self._stores[self._assignment.tier_of[i]]
             pending.append((store.write(i, buf, kind="grad"), full, i))

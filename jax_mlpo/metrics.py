@@ -109,9 +109,8 @@ def shared_tier_path(path: str) -> str:
     head, tail = os.path.split(path.rstrip(os.sep))
     if not _PROC_DIR.match(tail):
         return path
-    # an object tier's prefix (``s3://bucket/run/proc0/``) keeps its trailing slash, as
-    # configured (``s3://bucket/run/``)
-    return head + os.sep if path.endswith(os.sep) and "://" in path else head
+    # a prefix (``s3://bucket/run/proc0/``) keeps its trailing slash, as configured
+    return head + os.sep if path.endswith(os.sep) else head
 
 
 def flatten(metrics: StepMetrics) -> dict[str, float]:

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -201,16 +201,16 @@ class HostBufferPool:
 
     def write_all(self, blob: np.ndarray) -> None:
         """Writes ``blob`` (its first elements) as every subgroup's state on its tier."""
-        futures = [(self._stores[t].write(i, blob[:n]), i) for i, (t, n) in enumerate(
-            zip(self._assignment.tier_of, self._elems, strict=True))]  # fmt: skip
-        for future, i in futures:
-            self.wait(future, i)
+        self._write_and_wait((i, blob[:n]) for i, n in enumerate(self._elems))
 
     def flush(self) -> None:
-        """Writes the dirty subgroups to their tiers (they stay resident and dirty-free)."""
+        """Writes the dirty subgroups to their tiers (they stay resident)."""
+        self._write_and_wait((i, self.blob(i, slot)) for i, slot in self.dirty.items())
+
+    def _write_and_wait(self, blobs: Iterable[tuple[int, np.ndarray]]) -> None:
+        """Writes each ``(subgroup, blob)`` to the subgroup's tier, all in flight, then waits."""
         tier_of = self._assignment.tier_of
-        futures = [(self._stores[tier_of[i]].write(i, self.blob(i, slot)), i)
-                   for i, slot in self.dirty.items()]  # fmt: skip
+        futures = [(self._stores[tier_of[i]].write(i, blob), i) for i, blob in blobs]
         for future, i in futures:
             self.wait(future, i)
 

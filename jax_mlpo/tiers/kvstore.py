@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.sizes import ConfigError
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.lock import TierInUseError
 
@@ -156,8 +157,6 @@ def check_reachable(tier: Any) -> None:
       ConfigError: naming the endpoint, the bucket and the fix (unreachable endpoint, missing
         bucket, refused or missing credentials).
     """
-    from jax_mlpo.sizes import ConfigError
-
     # unique: every process of a run checks the same prefix at once
     key = f".jax_mlpo-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
