@@ -1,7 +1,9 @@
-"""Time an update spends outside the host engine (XLA's FFI copies in and out, the callbacks).
+"""Time an update spends outside the host engine (XLA's FFI copies in and out, the callbacks),
+and the process's peak RSS.
 
 One optimizer over two capped disk tiers; each step's wall time (jitted update + drain) minus
-the engine's own time. Run it once per code version in a fresh process to compare them
+the engine's own time; peak RSS (``ru_maxrss``, and ``VmHWM``) after the steps. Run it once
+per code version in a fresh process to compare them
 (experiments/results/restructure_ab.txt):
 
     python -m experiments.bench.mlpo.engine_overhead --params-mi 128 --cache 256MiB
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -23,6 +26,17 @@ import jax_mlpo
 from experiments.bench.harness import format_spread, spread
 
 logger = logging.getLogger("bench.engine_overhead")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def vm_hwm() -> str:
+    """``VmHWM`` from /proc/self/status, as the kernel prints it."""
+    with open("/proc/self/status") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("VmHWM")), "?")
 
 
 def main() -> None:
@@ -61,6 +75,7 @@ def main() -> None:
                 outside.append(dt - engine.metrics[-1].total_s)
         print(f"wall {format_spread(spread(wall))} s, outside the engine "
               f"{format_spread(spread(outside))} s")  # fmt: skip
+        print(f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB (ru_maxrss; VmHWM {vm_hwm()})")
         jax_mlpo.close(state)
     finally:
         shutil.rmtree(root, ignore_errors=True)
