@@ -44,7 +44,9 @@ def adamw_step_reference(
       param: float32 parameters. Read for weight decay; when ``update_param`` the new value
         ``param + update`` is written back in place (fp32 master copy of bf16 params).
       update_out: float32 output for the update optax would return, or None. With
-        ``delta_base`` it receives ``new_param - float32(delta_base)`` instead.
+        ``delta_base`` it receives ``new_param - float32(delta_base)`` instead, or, when it is
+        bfloat16, ``bfloat16(new_param) - delta_base`` in bfloat16 (the update in the params'
+        dtype). It may be ``grad`` itself: the update then overwrites its gradient.
       hyper: the step's scalars.
       update_param: whether to apply the update to ``param`` in place.
       delta_base: bfloat16 params the caller will add the update to (see DESIGN "Precision").
@@ -69,7 +71,10 @@ def adamw_step_reference(
     if update_param:
         param += u
     if update_out is not None:
-        if delta_base is not None:
+        if delta_base is not None and update_out.dtype == BF16:
+            new = param.astype(BF16).astype(F32)
+            update_out[...] = (new - delta_base.astype(F32)).astype(BF16)
+        elif delta_base is not None:
             np.subtract(param, delta_base.astype(F32), out=update_out)
         else:
             update_out[...] = u

@@ -156,6 +156,72 @@ def test_adamw_matches_reference_and_optax(n, grad_bf16, wd, mode):
         assert_bits_equal(got.pb, got.p.astype(BF16), "param_bf16_out")
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.1], ids=["no_wd", "wd"])
+@pytest.mark.parametrize("n", SIZES)
+def test_bf16_update_matches_reference_and_jnp(n, wd):
+    """The update in the params' dtype, bf16(p32_new) - p_bf16, as jnp computes it in bfloat16,
+    and apply_updates of it lands on bf16(p32_new) wherever the two are within 2x (Sterbenz)."""
+    p0, grads = _problem(n, True)
+    dev = p0.astype(BF16)
+    state = {k: [view(n), view(n), view(n)] for k in ("got", "want")}
+    for k in state:
+        state[k][2][...] = p0
+    for t, g in enumerate(grads, start=1):
+        hyper = _hyper(t, wd)
+        outs = {}
+        for k, kernel in (("got", native.adamw_step), ("want", adamw_step_reference)):
+            m, v, p = state[k]
+            outs[k] = view(n, BF16)
+            kernel(m, v, g, p, outs[k], hyper, update_param=True, delta_base=dev)
+        for i in range(3):
+            assert_bits_equal(state["got"][i], state["want"][i], f"state {i} at step {t}")
+        assert_bits_equal(outs["got"], outs["want"], f"bf16 update at step {t}")
+        new = state["got"][2].astype(BF16)
+        expected = jnp.asarray(new) - jnp.asarray(dev)  # bfloat16 subtraction, in jnp
+        assert_bits_equal(outs["got"], np.asarray(expected), "jnp's bf16(p_new) - p")
+        applied = np.asarray(jnp.asarray(dev) + jnp.asarray(outs["got"]))
+        a, b = new.astype(F32), dev.astype(F32)
+        near = (np.sign(a) == np.sign(b)) & (np.abs(a) <= 2 * np.abs(b)) & (np.abs(b) <= 2 * np.abs(a))
+        assert_bits_equal(applied[near], new[near], "apply_updates where within 2x")
+        dev = applied
+
+
+@pytest.mark.parametrize("mode", ["update", "delta", "delta_bf16"])
+@pytest.mark.parametrize("n", [7, 1000, 1048577])
+def test_update_may_overwrite_its_gradient(n, mode):
+    """update_out is the gradient's own buffer (XLA aliases them): the same bits as apart."""
+    p0, grads = _problem(n, mode != "update")
+    g = grads[0]
+    out_dtype = BF16 if mode == "delta_bf16" else F32
+    if mode == "delta":  # f32 update from bf16 gradients cannot share their buffer: f32 grads
+        g = g.astype(F32)
+    hyper = _hyper(1, 0.1)
+    dev = p0.astype(BF16)
+    results = {}
+    for where in ("apart", "in_place"):
+        m, v, p = view(n), view(n), view(n)
+        p[...] = p0
+        grad = view(n, g.dtype)
+        grad[...] = g
+        out = grad if where == "in_place" else view(n, out_dtype)
+        if mode == "update":
+            native.adamw_step(m, v, grad, p, out, hyper)
+        else:
+            native.adamw_step(m, v, grad, p, out, hyper, update_param=True, delta_base=dev)
+        results[where] = (m, v, p, out)
+    for a, b, name in zip(results["apart"], results["in_place"], "mvpu", strict=True):
+        assert_bits_equal(b, a, name)
+
+
+def test_update_overlapping_its_gradient_elsewhere_is_refused():
+    buf = np.zeros(100, F32)
+    m, v, p = np.zeros(64, F32), np.zeros(64, F32), np.zeros(64, F32)
+    with pytest.raises(ValueError, match="overlap"):
+        native.adamw_step(m, v, buf[:64], p, buf[1:65], _hyper(1, 0.0))
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.adamw_step(m, v, buf[:64], p, np.zeros(64, BF16), _hyper(1, 0.0))
+
+
 def test_adamw_grad_scale_and_special_values():
     n = 4099
     rng = np.random.default_rng(1)

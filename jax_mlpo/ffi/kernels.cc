@@ -228,7 +228,8 @@ void ParallelFor(size_t n, size_t min_parallel, size_t align, const Body& body) 
 const KernelTable& Kernels() { return *g_kernels.load(std::memory_order_acquire); }
 
 void AdamW(const AdamWArgs& args, size_t n) {
-  const int out = args.update_out == nullptr ? kOutNone
+  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
+                  : args.update_out == nullptr ? kOutNone
                   : args.delta_base != nullptr ? kOutDelta
                                                : kOutUpdate;
   const AdamWRangeFn fn = Kernels().adamw[AdamWIndex(
@@ -268,7 +269,14 @@ void Copy(void* dst, const void* src, size_t nbytes) {
 
 namespace {
 
-enum : int { kOk = 0, kErrNull = 1, kErrOverlap = 2, kErrDeltaWithoutOut = 3, kErrSize = 4 };
+enum : int {
+  kOk = 0,
+  kErrNull = 1,
+  kErrOverlap = 2,
+  kErrDeltaWithoutOut = 3,
+  kErrSize = 4,
+  kErrBf16WithoutDelta = 5,
+};
 
 struct Range {
   const char* lo;
@@ -308,35 +316,47 @@ int jax_mlpo_set_num_threads(int n) {
 }
 
 // scalars: c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale (float32, prepared by
-// jax_mlpo.native exactly as the numpy reference computes them). Returns 0 or an error code.
+// jax_mlpo.native exactly as the numpy reference computes them). update_out is float32, or
+// bfloat16 when update_bf16 (which needs delta_base); it may be the gradient's own buffer (same
+// address and width: the update then overwrites the gradient it is computed from), but no other
+// written array may overlap anything. Returns 0 or an error code.
 int jax_mlpo_adamw_step(float* m, float* v, const void* grad, int grad_bf16, float* param,
-                        int update_param, float* update_out, const uint16_t* delta_base,
-                        uint16_t* param_bf16_out, int64_t n, const float* scalars, int has_wd) {
+                        int update_param, void* update_out, int update_bf16,
+                        const uint16_t* delta_base, uint16_t* param_bf16_out, int64_t n,
+                        const float* scalars, int has_wd) {
   if (n < 0) return kErrSize;
   if (n == 0) return kOk;
   if (!m || !v || !grad || !param || !scalars) return kErrNull;
   if (delta_base && !update_out) return kErrDeltaWithoutOut;
+  if (update_bf16 && !delta_base) return kErrBf16WithoutDelta;
   const size_t f = size_t(n) * 4, h = size_t(n) * 2;
+  const bool in_place = update_out == grad && (grad_bf16 != 0) == (update_bf16 != 0);
   const Range ranges[] = {
       {reinterpret_cast<const char*>(m), f, true},
       {reinterpret_cast<const char*>(v), f, true},
       {static_cast<const char*>(grad), grad_bf16 ? h : f, false},
       {reinterpret_cast<const char*>(param), f, update_param != 0},
-      {reinterpret_cast<const char*>(update_out), f, true},
+      {static_cast<const char*>(update_out), update_bf16 ? h : f, true},
       {reinterpret_cast<const char*>(delta_base), h, false},
       {reinterpret_cast<const char*>(param_bf16_out), h, true},
   };
   constexpr int kRanges = sizeof ranges / sizeof ranges[0];
   for (int i = 0; i < kRanges; ++i)
-    for (int j = i + 1; j < kRanges; ++j)
+    for (int j = i + 1; j < kRanges; ++j) {
+      if (in_place && i == 2 && j == 4) continue;  // the update over its gradient
       if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j]))
         return kErrOverlap;
+    }
   jax_mlpo::AdamWArgs a{};
   a.m = m;
   a.v = v;
   a.grad = grad;
   a.param = param;
-  a.update_out = update_out;
+  if (update_bf16) {
+    a.update_bf16 = static_cast<uint16_t*>(update_out);
+  } else {
+    a.update_out = static_cast<float*>(update_out);
+  }
   a.delta_base = delta_base;
   a.param_bf16_out = param_bf16_out;
   a.c1 = scalars[0];

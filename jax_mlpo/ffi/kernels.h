@@ -21,6 +21,7 @@ struct AdamWArgs {
   float* update_out;               // optional
   const uint16_t* delta_base;      // optional bfloat16; needs update_out
   uint16_t* param_bf16_out;        // optional
+  uint16_t* update_bf16;           // optional bfloat16 update (needs delta_base, no update_out)
   float c1, b1, c2, b2;            // c1 = f32(1 - b1), c2 = f32(1 - b2)
   float bc1, bc2;                  // bias corrections; the loop multiplies by 1.0f / bc
   float eps, wd, neg_lr;
@@ -30,15 +31,16 @@ struct AdamWArgs {
   bool update_param;
 };
 
-// Output mode of the update: none, the AdamW update u, or p_new - f32(delta_base).
-enum AdamWOut : int { kOutNone = 0, kOutUpdate = 1, kOutDelta = 2 };
+// Output mode of the update: none, the AdamW update u, p_new - f32(delta_base), or that delta in
+// bfloat16, bf16(bf16(p_new) - delta_base) (the update in the params' dtype).
+enum AdamWOut : int { kOutNone = 0, kOutUpdate = 1, kOutDelta = 2, kOutDeltaBf16 = 3 };
 
 using AdamWRangeFn = void (*)(const AdamWArgs&, size_t begin, size_t end);
 
 // The loops of one instruction set. adamw is indexed by AdamWIndex().
 struct KernelTable {
   const char* isa;
-  AdamWRangeFn adamw[48];
+  AdamWRangeFn adamw[64];
   void (*bf16_to_f32)(const uint16_t* src, float* dst, size_t n);
   void (*f32_to_bf16)(const float* src, uint16_t* dst, size_t n);
   void (*triad)(float* a, const float* b, const float* c, float s, size_t n);

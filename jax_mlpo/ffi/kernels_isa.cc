@@ -3,6 +3,7 @@
 // -O3 -fno-math-errno (vectorized sqrtf) and -ffp-contract=off (no contraction: the operations,
 // the float64 emulation of fma included, must be exactly the numpy reference's, on every ISA).
 // Plain loops over __restrict pointers; GCC vectorizes all of them (check with -fopt-info-vec).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -57,7 +58,7 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, float* __res
                                          float* __restrict v, const GradT* __restrict grad,
                                          float* __restrict p, float* __restrict out,
                                          const uint16_t* __restrict base,
-                                         uint16_t* __restrict pb) {
+                                         uint16_t* __restrict pb, uint16_t* __restrict ub) {
   for (size_t i = 0; i < n; ++i) {
     const float g = LoadGrad(grad, i) * s.scale;
     // optax's update_moment(_per_elem_norm) as XLA:CPU compiles it (see jax_mlpo/kernels.py).
@@ -69,16 +70,24 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, float* __res
     if constexpr (kWd) u = Fma64(s.wd, p[i], u);
     u = u * s.neg_lr;
     float pn = 0.0f;
-    if constexpr (kUpdateParam || kOut == kOutDelta || kBf16Out) pn = p[i];
+    if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
     if constexpr (kUpdateParam) {
       pn = pn + u;
       p[i] = pn;
     }
     if constexpr (kOut == kOutUpdate) out[i] = u;
     if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
+    // Both operands are bf16 values, so the float32 difference is bf16 subtraction's exact
+    // result before its one rounding (exact itself when they are within 2x: Sterbenz).
+    if constexpr (kOut == kOutDeltaBf16) {
+      ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
+    }
     if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
   }
 }
+
+// Elements per block when the update is written over the gradient it is computed from.
+constexpr size_t kAliasBlock = 1024;
 
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
@@ -87,13 +96,31 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   // division, no approximation), as in XLA:CPU and the reference.
   const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
                   a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const GradT* grad = static_cast<const GradT*>(a.grad);
+  void* out_any = kOut == kOutDeltaBf16 ? static_cast<void*>(a.update_bf16)
+                                        : static_cast<void*>(a.update_out);
   // Optional pointers are offset only when this variant uses them (they are null otherwise).
   // (Streaming stores for u and bf16(p) through an L1 block were tried: ~10% slower here.)
-  AdamWLoop<GradT, kWd, kUpdateParam, kBf16Out, kOut>(
-      end - begin, s, a.m + begin, a.v + begin, static_cast<const GradT*>(a.grad) + begin,
-      a.param + begin, kOut != kOutNone ? a.update_out + begin : nullptr,
-      kOut == kOutDelta ? a.delta_base + begin : nullptr,
-      kBf16Out ? a.param_bf16_out + begin : nullptr);
+  auto run = [&](size_t lo, size_t hi, const GradT* g) {
+    AdamWLoop<GradT, kWd, kUpdateParam, kBf16Out, kOut>(
+        hi - lo, s, a.m + lo, a.v + lo, g, a.param + lo,
+        kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
+        kOut >= kOutDelta ? a.delta_base + lo : nullptr,
+        kBf16Out ? a.param_bf16_out + lo : nullptr,
+        kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr);
+  };
+  if (kOut == kOutNone || out_any != static_cast<const void*>(grad)) {
+    run(begin, end, grad + begin);
+    return;
+  }
+  // The update overwrites the gradient element by element (XLA aliased them). The loop's
+  // pointers are __restrict, so it reads each block's gradients from a copy on the stack.
+  alignas(64) GradT block[kAliasBlock];
+  for (size_t lo = begin; lo < end; lo += kAliasBlock) {
+    const size_t hi = std::min(end, lo + kAliasBlock);
+    std::memcpy(block, grad + lo, (hi - lo) * sizeof(GradT));
+    run(lo, hi, block);
+  }
 }
 
 void Bf16ToF32Loop(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
@@ -121,8 +148,8 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>) {
                      &F32ToBf16Loop, &TriadLoop};
 }
 
-constexpr KernelTable kTable = MakeTable(std::make_index_sequence<48>());
-static_assert(AdamWIndex(true, true, true, true, kOutDelta) == 47, "table layout");
+constexpr KernelTable kTable = MakeTable(std::make_index_sequence<64>());
+static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16) == 63, "table layout");
 
 }  // namespace
 

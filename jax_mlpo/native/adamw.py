@@ -42,13 +42,14 @@ _ADAMW_ERRORS = {
     "not overlap each other or the inputs",
     3: "delta_base needs update_out",
     4: "negative size",
+    5: "a bfloat16 update_out needs delta_base",
 }
 
 declare(
     LIB,
     [
-        ("jax_mlpo_adamw_step", [P, P, P, ctypes.c_int, P, ctypes.c_int, P, P, P, I64, _SCALARS,
-                                 ctypes.c_int], ctypes.c_int),
+        ("jax_mlpo_adamw_step", [P, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P, P,
+                                 I64, _SCALARS, ctypes.c_int], ctypes.c_int),
     ],
 )  # fmt: skip
 jax.ffi.register_ffi_target("jax_mlpo_adamw", jax.ffi.pycapsule(LIB.JaxMlpoAdamW), platform="cpu")
@@ -71,6 +72,8 @@ def adamw_step(
     Same arguments and the same bits as :func:`jax_mlpo.kernels.adamw_step_reference` (the
     module docstring says which float32 operations). Arrays may be views into larger buffers;
     ``grad``, ``delta_base`` and ``param`` (unless ``update_param``) may be read-only.
+    ``update_out`` may be ``grad`` itself (the same buffer, the same dtype): the update then
+    overwrites the gradient it is computed from; no other written array may overlap another.
 
     Args:
       m: float32 first moment, updated in place.
@@ -78,7 +81,8 @@ def adamw_step(
       grad: float32 or bfloat16 gradient (bfloat16 is converted on the fly).
       param: float32 parameters; read for weight decay, updated in place when ``update_param``.
       update_out: float32 output for the update, or None; with ``delta_base`` it receives
-        ``new_param - float32(delta_base)``.
+        ``new_param - float32(delta_base)``, or, when it is bfloat16 (which needs
+        ``delta_base``), ``bfloat16(new_param) - delta_base`` in bfloat16.
       hyper: the step's scalars.
       update_param: whether to add the update to ``param`` in place.
       delta_base: bfloat16 params the caller will add the update to, or None.
@@ -94,16 +98,18 @@ def adamw_step(
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
     ptr = {}
-    for name, arr, dtype, writable in [
-        ("update_out", update_out, F32, True),
-        ("delta_base", delta_base, BF16, False),
-        ("param_bf16_out", param_bf16_out, BF16, True),
+    update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
+    for name, arr, dtypes, writable in [
+        ("update_out", update_out, update_dtypes, True),
+        ("delta_base", delta_base, (BF16,), False),
+        ("param_bf16_out", param_bf16_out, (BF16,), True),
     ]:
         if arr is not None:
-            arr = checked_array(name, arr, (dtype,), n, writable=writable)
+            arr = checked_array(name, arr, dtypes, n, writable=writable)
         ptr[name] = None if arr is None else address(arr)
     if delta_base is not None and update_out is None:
         raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
+    update_bf16 = update_out is not None and update_out.dtype == BF16
     # The scalars exactly as the reference computes them: the same Python expressions, rounded
     # once to float32 (ctypes' double -> float conversion rounds to nearest even, like numpy).
     scale = hyper.grad_scale != 1.0
@@ -114,7 +120,8 @@ def adamw_step(
     )  # fmt: skip
     rc = LIB.jax_mlpo_adamw_step(
         address(m), address(v), address(grad), int(grad.dtype == BF16), address(param),
-        int(update_param), ptr["update_out"], ptr["delta_base"], ptr["param_bf16_out"], n,
+        int(update_param), ptr["update_out"], int(update_bf16), ptr["delta_base"],
+        ptr["param_bf16_out"], n,
         scalars, int(hyper.weight_decay != 0.0),
     )  # fmt: skip
     if rc != 0:
