@@ -181,7 +181,9 @@ def test_bf16_update_matches_reference_and_jnp(n, wd):
         assert_bits_equal(outs["got"], np.asarray(expected), "jnp's bf16(p_new) - p")
         applied = np.asarray(jnp.asarray(dev) + jnp.asarray(outs["got"]))
         a, b = new.astype(F32), dev.astype(F32)
-        near = (np.sign(a) == np.sign(b)) & (np.abs(a) <= 2 * np.abs(b)) & (np.abs(b) <= 2 * np.abs(a))
+        near = (
+            (np.sign(a) == np.sign(b)) & (np.abs(a) <= 2 * np.abs(b)) & (np.abs(b) <= 2 * np.abs(a))
+        )
         assert_bits_equal(applied[near], new[near], "apply_updates where within 2x")
         dev = applied
 
