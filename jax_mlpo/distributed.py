@@ -142,17 +142,18 @@ def replicated(value: Any, mesh: Mesh) -> jax.Array:
 
 
 def sharded_update(
-    host_update: Callable[..., list[jax.Array]],
+    host_update: Callable[..., tuple[jax.Array, list[jax.Array]]],
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array],
     handle: jax.Array,
     *replicated_args: jax.Array,
-) -> list[jax.Array]:
+) -> tuple[jax.Array, list[jax.Array]]:
     """Runs ``host_update(grads, params, handle, *replicated_args)`` on each process's shards.
 
     Traced inside the optimizer's jitted update: ``grads`` and ``params`` are the flat leaves
-    (global), ``handle`` the ``int32[processes]`` handles. Returns the update leaves (global,
-    with the params' partition).
+    (global), ``handle`` the ``int32[processes]`` handles. Returns the next step count
+    (replicated: every process computes the same) and the update leaves (global, with the
+    params' partition).
     """
     mesh = data_parallel_mesh()
     n = mesh.shape[AXIS]
@@ -165,6 +166,6 @@ def sharded_update(
         body,
         mesh=mesh,
         in_specs=(specs, specs, P(AXIS), *([P()] * len(replicated_args))),
-        out_specs=specs,
-        check_vma=False,  # callbacks and FFI copies; replicated leaves give equal results
+        out_specs=(P(), specs),
+        check_vma=False,  # an FFI call; replicated leaves and the counts give equal results
     )(list(grads), list(params), handle, *replicated_args)

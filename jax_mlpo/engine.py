@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -24,7 +25,6 @@ from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
 from jax_mlpo.metrics import StepMetrics, TierIOWindow
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.replan import TierAssignment
-from jax_mlpo.staging import HostStaging
 from jax_mlpo.tiers.file import FileTierStore, open_store
 from jax_mlpo.tiers.host import HostBufferPool, touched_buffer
 from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
@@ -59,7 +59,10 @@ class Engine:
         weight_decay: float,
     ) -> None:  # fmt: skip
         self.layout, self.config = layout, config
+        self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
         self._weight_decay = float(weight_decay)
+        # one update at a time: XLA may run two programs' calls at once (a discarded update)
+        self._step_lock = threading.Lock()
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
@@ -85,7 +88,6 @@ class Engine:
             except BaseException:
                 self.close()
                 raise
-        self.io = HostStaging(layout)
         logger.info(
             "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state); %s",
             layout.num_params, len(sgs), layout.state_bytes / 2**20,
@@ -105,8 +107,10 @@ class Engine:
             kinds.update(probe_kind(layout.max_state_elems))
         for tier in plan.tiers:
             self.tiers.append(open_store(tier, kinds, config.node_permits_dir))
+        # the pool's buffers: all the host memory the engine's state ever takes (host_cache)
+        buffers = [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)]
         bandwidth = [
-            tier_bandwidth(store, layout.max_state_elems) if measured else (1.0, 1.0)
+            tier_bandwidth(store, layout.max_state_elems, buffers) if measured else (1.0, 1.0)
             for store in self.tiers
         ]
         effective = [placement.effective_bandwidth(r, w) for r, w in bandwidth]
@@ -116,14 +120,15 @@ class Engine:
             [4 * n for n in blob_elems], adaptive=config.replan and measured,
         )  # fmt: skip
         self.pool = HostBufferPool(
-            [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)], blob_elems,
+            buffers, blob_elems,
             self.tiers, self._assignment, prefetch_depth=config.prefetch_depth,
             reuse_clean=self._gradients.reuse_clean and config.retain,
             fallback_on_full=config.fallback_on_full, io_timeout_s=config.io_timeout_s,
             companion_reads=self._gradients.reads,
         )  # fmt: skip
         self._gradients.bind(self.pool, self.tiers, self._assignment)
-        self.pool.write_all(self.pool.buffers[0])  # zero moments (the master is set at step 1)
+        buffers[0].fill(0.0)  # the probe may have used it
+        self.pool.write_all(buffers[0])  # zero moments (the master is set at step 1)
 
     @property
     def host_only(self) -> bool:
@@ -145,20 +150,11 @@ class Engine:
         """Whether an update failed midway (the host state is then partly updated)."""
         return self._failed is not None
 
-    def staging(self, grad_dtypes: Sequence[np.dtype]) -> np.ndarray:
-        """Descriptors of the buffers the next update's gradients and params are copied into."""
-        return self.io.descriptors(grad_dtypes)
-
-    def step_staged(self, count: int, hyper: AdamWHyper) -> np.ndarray:
-        """:meth:`step` on the staged gradients and params; returns the update's descriptors."""
-        self.step(count, hyper, self.io.grads, self.io.params)
-        return self.io.out_descriptors
-
     # -- the update ---------------------------------------------------------------------------
 
     def step(
         self, count: int, hyper: AdamWHyper, grads: Sequence[np.ndarray],
-        params: Sequence[np.ndarray],
+        params: Sequence[np.ndarray], updates: Sequence[np.ndarray] | None = None,
     ) -> list[np.ndarray]:  # fmt: skip
         """Runs one AdamW update over every subgroup.
 
@@ -167,15 +163,27 @@ class Engine:
           hyper: the step's scalars; its ``weight_decay`` is ignored (the layout's mask decides).
           grads: the gradient leaves, flattened (float32 or bfloat16).
           params: the param leaves, flattened (float32 or bfloat16).
+          updates: the flat update leaves to write (XLA's buffers, ``updates[k]`` possibly
+            ``grads[k]``'s memory): float32, or bfloat16 for bfloat16 params (then
+            ``bfloat16(master_new) - params``). None: new float32 arrays.
 
         Returns:
-          The float32 update per leaf, in buffers the next step overwrites (the callback that
-          returns them copies them out).
+          ``updates`` (or the new arrays).
 
         Raises:
           StaleStateError: if ``count`` is not the step the host state is at.
           EngineFailedError: if an earlier update failed midway.
         """
+        with self._step_lock:
+            if updates is None:
+                updates = [np.zeros(np.size(p), F32) for p in params]
+            self._step(count, hyper, grads, params, updates)
+        return list(updates)
+
+    def _step(
+        self, count: int, hyper: AdamWHyper, grads: Sequence[np.ndarray],
+        params: Sequence[np.ndarray], updates: Sequence[np.ndarray],
+    ) -> None:  # fmt: skip
         self._check_usable()
         if count != self.step_count:
             raise StaleStateError(
@@ -185,7 +193,7 @@ class Engine:
                 "by the previous one. A wrapper that computes an update and then discards it "
                 "(optax.MultiSteps, a retried or skipped step) cannot be used around it."
             )
-        self.layout.check_leaves(grads, params)
+        self.layout.check_leaves(grads, params, updates)
         hypers = (hyper._replace(weight_decay=0.0), hyper._replace(weight_decay=self._weight_decay))
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
@@ -207,7 +215,7 @@ class Engine:
                 grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                 blob = pool.blob(i, resident.slot)
                 kernels.adamw_subgroup(
-                    self._kernel, sgs[i], blob, grads, grad_blob, params, self.io.outs, hypers,
+                    self._kernel, sgs[i], blob, grads, grad_blob, params, updates, hypers,
                     init_master=count == 0,
                 )  # fmt: skip
                 metrics.compute_s += time.monotonic() - t0
@@ -225,7 +233,6 @@ class Engine:
         self.step_count += 1
         if self._assignment:
             self._assignment.observe(metrics)
-        return self.io.outs_shaped
 
     def drain(self) -> None:
         """Waits for the write-backs the last update left in flight (``write_behind``).

@@ -116,7 +116,8 @@ def adamw_subgroup(
       grads: the flat gradient leaves (read where ``grad_blob`` is None).
       grad_blob: the subgroup's fp32 gradients (the baseline's tier path), or None.
       params: the flat param leaves.
-      outs: the flat float32 update leaves, written.
+      outs: the flat update leaves, written (float32, or bfloat16 for bfloat16 params;
+        a leaf may be its gradient's own buffer).
       hypers: the step's scalars without and with weight decay (a segment's mask picks one).
       init_master: the first step: the fp32 master copy starts as the bf16 params' value.
     """

@@ -91,22 +91,33 @@ class Layout:
     def state_bytes(self) -> int:
         return sum(sg.state_bytes for sg in self.subgroups)
 
-    def check_leaves(self, grads: Sequence[np.ndarray], params: Sequence[np.ndarray]) -> None:
-        """Checks an update's flat leaves against the layout.
+    def check_leaves(
+        self, grads: Sequence[np.ndarray], params: Sequence[np.ndarray],
+        updates: Sequence[np.ndarray],
+    ) -> None:  # fmt: skip
+        """Checks an update's flat leaves (gradients, params, updates) against the layout.
 
         Raises:
           ValueError: naming the leaf whose count, size or dtype is wrong.
         """
         shapes = self.shapes
-        if len(grads) != len(shapes) or len(params) != len(shapes):
+        if not len(grads) == len(params) == len(updates) == len(shapes):
             raise ValueError(
-                f"update got {len(grads)} gradient and {len(params)} param leaves; the optimizer "
-                f"was initialised with {len(shapes)}"
+                f"update got {len(grads)} gradient, {len(params)} param and {len(updates)} "
+                f"update leaves; the optimizer was initialised with {len(shapes)}"
             )
-        for i, (g, p) in enumerate(zip(grads, params, strict=True)):
+        for i, (g, p, u) in enumerate(zip(grads, params, updates, strict=True)):
             size = int(np.prod(shapes[i], dtype=np.int64))
-            if g.size != size or p.size != size:
-                raise ValueError(f"leaf {i}: expected {size} elements, got {g.size}/{p.size}")
+            if not g.size == p.size == u.size == size:
+                raise ValueError(
+                    f"leaf {i}: expected {size} elements, got {g.size}/{p.size}/{u.size} "
+                    "(gradient/param/update)"
+                )
+            if u.dtype != F32 and not (u.dtype == BF16 == self.dtypes[i]):
+                raise ValueError(
+                    f"leaf {i}: the update must be float32 (or bfloat16 for bfloat16 params), "
+                    f"got {u.dtype}"
+                )
             if g.dtype not in (F32, BF16):
                 raise ValueError(f"leaf {i}: gradients must be float32 or bfloat16, got {g.dtype}")
             if p.dtype != self.dtypes[i]:

@@ -2,16 +2,15 @@
 
 The transformation's state is two int32 scalars (the step count and a handle to the host engine
 that owns p, m and v). ``update`` evaluates the learning rate and the bias corrections on the
-device, exactly as optax does; XLA FFI copies move the gradients and params into host buffers
-the engine owns, and an ordered ``io_callback`` runs the engine: once per executed update, in
-program order, eagerly and under ``jax.jit`` alike (``pure_callback`` could be dropped or
-repeated, which would corrupt state). The update comes back the same way.
+device, exactly as optax does, and one side-effecting XLA FFI call runs the engine on XLA's own
+buffers (:mod:`jax_mlpo.native.host_update`): it reads the gradients and params in place and
+writes the update over the gradients, once per executed update, eagerly and under ``jax.jit``
+alike. The call returns the next step count, so each update's data depends on the previous one.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import sys
@@ -22,14 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import io_callback
 
 from jax_mlpo import distributed
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
 from jax_mlpo.layout import build_layout, resolve_mask
-from jax_mlpo.native.copies import copy_from_host, copy_to_host
+from jax_mlpo.native.host_update import host_update_call, set_host_update
 
 
 class OffloadedAdamWState(NamedTuple):
@@ -42,8 +40,6 @@ class OffloadedAdamWState(NamedTuple):
 _ENGINES: dict[int, Engine] = {}
 _NEXT_HANDLE = itertools.count(1)
 _REGISTRY_LOCK = threading.Lock()
-# an update's callback failed (or a failed engine was closed): JAX's effect token may be poisoned
-_FAILED_SINCE_RESET = False
 
 
 def _register(engine: Engine) -> int:
@@ -118,9 +114,6 @@ def close(opt_state: Any) -> None:
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)
         if engine is not None:
-            if engine.failed:
-                global _FAILED_SINCE_RESET
-                _FAILED_SINCE_RESET = True
             engine.close()
 
 
@@ -139,28 +132,6 @@ def _close_all() -> None:
             )
 
 
-def _drop_poisoned_effect_tokens() -> None:
-    """Lets a new optimizer run after another one's update failed.
-
-    A failing ordered io_callback leaves an errored token in JAX's runtime, and every later
-    ordered callback in the process re-raises that error without running. Once a failure has
-    been reported, the token only blocks recovery (a new optimizer restored from a checkpoint),
-    so drop it. This uses a private JAX API, hence the guard.
-    """
-    global _FAILED_SINCE_RESET
-    with _REGISTRY_LOCK:
-        failed = _FAILED_SINCE_RESET or any(engine.failed for engine in _ENGINES.values())
-        _FAILED_SINCE_RESET = False
-    if not failed:
-        return
-    try:
-        from jax._src import dispatch
-
-        dispatch.runtime_tokens.clear()
-    except (ImportError, AttributeError):  # a JAX without it: nothing to reset
-        pass
-
-
 def _refuse_discarding_wrappers() -> None:
     """Fails init inside optax.MultiSteps, which runs update on every micro-step and discards it."""
     multi_steps_init = optax.MultiSteps.init.__code__
@@ -177,36 +148,18 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
-def _poisons_token(callback):
-    """Marks JAX's ordered-effect token poisoned when ``callback`` raises (any error, a refused
-    stale state included), so that the next ``tx.init`` drops it."""
-
-    @functools.wraps(callback)
-    def wrapped(*args, **kwargs):
-        global _FAILED_SINCE_RESET
-        try:
-            return callback(*args, **kwargs)
-        except BaseException:
-            with _REGISTRY_LOCK:
-                _FAILED_SINCE_RESET = True
-            raise
-
-    return wrapped
-
-
-@_poisons_token
-def _stage(handle, grad_dtypes):
-    return _engine(handle).staging(grad_dtypes)
-
-
-@_poisons_token
-def _host_update(handle, count, scalars, tokens, b1, b2, eps):
-    del tokens  # only orders this callback after the copies into the staging buffers
-    lr, bc1, bc2, scale = (float(x) for x in np.asarray(scalars))
+def _run_update(handle, count, scalars, grads, params, updates) -> None:
+    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL)."""
+    engine = _engine(handle)
+    lr, bc1, bc2, scale = (float(x) for x in scalars)
     hyper = AdamWHyper(
-        bc1=bc1, bc2=bc2, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=0.0, grad_scale=scale
-    )
-    return _engine(handle).step_staged(int(np.asarray(count)), hyper)
+        bc1=bc1, bc2=bc2, lr=lr, b1=engine.b1, b2=engine.b2, eps=engine.eps, weight_decay=0.0,
+        grad_scale=scale,
+    )  # fmt: skip
+    engine.step(count, hyper, grads, params, updates)
+
+
+set_host_update(_run_update)
 
 
 def adamw(
@@ -219,6 +172,7 @@ def adamw(
     *,
     offload: OffloadConfig,
     max_grad_norm: float | None = None,
+    update_dtype: Any = None,
 ) -> optax.GradientTransformation:
     r"""AdamW with its state (fp32 master params, m, v) offloaded to host memory and files.
 
@@ -231,8 +185,20 @@ def adamw(
 
     where the weight decay :math:`\lambda` applies where ``mask`` is True. For float32 params
     ``optax.apply_updates(params, u)`` gives optax.adamw's params (to float32 rounding). For
-    bfloat16 params the tiers also keep an fp32 master copy; the update returned is float32,
-    ``master_new - float32(params)``, so ``apply_updates`` yields ``bfloat16(master_new)``.
+    bfloat16 params the tiers also keep an fp32 master copy, and the update is in the params'
+    dtype, as optax's convention is: ``bfloat16(master_new) - params``, computed from the
+    params handed to this update. ``apply_updates`` then yields ``bfloat16(master_new)``
+    exactly wherever the new and old values are within a factor 2 of each other (Sterbenz) and
+    within a bfloat16 rounding of it elsewhere; the master copy itself stays exact, and the next
+    update is computed from the params as they are, so no difference accumulates
+    (docs/design.md, "Precision", has the measured fractions). ``update_dtype=jnp.float32``
+    returns ``master_new - float32(params)`` instead, with which ``apply_updates`` gives
+    ``bfloat16(master_new)`` bit for bit, at 4 bytes of update per param.
+
+    Memory: the update is written over the gradients where their dtypes agree (bfloat16
+    gradients of bfloat16 params, or float32 of float32), so inside a jitted train step the
+    device holds params and gradients and nothing else of the model's size; the host holds the
+    host cache and nothing that grows with the model.
 
     p, m and v never live on the accelerator: the returned state is two int32 scalars, and the
     moments are advanced on the host by every update that runs. Each update must therefore be
@@ -256,6 +222,8 @@ def adamw(
         97.5M bfloat16 params on 2 CPU cores). With bfloat16 gradients the norm and the scaling
         are float32 (optax's chain computes both in bfloat16); with float32 ones they agree with
         the chain to rounding.
+      update_dtype: None (the params' dtype, the default) or ``jnp.float32``: the update's dtype
+        for bfloat16 params (float32 params always get a float32 update).
 
     Returns:
       An optax ``GradientTransformation`` whose ``update`` requires ``params``.
@@ -263,7 +231,8 @@ def adamw(
     Raises:
       ConfigError: at construction, for a tier path that is missing or not writable; at init,
         for a host cache too small for the pipeline.
-      ValueError: at construction, for a ``max_grad_norm`` that is not positive.
+      ValueError: at construction, for a ``max_grad_norm`` that is not positive or an
+        ``update_dtype`` other than None and float32.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_mlpo
@@ -280,10 +249,13 @@ def adamw(
     b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
+    if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
+        raise ValueError(
+            f"update_dtype must be None (the params' dtype) or float32, got {update_dtype!r}"
+        )
 
     def init_fn(params):
         _refuse_discarding_wrappers()
-        _drop_poisoned_effect_tokens()
         if distributed.is_multiprocess():
             # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
             # of its own shards, in per-process tier directories.
@@ -326,37 +298,17 @@ def adamw(
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         if state.handle.ndim:  # multi-process: each process updates its own shards
-            outs = distributed.sharded_update(
+            count_out, outs = distributed.sharded_update(
                 host_update, grads, param_leaves, state.handle, state.count, scalars
             )
         else:
-            outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
-        return treedef.unflatten(outs), OffloadedAdamWState(count=count_inc, handle=state.handle)
+            count_out, outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
+        return treedef.unflatten(outs), OffloadedAdamWState(count=count_out, handle=state.handle)
 
     def host_update(grads, param_leaves, handle, count, scalars):
-        n = len(grads)
-        # The host engine reads gradients and params from buffers it owns and writes the update
-        # into others: XLA FFI copies move them (on GPU, cudaMemcpyAsync on XLA's stream). The
-        # ordered callbacks only pass descriptors, and the data dependencies order the copies.
-        grad_dtypes = tuple(np.dtype(g.dtype) for g in grads)
-        descriptors = io_callback(
-            functools.partial(_stage, grad_dtypes=grad_dtypes),
-            jax.ShapeDtypeStruct((2 * n, 4), jnp.uint32), handle, ordered=True,
-        )  # fmt: skip
-        tokens = [
-            copy_to_host(x, descriptors[k]) for k, x in enumerate(grads + param_leaves) if x.size
+        dtypes = [
+            jnp.float32 if update_dtype is not None else jnp.dtype(p.dtype) for p in param_leaves
         ]
-        out_descriptors = io_callback(
-            functools.partial(_host_update, b1=b1, b2=b2, eps=eps),
-            jax.ShapeDtypeStruct((max(n, 1), 4), jnp.uint32),
-            handle, count, scalars, jnp.stack(tokens) if tokens else scalars,
-            ordered=True,
-        )  # fmt: skip
-        return [
-            copy_from_host(out_descriptors[k], jnp.shape(p), jnp.float32)
-            if np.size(p)
-            else jnp.zeros(jnp.shape(p), jnp.float32)
-            for k, p in enumerate(param_leaves)
-        ]
+        return host_update_call(handle, count, scalars, grads, param_leaves, dtypes)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -25,13 +25,3 @@ def close_engines_left_open():
             count=jnp.zeros([], jnp.int32), handle=jnp.asarray(handle, jnp.int32)
         )
         transform.close(state)
-
-
-@pytest.fixture
-def fresh_effect_tokens():
-    """Drops JAX's ordered-effect tokens after a test whose update fails, so the failure cannot
-    leak into later tests (see test_failed_update_does_not_poison_later_updates)."""
-    yield
-    from jax._src import dispatch  # private, but the only way to reset a poisoned token
-
-    dispatch.runtime_tokens.clear()

@@ -326,8 +326,6 @@ def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_pat
 
     # restore onto another disk; a checkpoint write on the full one fails and changes nothing
     other = spec_for(tmp_path / "other", "float32", 1, "none", False)
-    # init while the failed optimizer is open: its init drops JAX's poisoned effect token
-    # (transform._drop_poisoned_effect_tokens only looks at engines not yet closed)
     _, update, fresh, new_state = start_job(other)
     jax_mlpo.close(opt_state)
     restored = checkpoint.restore(mngr, fresh, new_state)

@@ -48,7 +48,7 @@ def states():
 # -- tier locking -------------------------------------------------------------------------------
 
 
-def test_second_optimizer_on_same_tier(tmp_path, states, fresh_effect_tokens):
+def test_second_optimizer_on_same_tier(tmp_path, states):
     params = {"w": jnp.ones((1000,))}
     config = OffloadConfig(
         host_cache=4 * 8 * 100, tiers=[str(tmp_path / "tier")], subgroup_size=100
@@ -98,7 +98,7 @@ def corrupt_optimizer(tmp_path, states, victim=3):
     return update, state, params, tier_path, path
 
 
-def test_corrupt_blob_fails_the_update_then_the_engine(tmp_path, states, fresh_effect_tokens):
+def test_corrupt_blob_fails_the_update_then_the_engine(tmp_path, states):
     victim = 3
     update, state, params, tier_path, path = corrupt_optimizer(tmp_path, states, victim)
     # Inputs ready before dispatch: the failure surfaces from this call (see the test below).
@@ -129,7 +129,7 @@ def late_grads(params):
     return jax.tree.map(lambda p: jnp.ones_like(p) + 0 * y[0, 0], params)
 
 
-def test_failed_update_does_not_poison_later_updates(tmp_path, states, fresh_effect_tokens):
+def test_failed_update_does_not_poison_later_updates(tmp_path, states):
     update, state, params, _, _ = corrupt_optimizer(tmp_path, states)
     with pytest.raises(Exception, match="checksum"):
         jax.block_until_ready(update(late_grads(params), state, params))
@@ -474,7 +474,7 @@ def test_write_behind_bytes_count_in_the_update_that_issued_them(tmp_path, state
     assert min(busy) >= N_SUBGROUPS * 0.01 * 0.9, busy  # 10 ms per blob written
 
 
-def test_a_failed_write_behind_fails_the_next_update(tmp_path, states, fresh_effect_tokens):
+def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
     blob = 8 * OVERLAP_SUBGROUP
     config = OffloadConfig(
         host_cache=4 * blob,
@@ -561,7 +561,7 @@ def test_degenerate_layouts_match_optax(shapes, subgroup_size, tiered, tmp_path,
         assert sum(engine.metrics[-1].bytes_read.values()) > 0
 
 
-def test_a_tier_that_stops_answering_times_out(tmp_path, states, fresh_effect_tokens):
+def test_a_tier_that_stops_answering_times_out(tmp_path, states):
     config = OffloadConfig(
         host_cache=4 * 8 * SUBGROUP, tiers=[str(tmp_path / "t")], subgroup_size=SUBGROUP,
         prefetch_depth=1, placement="even", io_timeout_s=0.5,

@@ -194,9 +194,7 @@ def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
     jax_mlpo.close(state)
 
 
-def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(
-    server, tmp_path, fresh_effect_tokens
-):
+def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(server, tmp_path):
     """The server dies during an update's reads: the update fails naming the endpoint, nothing
     is applied, and a new optimizer on a new server restored from the last checkpoint goes on
     exactly as a run that was never interrupted."""

@@ -2,7 +2,9 @@
 
 The probe moves a few blobs with the tier's own permits and queue depth, all in flight at
 once as the pipeline issues them, and remembers the result in the tier directory for the same
-tier settings, so a restarted run does not probe again.
+tier settings, so a restarted run does not probe again. It moves them from the host buffer
+pool's own buffers (before the pool first uses them), so probing costs no host memory beyond
+``host_cache``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,17 +30,25 @@ def probe_kind(max_state_elems: int) -> dict[str, list[int]]:
     return {"probe": [min(max_state_elems, _MAX_PROBE_ELEMS)] * PROBE_BLOBS}
 
 
-def probe(store: FileTierStore, blob_elems: int, blobs: int = PROBE_BLOBS) -> tuple[float, float]:
+def probe(
+    store: FileTierStore, blob_elems: int, buffers: Sequence[np.ndarray]
+) -> tuple[float, float]:
     """Measures a tier's read and write bandwidth (bytes/s) with its own concurrency.
 
-    Writes then reads ``blobs`` blobs of ``blob_elems`` float32 in the store's probe array, all
-    requests in flight at once, as the pipeline issues them.
+    Writes then reads up to :data:`PROBE_BLOBS` blobs of ``blob_elems`` float32 in the store's
+    probe array, all requests in flight at once, as the pipeline issues them.
+
+    Args:
+      store: the tier.
+      blob_elems: elements per blob.
+      buffers: float32 host buffers of at least ``blob_elems`` each, one per blob moved
+        (their contents are overwritten).
 
     Returns:
       ``(read, write)`` in bytes/s.
     """
-    bufs = [np.full(blob_elems, 1.0, np.float32) for _ in range(blobs)]
-    nbytes = blob_elems * 4 * blobs
+    bufs = [b[:blob_elems] for b in buffers[:PROBE_BLOBS]]
+    nbytes = blob_elems * 4 * len(bufs)
     t0 = time.perf_counter()
     for f in [store.write(i, b, kind="probe") for i, b in enumerate(bufs)]:
         f.result()
@@ -49,14 +60,16 @@ def probe(store: FileTierStore, blob_elems: int, blobs: int = PROBE_BLOBS) -> tu
     return read, write
 
 
-def cached_probe(store: FileTierStore, blob_elems: int) -> tuple[float, float]:
+def cached_probe(
+    store: FileTierStore, blob_elems: int, buffers: Sequence[np.ndarray]
+) -> tuple[float, float]:
     """:func:`probe`, remembered in the tier directory for the same tier settings (an object
     tier, which has no directory, is probed every time)."""
     tier = store.tier
     if store.directory is None:
-        return probe(store, blob_elems)
+        return probe(store, blob_elems, buffers)
     key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
-                      blob_elems])  # fmt: skip
+                      blob_elems, min(len(buffers), PROBE_BLOBS)])  # fmt: skip
     path = os.path.join(store.directory, ".jax_mlpo-probe.json")
     try:
         with open(path) as f:
@@ -65,7 +78,7 @@ def cached_probe(store: FileTierStore, blob_elems: int) -> tuple[float, float]:
             return saved["read"], saved["write"]
     except (OSError, ValueError, KeyError):
         pass
-    read, write = probe(store, blob_elems)
+    read, write = probe(store, blob_elems, buffers)
     with open(path, "w") as f:
         json.dump({"key": key, "read": read, "write": write}, f)
     logger.info(
@@ -74,12 +87,14 @@ def cached_probe(store: FileTierStore, blob_elems: int) -> tuple[float, float]:
     return read, write
 
 
-def tier_bandwidth(store: FileTierStore, max_state_elems: int) -> tuple[float, float]:
+def tier_bandwidth(
+    store: FileTierStore, max_state_elems: int, buffers: Sequence[np.ndarray]
+) -> tuple[float, float]:
     """The tier's ``(read, write)`` bytes/s: its ``read_bandwidth``/``write_bandwidth`` where
-    given, the (cached) probe for the rest."""
+    given, the (cached) probe for the rest, through ``buffers`` (see :func:`probe`)."""
     tier = store.tier
     if tier.read_bandwidth and tier.write_bandwidth:
         return float(tier.read_bandwidth), float(tier.write_bandwidth)
     (elems,) = set(probe_kind(max_state_elems)["probe"])
-    read, write = cached_probe(store, elems)
+    read, write = cached_probe(store, elems, buffers)
     return float(tier.read_bandwidth or read), float(tier.write_bandwidth or write)

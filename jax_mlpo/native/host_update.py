@@ -1,0 +1,157 @@
+"""The update transport: one XLA FFI call that runs the host engine on XLA's own buffers.
+
+:func:`host_update_call` emits a side-effecting custom call, ``jax_mlpo_host_update``, whose
+C++ handler (``jax_mlpo/ffi/host_update.cc``) hands the addresses of every gradient, param and
+update buffer to the function given to :func:`set_host_update`, as numpy views: the engine reads
+the gradients and params and writes the update in place, with no staging copy. The update
+results are aliased onto the gradients wherever dtype and shape allow (inside a jitted train
+step the gradients are intermediates, so XLA reuses their buffers), so an update costs no
+device memory of its own.
+
+Ordering: the call also returns the next step count, which becomes the optimizer state's
+count, so every later update depends on it through its data. XLA never drops the call (it has
+a side effect) and runs it once per executed update; ``lax.cond`` (``optax.apply_if_finite``)
+runs it only on the branch taken.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jax_mlpo.native.library import LIB
+
+__all__ = ["host_update_call", "set_host_update"]
+
+logger = logging.getLogger(__name__)
+
+
+class _BufferView(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("bytes", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+    ]
+
+
+# XLA's PrimitiveType numbers of the dtypes a leaf may have.
+_DTYPES = {
+    1: np.dtype(np.bool_), 2: np.dtype(np.int8), 4: np.dtype(np.int32), 5: np.dtype(np.int64),
+    10: np.dtype(np.float16), 11: np.dtype(np.float32), 12: np.dtype(np.float64),
+    16: np.dtype(ml_dtypes.bfloat16),
+}  # fmt: skip
+
+_Views = ctypes.POINTER(_BufferView)
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int64,
+    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_int64,
+)  # fmt: skip
+LIB.jax_mlpo_set_host_update.argtypes = [_CALLBACK]
+LIB.jax_mlpo_set_host_update.restype = None
+jax.ffi.register_ffi_target(
+    "jax_mlpo_host_update", jax.ffi.pycapsule(LIB.JaxMlpoHostUpdate), platform="cpu"
+)
+
+HostUpdate = Callable[
+    [int, int, np.ndarray, list[np.ndarray], list[np.ndarray], list[np.ndarray]], None
+]
+_runner: HostUpdate | None = None
+
+
+def _array(view: _BufferView, *, writable: bool) -> np.ndarray:
+    """A numpy view of one XLA buffer, valid only while the handler runs."""
+    dtype = _DTYPES.get(view.dtype)
+    if dtype is None:
+        raise TypeError(f"XLA buffer of unsupported element type {view.dtype}")
+    if view.bytes == 0 or not view.data:
+        return np.empty(0, dtype)
+    raw = (ctypes.c_char * view.bytes).from_address(view.data)
+    arr = np.frombuffer(raw, dtype)
+    arr.flags.writeable = writable
+    return arr
+
+
+def _handler(handle, count, scalars, leaves, grads, params, updates, error, capacity) -> int:
+    # Runs on an XLA thread, with the GIL (ctypes takes it). Every exception becomes the
+    # message of the ffi::Error the custom call fails with: none may escape into C.
+    try:
+        if _runner is None:
+            raise RuntimeError("no jax_mlpo host update runner is registered")
+        n = int(leaves)
+        _runner(
+            int(handle), int(count), np.ctypeslib.as_array(scalars, (4,)).copy(),
+            [_array(grads[k], writable=False) for k in range(n)],
+            [_array(params[k], writable=False) for k in range(n)],
+            [_array(updates[k], writable=True) for k in range(n)],
+        )  # fmt: skip
+        return 0
+    except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
+        message = f"{type(e).__name__}: {e}".encode(errors="replace")[: int(capacity) - 1]
+        ctypes.memmove(error, message + b"\0", len(message) + 1)
+        return 1
+
+
+_CALLBACK_REF = _CALLBACK(_handler)  # kept alive: C holds its address for the process's life
+LIB.jax_mlpo_set_host_update(_CALLBACK_REF)
+
+
+def set_host_update(runner: HostUpdate) -> None:
+    """Sets the function every ``jax_mlpo_host_update`` call runs.
+
+    Args:
+      runner: ``runner(handle, count, scalars, grads, params, updates)``: ``scalars`` is
+        ``float32[4]`` (lr, bc1, bc2, grad scale); the three lists hold flat numpy views of
+        XLA's buffers, per leaf, valid only until it returns (``updates[k]`` may share
+        ``grads[k]``'s memory). It raises to fail the call.
+    """
+    global _runner
+    _runner = runner
+
+
+def host_update_call(
+    handle: jax.Array,
+    count: jax.Array,
+    scalars: jax.Array,
+    grads: Sequence[jax.Array],
+    params: Sequence[jax.Array],
+    update_dtypes: Sequence[jnp.dtype],
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Emits the host update's FFI call (inside ``jax.jit``; CPU).
+
+    Args:
+      handle: int32 scalar naming the engine.
+      count: int32 scalar, the step count of the state handed to the update.
+      scalars: ``float32[4]``: lr, bc1, bc2, grad scale.
+      grads: the gradient leaves.
+      params: the param leaves (same shapes).
+      update_dtypes: each update's dtype; where it is the gradient's, the update takes over the
+        gradient's buffer.
+
+    Returns:
+      ``(count + 1, updates)``: the next count (its data orders later updates after this one)
+      and the update leaves, of the params' shapes.
+    """
+    n = len(grads)
+    outs = [jax.ShapeDtypeStruct(jnp.shape(p), dt) for p, dt in zip(params, update_dtypes,
+                                                                   strict=True)]  # fmt: skip
+    aliases = {
+        3 + k: 1 + k
+        for k, (g, out) in enumerate(zip(grads, outs, strict=True))
+        if g.dtype == out.dtype and jnp.shape(g) == out.shape and np.prod(out.shape) > 0
+    }
+    call = jax.ffi.ffi_call(
+        "jax_mlpo_host_update",
+        (jax.ShapeDtypeStruct((), jnp.int32), *outs),
+        has_side_effect=True,
+        input_output_aliases=aliases,
+    )
+    results = call(handle, count, scalars, *grads, *params)
+    assert len(results) == n + 1
+    return results[0], list(results[1:])
