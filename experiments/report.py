@@ -102,7 +102,7 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     ]
     if "host_update" in med:
         rows += [
-            ("  host update (io_callback)", med["host_update"]),
+            ("  host update (engine)", med["host_update"]),
             ("    read wait", med["read_wait"]),
             ("    compute (AdamW)", med["compute"]),
             ("    write wait", med["write_wait"]),

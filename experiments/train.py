@@ -152,8 +152,10 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tupl
 
     ``grad_step(params, rest, tokens) -> (loss, grads)`` is the forward and backward pass;
     ``update_step(grads, opt_state, params) -> (params, opt_state)`` is the optimizer update.
-    With jax_mlpo the update's AdamW runs on the host inside an ordered ``io_callback``, so the
-    wall time of ``update_step`` is the update phase. Off CPU, the update donates its inputs.
+    With jax_mlpo the update's AdamW runs on the host inside one XLA FFI call, so the
+    wall time of ``update_step`` is the update phase. The update donates its inputs: jax_mlpo
+    then writes the update over the gradients' buffer and ``apply_updates`` the params' (XLA's
+    CPU backend honours donation too).
 
     Args:
       graphdef: the model's graph (``nnx.split``).
@@ -174,8 +176,7 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tupl
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    donate = (0, 1, 2) if jax.default_backend() != "cpu" else ()
-    return grad_step, jax.jit(update, donate_argnums=donate)
+    return grad_step, jax.jit(update, donate_argnums=(0, 1, 2))
 
 
 def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:

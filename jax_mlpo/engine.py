@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from jax_mlpo import kernels, placement, scheduler
 from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
+from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.metrics import StepMetrics, TierIOWindow
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.replan import TierAssignment
@@ -61,8 +62,8 @@ class Engine:
         self.layout, self.config = layout, config
         self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
         self._weight_decay = float(weight_decay)
-        # one update at a time: XLA may run two programs' calls at once (a discarded update)
         self._step_lock = threading.Lock()
+        self._staging: SubgroupStaging | None = None
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
@@ -174,16 +175,27 @@ class Engine:
           StaleStateError: if ``count`` is not the step the host state is at.
           EngineFailedError: if an earlier update failed midway.
         """
-        with self._step_lock:
-            if updates is None:
-                updates = [np.zeros(np.size(p), F32) for p in params]
-            self._step(count, hyper, grads, params, updates)
+        if updates is None:
+            updates = [np.zeros(np.size(p), F32) for p in params]
+        self.step_leaves(count, hyper, HostLeaves(grads, params, updates))
         return list(updates)
 
-    def _step(
-        self, count: int, hyper: AdamWHyper, grads: Sequence[np.ndarray],
-        params: Sequence[np.ndarray], updates: Sequence[np.ndarray],
-    ) -> None:  # fmt: skip
+    def step_leaves(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
+        """:meth:`step` on leaves wherever they are (:mod:`jax_mlpo.leaves`)."""
+        with self._step_lock:  # XLA may run two programs' calls at once (a discarded update)
+            self._step(count, hyper, leaves)
+
+    def subgroup_staging(
+        self, pin: Callable[[np.ndarray], None], unpin: Callable[[np.ndarray], None]
+    ) -> SubgroupStaging:
+        """The host buffers a subgroup's leaves are staged through when XLA's are on a device
+        (3 x 4 B x the largest subgroup, beyond ``host_cache``; made and pinned at the first
+        use, unpinned by :meth:`close`)."""
+        if self._staging is None:
+            self._staging = SubgroupStaging(self.layout.max_subgroup_elems, pin, unpin)
+        return self._staging
+
+    def _step(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
         self._check_usable()
         if count != self.step_count:
             raise StaleStateError(
@@ -193,7 +205,7 @@ class Engine:
                 "by the previous one. A wrapper that computes an update and then discards it "
                 "(optax.MultiSteps, a retried or skipped step) cannot be used around it."
             )
-        self.layout.check_leaves(grads, params, updates)
+        leaves.check(self.layout)
         hypers = (hyper._replace(weight_decay=0.0), hyper._replace(weight_decay=self._weight_decay))
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
@@ -205,23 +217,25 @@ class Engine:
         pool, sgs = self.pool, self.layout.subgroups
         t_start = time.monotonic()
         try:
-            self._gradients.before_update(order, grads, metrics)
+            self._gradients.before_update(order, leaves, metrics)
             pool.begin_step(order, metrics)
             for i in order:
                 resident = pool.acquire(i)  # a cache hit, or the read issued for it
                 pool.prefetch()  # the next subgroups' reads, prefetch_depth per tier
                 pool.await_reads(i, resident)
                 t0 = time.monotonic()
+                leaves.fetch(sgs[i])
                 grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                 blob = pool.blob(i, resident.slot)
                 kernels.adamw_subgroup(
-                    self._kernel, sgs[i], blob, grads, grad_blob, params, updates, hypers,
-                    init_master=count == 0,
-                )  # fmt: skip
+                    self._kernel, sgs[i], blob, leaves, grad_blob, hypers, init_master=count == 0
+                )
+                leaves.store(sgs[i])
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1
                 metrics.cache_hits += resident.hit
                 pool.release(i, resident.slot, keep=i in keep)  # retain, or write back behind
+            leaves.finish()
             pool.end_step(write_behind=self.config.write_behind)
         except BaseException as e:
             self._failed = e
@@ -325,3 +339,5 @@ class Engine:
             for tier in self.tiers:
                 tier.close()
             self.tiers = []
+            if self._staging is not None:
+                self._staging.release()

@@ -19,6 +19,7 @@ import numpy as np
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import Layout
+from jax_mlpo.leaves import Leaves
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.tiers.file import FileTierStore
@@ -39,7 +40,7 @@ class GradientSource(Protocol):
              assignment: TierAssignment) -> None:  # fmt: skip
         """Connects it to the engine's pool and tiers (tiered engines only)."""
 
-    def before_update(self, order: Sequence[int], grads: Sequence[np.ndarray],
+    def before_update(self, order: Sequence[int], leaves: Leaves,
                       metrics: StepMetrics) -> None:  # fmt: skip
         """Runs before the first subgroup of an update."""
 
@@ -61,7 +62,7 @@ class InMemoryGradients:
     def bind(self, pool, stores, assignment) -> None:
         pass
 
-    def before_update(self, order, grads, metrics) -> None:
+    def before_update(self, order, leaves, metrics) -> None:
         pass
 
     def reads(self, index: int, slot: int) -> list[Future]:
@@ -97,7 +98,7 @@ class TierGradients:
     def bind(self, pool, stores, assignment) -> None:
         self._pool, self._stores, self._assignment = pool, stores, assignment
 
-    def before_update(self, order, grads, metrics) -> None:
+    def before_update(self, order, leaves, metrics) -> None:
         """Writes each non-resident subgroup's fp32 gradients to its tier, a slot's buffer at a
         time, and waits for them all (DeepSpeed's swap-out, timed as ``grad_write_s``)."""
         t_start = time.monotonic()
@@ -114,8 +115,9 @@ class TierGradients:
             full = free.popleft()
             buf = full[: sg.size]
             t0 = time.monotonic()
+            leaves.fetch(sg)
             for seg in sg.segments:
-                buf[seg.span] = grads[seg.leaf][seg.leaf_span]
+                buf[seg.span] = leaves.segment(seg)[0]
             metrics.compute_s += time.monotonic() - t0
             store = self._stores[self._assignment.tier_of[i]]
             pending.append((store.write(i, buf, kind="grad"), full, i))

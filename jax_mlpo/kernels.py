@@ -11,12 +11,13 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from jax_mlpo import native
 from jax_mlpo.layout import Subgroup
+from jax_mlpo.leaves import Leaves
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 __all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
@@ -100,10 +101,8 @@ def adamw_subgroup(
     kernel: Callable[..., None],
     sg: Subgroup,
     blob: np.ndarray,
-    grads: Sequence[np.ndarray],
+    leaves: Leaves,
     grad_blob: np.ndarray | None,
-    params: Sequence[np.ndarray],
-    outs: Sequence[np.ndarray],
     hypers: tuple[AdamWHyper, AdamWHyper],
     init_master: bool,
 ) -> None:
@@ -113,19 +112,19 @@ def adamw_subgroup(
       kernel: :func:`native_adamw_step` or :func:`adamw_step_reference`.
       sg: the subgroup.
       blob: its ``[p | m | v]`` (or ``[m | v]``) state, updated in place.
-      grads: the flat gradient leaves (read where ``grad_blob`` is None).
+      leaves: the update's gradients, params and updates (fetched for this subgroup); the
+        gradients are read where ``grad_blob`` is None, the updates written (float32, or
+        bfloat16 for bfloat16 params; an update may be its gradient's own buffer).
       grad_blob: the subgroup's fp32 gradients (the baseline's tier path), or None.
-      params: the flat param leaves.
-      outs: the flat update leaves, written (float32, or bfloat16 for bfloat16 params;
-        a leaf may be its gradient's own buffer).
       hypers: the step's scalars without and with weight decay (a segment's mask picks one).
       init_master: the first step: the fp32 master copy starts as the bf16 params' value.
     """
     p, m, v = sg.split(blob)
     for seg in sg.segments:
-        s, leaf = seg.span, seg.leaf_span
-        param, out = params[seg.leaf][leaf], outs[seg.leaf][leaf]
-        grad = grads[seg.leaf][leaf] if grad_blob is None else grad_blob[s]
+        s = seg.span
+        grad, param, out = leaves.segment(seg)
+        if grad_blob is not None:
+            grad = grad_blob[s]
         hyper = hypers[seg.decay]
         if seg.master:
             if init_master:

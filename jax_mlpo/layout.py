@@ -84,6 +84,10 @@ class Layout:
         return sum(sg.size for sg in self.subgroups)
 
     @property
+    def max_subgroup_elems(self) -> int:
+        return max((sg.size for sg in self.subgroups), default=0)
+
+    @property
     def max_state_elems(self) -> int:
         return max((sg.state_elems for sg in self.subgroups), default=0)
 

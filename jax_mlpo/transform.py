@@ -27,7 +27,9 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
 from jax_mlpo.layout import build_layout, resolve_mask
-from jax_mlpo.native.host_update import host_update_call, set_host_update
+from jax_mlpo.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
+from jax_mlpo.native.host_update import ensure_platform, host_update_call, set_host_update
 
 
 class OffloadedAdamWState(NamedTuple):
@@ -148,15 +150,21 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
-def _run_update(handle, count, scalars, grads, params, updates) -> None:
-    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL)."""
+def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
+    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
+    XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU."""
     engine = _engine(handle)
     lr, bc1, bc2, scale = (float(x) for x in scalars)
     hyper = AdamWHyper(
         bc1=bc1, bc2=bc2, lr=lr, b1=engine.b1, b2=engine.b2, eps=engine.eps, weight_decay=0.0,
         grad_scale=scale,
     )  # fmt: skip
-    engine.step(count, hyper, grads, params, updates)
+    if stream is None:
+        leaves = HostLeaves(grads, params, updates)
+    else:
+        staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
+        leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
+    engine.step_leaves(count, hyper, leaves)
 
 
 set_host_update(_run_update)
@@ -256,6 +264,7 @@ def adamw(
 
     def init_fn(params):
         _refuse_discarding_wrappers()
+        ensure_platform(jax.default_backend())
         if distributed.is_multiprocess():
             # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
             # of its own shards, in per-process tier directories.

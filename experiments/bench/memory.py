@@ -177,6 +177,10 @@ def main() -> None:
                 row = run_child(system, mi, args.cache, tier, args.steps)
                 shutil.rmtree(tier, ignore_errors=True)
                 rows.append(row)
+                if args.json:
+                    from experiments.bench.harness import write_json
+
+                    write_json(args.json, {"rows": rows, "partial": True})
                 logger.info(
                     "%-8s %4d Mi params: peak RSS %.2f GiB (%.2f B/param), numpy peak %.0f MiB",
                     system, mi, row["peak_rss"] / 2**30, row["peak_rss"] / row["params"],
@@ -188,7 +192,7 @@ def main() -> None:
     lines = {
         s: fit([(r["params"], r["peak_rss"]) for r in rows if r["system"] == s]) for s in systems
     }
-    cache = parse_size(args.cache)
+    cache = parse_size(args.cache, "--cache")
     print(f"\n{'system':<9} " + " ".join(f"{m:>5d}Mi" for m in sizes) + "   slope B/param  "
           "intercept GiB")  # fmt: skip
     for s in systems:

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "host_update.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -20,26 +21,7 @@ namespace ffi = xla::ffi;
 namespace jax_mlpo {
 namespace {
 
-// One XLA buffer as the callback sees it; dtype is XLA's PrimitiveType number (F32 = 11).
-struct BufferView {
-  void* data;
-  int64_t bytes;
-  int32_t dtype;
-  int32_t unused;
-};
-
-// Returns 0, or non-zero after writing a NUL-terminated message of at most error_capacity bytes.
-using HostUpdateFn = int (*)(int32_t handle, int32_t count, const float* scalars, int64_t leaves,
-                             const BufferView* grads, const BufferView* params,
-                             const BufferView* updates, char* error, int64_t error_capacity);
-
 std::atomic<HostUpdateFn> g_host_update{nullptr};
-
-constexpr int64_t kErrorCapacity = 8192;
-
-BufferView View(const ffi::AnyBuffer& b) {
-  return {b.untyped_data(), int64_t(b.size_bytes()), int32_t(b.element_type()), 0};
-}
 
 ffi::Error HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S32> count,
                           ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs leaves,
@@ -53,25 +35,13 @@ ffi::Error HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S32
     return ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[4]");
   }
   const size_t n = updates.size();
-  if (leaves.size() != 2 * n) {
-    return ffi::Error::InvalidArgument(
-        "jax_mlpo_host_update: expected a gradient and a param operand per update result");
-  }
-  std::vector<BufferView> views(3 * n);
-  for (size_t k = 0; k < 2 * n; ++k) {
-    auto leaf = leaves.get<ffi::AnyBuffer>(k);
-    if (leaf.has_error()) return leaf.error();
-    views[k] = View(*leaf);
-  }
-  for (size_t k = 0; k < n; ++k) {
-    auto update = updates.get<ffi::AnyBuffer>(k);
-    if (update.has_error()) return update.error();
-    views[2 * n + k] = View(**update);
-  }
-  std::string error(kErrorCapacity, '\0');
+  std::vector<BufferView> views;
+  if (auto err = CollectViews(leaves, updates, &views); !err.success()) return err;
+  std::string error(kHostUpdateErrorCapacity, '\0');
   const int32_t c = count.typed_data()[0];
   const int rc = fn(handle.typed_data()[0], c, scalars.typed_data(), int64_t(n), views.data(),
-                    views.data() + n, views.data() + 2 * n, error.data(), kErrorCapacity);
+                    views.data() + n, views.data() + 2 * n, /*stream=*/nullptr, error.data(),
+                    kHostUpdateErrorCapacity);
   if (rc != 0) {
     error.resize(error.find('\0'));
     return ffi::Error::Internal(error.empty() ? "jax_mlpo host update failed" : error);

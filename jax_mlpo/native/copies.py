@@ -32,7 +32,9 @@ __all__ = [
     "bf16_to_f32",
     "copy_from_host",
     "copy_to_host",
+    "CudaCopier",
     "cuda_host_register",
+    "cuda_lib",
     "cuda_host_unregister",
     "f32_to_bf16",
     "host_descriptor",
@@ -211,7 +213,12 @@ def _gpu_present() -> bool:
 
 
 @functools.cache
-def _cuda_lib() -> ctypes.CDLL:
+def cuda_lib() -> ctypes.CDLL:
+    """The CUDA module (``jax_mlpo._native_cuda``), its functions declared.
+
+    Raises:
+      ImportError: if it was not built (``JAX_MLPO_ENABLE_CUDA=ON``).
+    """
     lib = load("jax_mlpo._native_cuda")
     declare(
         lib,
@@ -222,6 +229,9 @@ def _cuda_lib() -> ctypes.CDLL:
             ("jax_mlpo_cuda_host_unregister", [P], ctypes.c_int),
             ("jax_mlpo_cuda_memcpy_bench", [P, P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                             ctypes.POINTER(ctypes.c_double)], ctypes.c_int),
+            ("jax_mlpo_cuda_memcpy_async", [P, P, ctypes.c_size_t, ctypes.c_int, P],
+             ctypes.c_int),
+            ("jax_mlpo_cuda_stream_synchronize", [P], ctypes.c_int),
         ],
     )  # fmt: skip
     return lib
@@ -238,7 +248,7 @@ def _ensure_cuda_targets() -> None:
         return
     with _CUDA_LOCK:
         if not _cuda_registered and _gpu_present():
-            lib = _cuda_lib()
+            lib = cuda_lib()
             for target, symbol in [
                 ("jax_mlpo_to_host", "JaxMlpoCudaToHost"),
                 ("jax_mlpo_from_host", "JaxMlpoCudaFromHost"),
@@ -251,7 +261,7 @@ def _ensure_cuda_targets() -> None:
 
 def _cuda_check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"{what}: {_cuda_lib().jax_mlpo_cuda_error_string(rc).decode()}")
+        raise RuntimeError(f"{what}: {cuda_lib().jax_mlpo_cuda_error_string(rc).decode()}")
 
 
 def cuda_host_register(buf: np.ndarray) -> None:
@@ -268,7 +278,7 @@ def cuda_host_register(buf: np.ndarray) -> None:
     """
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
         raise ValueError("the host buffer must be a C-contiguous numpy array")
-    rc = _cuda_lib().jax_mlpo_cuda_host_register(address(buf), buf.nbytes)
+    rc = cuda_lib().jax_mlpo_cuda_host_register(address(buf), buf.nbytes)
     _cuda_check(rc, "cudaHostRegister")
 
 
@@ -278,4 +288,36 @@ def cuda_host_unregister(buf: np.ndarray) -> None:
     Raises:
       RuntimeError: if the CUDA module is not built or CUDA refuses.
     """
-    _cuda_check(_cuda_lib().jax_mlpo_cuda_host_unregister(address(buf)), "cudaHostUnregister")
+    _cuda_check(cuda_lib().jax_mlpo_cuda_host_unregister(address(buf)), "cudaHostUnregister")
+
+
+class CudaCopier:
+    """Copies between host arrays and device addresses with ``cudaMemcpyAsync`` on one stream
+    (XLA's, handed to the host update): the :class:`jax_mlpo.leaves.Copier` of a GPU.
+
+    Args:
+      stream: the ``cudaStream_t``, as an int.
+    """
+
+    def __init__(self, stream: int) -> None:
+        self._stream = stream
+        self._lib = cuda_lib()
+
+    def to_host(self, dst: np.ndarray, src: int) -> None:
+        if dst.nbytes:
+            rc = self._lib.jax_mlpo_cuda_memcpy_async(
+                address(dst), src, dst.nbytes, 2, self._stream
+            )
+            _cuda_check(rc, "cudaMemcpyAsync (device to host)")
+
+    def to_device(self, dst: int, src: np.ndarray) -> None:
+        if src.nbytes:
+            rc = self._lib.jax_mlpo_cuda_memcpy_async(
+                dst, address(src), src.nbytes, 1, self._stream
+            )
+            _cuda_check(rc, "cudaMemcpyAsync (host to device)")
+
+    def synchronize(self) -> None:
+        _cuda_check(
+            self._lib.jax_mlpo_cuda_stream_synchronize(self._stream), "cudaStreamSynchronize"
+        )

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_mlpo.native.copies import cuda_lib
 from jax_mlpo.native.library import LIB
 
-__all__ = ["host_update_call", "set_host_update"]
+__all__ = ["DeviceBuffer", "ensure_platform", "host_update_call", "set_host_update"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ _DTYPES = {
 _Views = ctypes.POINTER(_BufferView)
 _CALLBACK = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int64,
-    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_int64,
+    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
 )  # fmt: skip
 LIB.jax_mlpo_set_host_update.argtypes = [_CALLBACK]
 LIB.jax_mlpo_set_host_update.restype = None
@@ -59,17 +62,34 @@ jax.ffi.register_ffi_target(
     "jax_mlpo_host_update", jax.ffi.pycapsule(LIB.JaxMlpoHostUpdate), platform="cpu"
 )
 
-HostUpdate = Callable[
-    [int, int, np.ndarray, list[np.ndarray], list[np.ndarray], list[np.ndarray]], None
-]
+
+class DeviceBuffer(NamedTuple):
+    """A flat XLA buffer in device memory: its address, byte count and dtype."""
+
+    address: int
+    nbytes: int
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+Leaf = np.ndarray | DeviceBuffer
+HostUpdate = Callable[[int, int, np.ndarray, list[Leaf], list[Leaf], list[Leaf], int | None], None]
 _runner: HostUpdate | None = None
 
 
-def _array(view: _BufferView, *, writable: bool) -> np.ndarray:
-    """A numpy view of one XLA buffer, valid only while the handler runs."""
+def _dtype(view: _BufferView) -> np.dtype:
     dtype = _DTYPES.get(view.dtype)
     if dtype is None:
         raise TypeError(f"XLA buffer of unsupported element type {view.dtype}")
+    return dtype
+
+
+def _array(view: _BufferView, *, writable: bool) -> np.ndarray:
+    """A numpy view of one XLA buffer in host memory, valid only while the handler runs."""
+    dtype = _dtype(view)
     if view.bytes == 0 or not view.data:
         return np.empty(0, dtype)
     raw = (ctypes.c_char * view.bytes).from_address(view.data)
@@ -78,18 +98,25 @@ def _array(view: _BufferView, *, writable: bool) -> np.ndarray:
     return arr
 
 
-def _handler(handle, count, scalars, leaves, grads, params, updates, error, capacity) -> int:
+def _device(view: _BufferView, *, writable: bool) -> DeviceBuffer:
+    del writable
+    return DeviceBuffer(int(view.data or 0), int(view.bytes), _dtype(view))
+
+
+def _handler(handle, count, scalars, leaves, grads, params, updates, stream, error,
+             capacity) -> int:  # fmt: skip
     # Runs on an XLA thread, with the GIL (ctypes takes it). Every exception becomes the
     # message of the ffi::Error the custom call fails with: none may escape into C.
     try:
         if _runner is None:
             raise RuntimeError("no jax_mlpo host update runner is registered")
         n = int(leaves)
+        leaf = _array if stream is None else _device
         _runner(
             int(handle), int(count), np.ctypeslib.as_array(scalars, (4,)).copy(),
-            [_array(grads[k], writable=False) for k in range(n)],
-            [_array(params[k], writable=False) for k in range(n)],
-            [_array(updates[k], writable=True) for k in range(n)],
+            [leaf(grads[k], writable=False) for k in range(n)],
+            [leaf(params[k], writable=False) for k in range(n)],
+            [leaf(updates[k], writable=True) for k in range(n)], stream,
         )  # fmt: skip
         return 0
     except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
@@ -106,13 +133,52 @@ def set_host_update(runner: HostUpdate) -> None:
     """Sets the function every ``jax_mlpo_host_update`` call runs.
 
     Args:
-      runner: ``runner(handle, count, scalars, grads, params, updates)``: ``scalars`` is
-        ``float32[4]`` (lr, bc1, bc2, grad scale); the three lists hold flat numpy views of
-        XLA's buffers, per leaf, valid only until it returns (``updates[k]`` may share
-        ``grads[k]``'s memory). It raises to fail the call.
+      runner: ``runner(handle, count, scalars, grads, params, updates, stream)``: ``scalars``
+        is ``float32[4]`` (lr, bc1, bc2, grad scale); the three lists hold XLA's buffers per
+        leaf, valid only until it returns (``updates[k]`` may share ``grads[k]``'s memory):
+        flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer` s on a GPU (``stream``
+        is XLA's ``cudaStream_t``; copy through it and synchronize before returning). It
+        raises to fail the call.
     """
     global _runner
     _runner = runner
+
+
+_CUDA_LOCK = threading.Lock()
+_cuda_ready = False
+
+
+def ensure_platform(platform: str) -> None:
+    """Makes the host update callable on ``platform`` (``"cpu"``, or ``"gpu"``/``"cuda"``).
+
+    Raises:
+      ImportError: on a GPU, if the CUDA module was not built, with how to build it.
+      NotImplementedError: for any other platform.
+    """
+    global _cuda_ready
+    if platform == "cpu":
+        return
+    if platform not in ("gpu", "cuda"):
+        raise NotImplementedError(
+            f"jax_mlpo's update transport has handlers for CPU and CUDA, not {platform!r}"
+        )
+    with _CUDA_LOCK:
+        if _cuda_ready:
+            return
+        try:
+            lib = cuda_lib()
+        except ImportError as e:
+            raise ImportError(
+                f"{e}. On a GPU jax_mlpo needs its CUDA handlers: rebuild with "
+                "JAX_MLPO_ENABLE_CUDA=ON (pip install --no-build-isolation -e . with nvcc on PATH)"
+            ) from None
+        lib.jax_mlpo_cuda_set_host_update.argtypes = [_CALLBACK]
+        lib.jax_mlpo_cuda_set_host_update.restype = None
+        lib.jax_mlpo_cuda_set_host_update(_CALLBACK_REF)
+        jax.ffi.register_ffi_target(
+            "jax_mlpo_host_update", jax.ffi.pycapsule(lib.JaxMlpoCudaHostUpdate), platform="CUDA"
+        )
+        _cuda_ready = True
 
 
 def host_update_call(

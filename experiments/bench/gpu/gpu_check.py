@@ -76,9 +76,9 @@ def same_bits(a, b) -> bool:
 
 def raw_memcpy_seconds(dst: int, src: int, nbytes: int, kind: int, repeats: int) -> float:
     times = (ctypes.c_double * (repeats + 1))()
-    rc = copies._cuda_lib().jax_mlpo_cuda_memcpy_bench(dst, src, nbytes, kind, repeats + 1, times)
+    rc = copies.cuda_lib().jax_mlpo_cuda_memcpy_bench(dst, src, nbytes, kind, repeats + 1, times)
     if rc != 0:
-        raise RuntimeError(copies._cuda_lib().jax_mlpo_cuda_error_string(rc).decode())
+        raise RuntimeError(copies.cuda_lib().jax_mlpo_cuda_error_string(rc).decode())
     return statistics.median(list(times)[1:])  # the first copy is a warm-up
 
 
@@ -192,7 +192,7 @@ def main() -> int:
         print("FAIL: no GPU backend")
         return 2
     copies._ensure_cuda_targets()
-    print(f"CUDA devices seen by _native_cuda: {copies._cuda_lib().jax_mlpo_cuda_device_count()}")
+    print(f"CUDA devices seen by _native_cuda: {copies.cuda_lib().jax_mlpo_cuda_device_count()}")
     cpu = jax.devices("cpu")[0]
     checks = [lambda: step_parity(gpus[0], cpu, (1 << 20) + 3, args.steps)]
     checks += [functools.partial(bandwidth, gpus[0], mib << 20, args.repeats) for mib in args.mib]

@@ -1,0 +1,62 @@
+// What the host-update handlers (CPU: host_update.cc, CUDA: cuda_host_update.cu) hand the Python
+// engine's callback: one view per XLA buffer, and the stream on a GPU.
+#ifndef JAX_MLPO_FFI_HOST_UPDATE_H_
+#define JAX_MLPO_FFI_HOST_UPDATE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_mlpo {
+
+// One XLA buffer: host memory on CPU, device memory on a GPU. dtype is XLA's PrimitiveType
+// number (F32 = 11, BF16 = 16).
+struct BufferView {
+  void* data;
+  int64_t bytes;
+  int32_t dtype;
+  int32_t unused;
+};
+
+// The engine's side of one update. stream is XLA's cudaStream_t on a GPU (the callback copies
+// each subgroup through pinned buffers on it) and null on CPU (the views are host memory).
+// Returns 0, or non-zero after writing a NUL-terminated message of at most error_capacity bytes.
+using HostUpdateFn = int (*)(int32_t handle, int32_t count, const float* scalars, int64_t leaves,
+                             const BufferView* grads, const BufferView* params,
+                             const BufferView* updates, void* stream, char* error,
+                             int64_t error_capacity);
+
+constexpr int64_t kHostUpdateErrorCapacity = 8192;
+
+// The views of a call's 2n leaf operands (gradients, then params) and n update results, in
+// that order; fails when the counts do not match.
+inline xla::ffi::Error CollectViews(xla::ffi::RemainingArgs leaves,
+                                    xla::ffi::RemainingRets updates,
+                                    std::vector<BufferView>* views) {
+  namespace ffi = xla::ffi;
+  const size_t n = updates.size();
+  if (leaves.size() != 2 * n) {
+    return ffi::Error::InvalidArgument(
+        "jax_mlpo_host_update: expected a gradient and a param operand per update result");
+  }
+  views->resize(3 * n);
+  auto view = [](const ffi::AnyBuffer& b) {
+    return BufferView{b.untyped_data(), int64_t(b.size_bytes()), int32_t(b.element_type()), 0};
+  };
+  for (size_t k = 0; k < 2 * n; ++k) {
+    auto leaf = leaves.get<ffi::AnyBuffer>(k);
+    if (leaf.has_error()) return leaf.error();
+    (*views)[k] = view(*leaf);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    auto update = updates.get<ffi::AnyBuffer>(k);
+    if (update.has_error()) return update.error();
+    (*views)[2 * n + k] = view(**update);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_mlpo
+
+#endif  // JAX_MLPO_FFI_HOST_UPDATE_H_
