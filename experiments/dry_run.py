@@ -161,14 +161,12 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         out["tier_bandwidths"] = (
             "given" if plan.bandwidths_given else "assumed equal (probed at start)"
         )
-    bf16 = plan.param_dtype == "bfloat16"
-    grad_b = param_b = 2 if bf16 else 4
-    dt = "bf16" if bf16 else "fp32"
+    # The update reads gradients and params in XLA's buffers and writes the update over the
+    # gradients (issue 14): nothing of the model's size on the host beyond the cache. On a GPU
+    # a subgroup's gradients, params and update are staged through pinned buffers.
     out["host_buffers"] = {
         "optimizer engine (host cache)": host.host_bytes,
-        f"gradients handed to the update ({dt})": per_proc * grad_b,
-        f"params handed to the update ({dt})": per_proc * param_b,
-        "updates returned (fp32)": per_proc * 4,
+        "subgroup staging on a GPU (3 x 4 B x subgroup)": 12 * plan.subgroup_elems,
     }
     out["host_bytes"] = sum(out["host_buffers"].values())
     return out

@@ -32,6 +32,8 @@ class GradientSource(Protocol):
     #: whether a written-back subgroup may be updated again from its clean buffer (its
     #: gradients then come from memory, not from the tier)
     reuse_clean: bool
+    #: host memory of its own buffers
+    host_bytes: int
 
     def tier_kinds(self) -> dict[str, list[int]]:
         """Blob kinds the tiers must hold for it (slot length per subgroup)."""
@@ -55,6 +57,7 @@ class InMemoryGradients:
     """Delayed conversion: the kernel reads the bf16 (or fp32) gradient leaves in place."""
 
     reuse_clean = True
+    host_bytes = 0
 
     def tier_kinds(self) -> dict[str, list[int]]:
         return {}
@@ -91,6 +94,7 @@ class TierGradients:
         self._layout = layout
         self._max = max(sg.size for sg in layout.subgroups)
         self._buffers = [touched_buffer(self._max) for _ in range(slots)]
+        self.host_bytes = sum(b.nbytes for b in self._buffers)
 
     def tier_kinds(self) -> dict[str, list[int]]:
         return {"grad": [sg.size for sg in self._layout.subgroups]}

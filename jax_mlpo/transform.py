@@ -11,6 +11,7 @@ alike. The call returns the next step count, so each update's data depends on th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import sys
@@ -94,7 +95,8 @@ def engine_of(opt_state: Any) -> Engine:
 
 
 def close(opt_state: Any) -> None:
-    """Waits for in-flight writes, releases the tier locks and forgets the host state.
+    """Waits for the update in flight and the writes, releases the tier locks and forgets the
+    host state.
 
     After this, ``opt_state`` cannot be updated any more.
 
@@ -112,6 +114,9 @@ def close(opt_state: Any) -> None:
             "optimizer.opt_state)"
         )
     for state in states:
+        # the state's count is the last update's output: once it is ready, that update has run
+        with contextlib.suppress(Exception):  # a failed update: close what it left all the same
+            jax.block_until_ready(_unwrap(state.count))
         key = _key(_unwrap(state.handle))
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)

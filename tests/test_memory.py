@@ -2,7 +2,8 @@
 
 A jitted, donated bf16 train step of 64Mi params with all optimizer state on a disk tier runs in
 a fresh process (experiments/bench/memory.py's child), beside the same step with no optimizer.
-The staging transport this replaced held 8 B/param of host copies (0.5 GiB here) on top.
+The staging transport this replaced held 8 B/param of host copies (0.5 GiB here) on top,
+so the bound below would fail by 64 MiB at least.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 PARAMS_MI = 64
-CACHE = 128 * 2**20
+CACHE = 256 * 2**20  # the pipeline: 4 buffers of 48 MiB (4Mi-element subgroups)
 
 
 def run(system: str, tier) -> dict:
@@ -27,9 +28,10 @@ def test_engine_host_memory_is_the_host_cache(tmp_path):
     floor = run("none", tmp_path / "none")
     mlpo = run("jax_mlpo", tmp_path / "tier")
     n = PARAMS_MI * 2**20
-    # the engine's pool is within its budget, and it allocates nothing else of note in numpy
+    # the engine's pool is within its budget, and nothing else of note is allocated in Python
+    # (tracemalloc: numpy arrays, jax's tracing and lowering; the staging held 512 MiB here)
     assert mlpo["engine_host_bytes"] <= CACHE
-    assert mlpo["numpy_peak"] <= 16 * 2**20, mlpo["numpy_peak"]
+    assert mlpo["traced_peak"] <= 32 * 2**20, mlpo["traced_peak"]
     # over the no-optimizer step: the gradients XLA keeps for the update (bf16, 2 B/param; the
     # update takes over their buffer) and the host cache, with 64 MiB for the rest
     growth = (mlpo["peak_rss"] - mlpo["rss_start"]) - (floor["peak_rss"] - floor["rss_start"])

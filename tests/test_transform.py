@@ -390,3 +390,24 @@ def test_cache_hits_use_this_steps_gradients(delayed, tmp_path):
     assert min(hits[1:]) > 0, hits
     err = np.max(np.abs(np.asarray(got["w"]) - np.asarray(want["w"])))
     assert err <= 1e-6, err
+
+
+def test_apply_if_finite_skips_the_host_update(tmp_path):
+    """optax.apply_if_finite runs the update inside lax.cond: a non-finite gradient takes the
+    other branch, so the host state does not advance, and the next finite update goes on."""
+    params = make_params(jnp.float32)
+    inner = jax_mlpo.adamw(1e-2, offload=offload_config(CASES[0], jnp.float32, tmp_path))
+    tx = optax.apply_if_finite(inner, max_consecutive_errors=5)
+    state = tx.init(params)
+    engine = jax_mlpo.engine_of(state)
+    update = jax.jit(tx.update)
+    good = jax.tree.map(jnp.ones_like, params)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan) if g.ndim == 1 else g * jnp.nan, good)
+    steps = []
+    for grads in (good, bad, bad, good):
+        updates, state = update(grads, state, params)
+        jax.block_until_ready(updates)
+        steps.append(engine.step_count)
+    assert steps == [1, 1, 1, 2]
+    assert int(state.notfinite_count) == 0 and int(state.total_notfinite) == 2
+    jax_mlpo.close(state)

@@ -6,6 +6,8 @@
 3. A jitted step whose gradients leave the GPU through the FFI, are updated on the host by the
    native AdamW kernel and come back through the FFI equals the CPU path (the CPU FFI kernel on
    the CPU device) bit for bit.
+4. ``jax_mlpo.adamw`` itself on GPU params (the CUDA handler of the host update, subgroups
+   staged through pinned buffers) equals the same run on the CPU device bit for bit.
 
 Prints a report; exits non-zero if a check fails.
 
@@ -168,6 +170,50 @@ def step_parity(gpu, cpu, n: int, steps: int) -> None:
             native.cuda_host_unregister(h)
 
 
+def transport_parity(gpu, cpu, steps: int) -> None:
+    """jax_mlpo.adamw on GPU params (the CUDA host-update handler: subgroups staged through
+    pinned buffers on XLA's stream) equals the same run on the CPU device bit for bit."""
+    import tempfile
+    import time
+
+    import optax
+
+    import jax_mlpo
+
+    shapes = {"a": (1000, 1003), "b": (77,), "c": (3, 5)}
+
+    def run(dev):
+        with jax.default_device(dev), tempfile.TemporaryDirectory() as tier:
+            params = {
+                k: jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16)
+                for i, (k, shape) in enumerate(shapes.items())
+            }
+            config = jax_mlpo.OffloadConfig(host_cache="64MiB", tiers=[tier], subgroup_size=1 << 18)
+            tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+            state = tx.init(params)
+
+            @jax.jit
+            def step(p, s, t):
+                g = jax.tree.map(lambda x: (x.astype(jnp.float32) * (0.25 * t)).astype(x.dtype), p)
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            times = []
+            for t in range(1, steps + 2):
+                t0 = time.perf_counter()
+                params, state = jax.block_until_ready(step(params, state, np.float32(t)))
+                times.append(time.perf_counter() - t0)
+            host_bytes = jax_mlpo.engine_of(state).host_bytes
+            jax_mlpo.close(state)
+        print(f"  {dev.platform}: median step {statistics.median(times[1:]) * 1e3:.1f} ms, "
+              f"engine host memory {host_bytes / 2**20:.1f} MiB")  # fmt: skip
+        return jax.device_get(params)
+
+    results = {dev.platform: run(dev) for dev in (gpu, cpu)}
+    ok = all(same_bits(results["gpu"][k], results["cpu"][k]) for k in shapes)
+    check(ok, f"{steps + 1} jax_mlpo.adamw steps on the GPU equal the CPU run bit for bit")
+
+
 def small_buffer_error(gpu) -> None:
     x = jax.device_put(jnp.zeros(1000, jnp.float32), gpu)
     small = np.zeros(999, F32)
@@ -195,6 +241,7 @@ def main() -> int:
     print(f"CUDA devices seen by _native_cuda: {copies.cuda_lib().jax_mlpo_cuda_device_count()}")
     cpu = jax.devices("cpu")[0]
     checks = [lambda: step_parity(gpus[0], cpu, (1 << 20) + 3, args.steps)]
+    checks += [lambda: transport_parity(gpus[0], cpu, args.steps)]
     checks += [functools.partial(bandwidth, gpus[0], mib << 20, args.repeats) for mib in args.mib]
     checks += [lambda: small_buffer_error(gpus[0])]
     for fn in checks:
