@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from experiments.host_memory import meminfo, training_memory
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import placement
 from jax_mlpo.plan import HostPlan, TierSplit, host_plan, tier_split
@@ -169,6 +170,13 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "subgroup staging on a GPU (3 x 4 B x subgroup)": 12 * plan.subgroup_elems,
     }
     out["host_bytes"] = sum(out["host_buffers"].values())
+    if processes == 1:  # the whole training process on this machine, as pretrain.py checks it
+        training = {}
+        for name, use_optax in (("offload", False), ("optax", True)):
+            plan_ = training_memory(cfg, use_optax)
+            training[name] = {"parts": plan_.parts, "host_bytes": plan_.host_total}
+        out["training_memory"] = training
+        out["mem_available"] = meminfo("MemAvailable")
     return out
 
 
@@ -216,7 +224,15 @@ def format_dry_run(d: dict[str, Any]) -> str:
     rows.append(("offload.host_cache", _gb(d["host_cache"])))
     for name, nbytes in d["host_buffers"].items():
         rows.append((f"host: {name}", _gb(nbytes)))
-    rows.append(("host memory needed per process", _gb(d["host_bytes"])))
+    rows.append(("host memory per process on a GPU node", _gb(d["host_bytes"])))
+    for name, t in d.get("training_memory", {}).items():
+        for part, nbytes in t["parts"].items():
+            if nbytes:
+                rows.append((f"train on CPU, {name}: {part}", _gb(nbytes)))
+        avail = d.get("mem_available")
+        fits = "" if avail is None else (" (fits)" if t["host_bytes"] <= avail else
+                                         f" > {_gb(avail)} available: refused")  # fmt: skip
+        rows.append((f"train on CPU, {name}: host memory", _gb(t["host_bytes"]) + fits))
     if d["problem"]:
         rows.append(("PROBLEM", d["problem"]))
     width = max(len(k) for k, _ in rows)

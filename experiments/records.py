@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import statistics
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ def step_record(
         "loss": loss,
         **job.timings,
         "tokens_per_s": tokens_per_step / job.step_time_s,
+        **memory_record(),
     }
     if job.metrics is not None:
         r.update(update_record(job.metrics))
@@ -67,6 +69,20 @@ def step_record(
         r["per_process"] = {out: every_process[k] for k, out in PER_PROCESS.items()
                             if k in every_process}  # fmt: skip
     return r
+
+
+def memory_record() -> dict[str, int]:
+    """This process's resident memory now and at its peak (``VmRSS``, ``VmHWM``), in bytes."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                for field, key in (("VmRSS:", "rss_bytes"), ("VmHWM:", "peak_rss_bytes")):
+                    if line.startswith(field):
+                        out[key] = int(line.split()[1]) * 1024
+    except OSError:  # no procfs: the peak from getrusage (KiB on Linux)
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
 
 
 def update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:
@@ -115,6 +131,8 @@ def progress(r: dict[str, Any]) -> dict[str, str]:
         "fwd+bwd": f"{1e3 * r['fwd_bwd_s']:.0f}ms",
         "update": f"{1e3 * r['update_s']:.0f}ms",
     }
+    if "peak_rss_bytes" in r:
+        out["RSS"] = f"{r.get('rss_bytes', 0) / 2**30:.1f}/{r['peak_rss_bytes'] / 2**30:.1f}G"
     if "read_wait_s" in r:
         waits = (r["read_wait_s"], r["compute_s"], r["write_wait_s"])
         out["r/c/w"] = "/".join(f"{1e3 * w:.0f}" for w in waits) + "ms"

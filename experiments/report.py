@@ -88,6 +88,9 @@ def summarize(records: Sequence[dict[str, Any]], skip: int) -> dict[str, Any]:
     }
     if "cache_hit_rate" in window[0]:
         out["cache_hit_rate"] = float(np.mean([r["cache_hit_rate"] for r in window]))
+    peaks = [r["peak_rss_bytes"] for r in records if "peak_rss_bytes" in r]
+    if peaks:
+        out["peak_rss_bytes"] = max(peaks)
     return out
 
 
@@ -117,6 +120,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     extra = [f"tokens/s {summary['tokens_per_s']:,.0f}"]
     if "cache_hit_rate" in summary:
         extra.append(f"cache hit rate {100 * summary['cache_hit_rate']:.0f}%")
+    if "peak_rss_bytes" in summary:
+        extra.append(f"peak RSS {summary['peak_rss_bytes'] / 2**30:.2f} GiB")
     extra.append(
         f"loss {summary['loss_first10']:.4f} (mean of the first 10 steps) -> "
         f"{summary['loss_last10']:.4f} (last 10)"
@@ -202,8 +207,17 @@ def plot_run(
         mean = np.convolve(loss, np.ones(10) / 10, mode="valid")
         ax.plot(steps[9:], mean, color="k", lw=1.5, label=f"{labels[0]}, mean of 10 steps")
     ax.set(title="training loss (per batch)", xlabel="step", ylabel="cross entropy (nats)")
-    ax.legend()
+    ax.legend(loc="upper center")
     ax.grid(alpha=0.3)
+    if all("rss_bytes" in r for r in records):
+        mem = ax.twinx()
+        mem.plot(steps, [r["rss_bytes"] / 2**30 for r in records], color="C3", lw=0.8,
+                 label="RSS")  # fmt: skip
+        mem.plot(steps, [r["peak_rss_bytes"] / 2**30 for r in records], ":", color="C3",
+                 lw=0.8, label="peak RSS")  # fmt: skip
+        mem.set_ylabel("process memory (GiB)", color="C3")
+        mem.set_ylim(bottom=0)
+        mem.legend(loc="upper right")
 
     ax = axes[0, 1]
     fb, up = series("fwd_bwd_s"), series("update_s")

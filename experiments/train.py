@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import jax_mlpo
 from experiments.data import TokenDataset, batches
+from experiments.host_memory import check_fits, meminfo, training_memory
 from experiments.records import earlier_records, finish, progress, step_record
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import checkpoint, distributed
@@ -271,6 +272,19 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     nproc, pid = jax.process_count(), jax.process_index()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if nproc == 1:  # before anything large is allocated (multi-process: --dry-run's figures)
+        plan = training_memory(cfg, use_optax, on_cpu=jax.default_backend() == "cpu")
+        check_fits(plan, use_optax, meminfo("MemAvailable"))
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.parts.items() if v)
+        logger.info("memory plan: %.2f GiB of host memory (%s)", plan.host_total / 2**30, parts)
+        total = meminfo("MemTotal")
+        if total and not use_optax:
+            logger.info(
+                "optimizer state %.2f GB (fp32 master, m, v) = %.2fx this machine's MemTotal "
+                "(%.2f GB)%s", plan.state_bytes / 1e9, plan.state_bytes / total, total / 1e9,
+                ": it could not be held in memory even with nothing else there"
+                if plan.state_bytes >= total else "",
+            )  # fmt: skip
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
     model_cfg = resolve_model(cfg)
     graphdef, params, rest = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)

@@ -71,12 +71,15 @@ def test_tiny_config_runs_end_to_end(runs):
         assert r["subgroups"] == 10 and 0 <= r["cache_hit_rate"] <= 1
         assert len(r["tiers"]) == 2
         assert r["read_wait_s"] >= 0 and r["compute_s"] > 0 and r["write_wait_s"] >= 0
+        assert 0 < r["rss_bytes"] <= r["peak_rss_bytes"]
+    assert [r["peak_rss_bytes"] for r in records] == sorted(r["peak_rss_bytes"] for r in records)
     # From step 2 on, subgroups not retained in host memory are read from and written to tiers.
     moved = sum(t["read_bytes"] + t["write_bytes"] for t in records[-1]["tiers"].values())
     assert moved > 0 and records[-1]["cache_hits"] < 10
     summary = json.loads((run_dir / "summary-offload.json").read_text())
     assert summary["median_s"]["step"] > 0 and set(summary["tiers"]) == set(records[0]["tiers"])
     assert "| forward + backward |" in (run_dir / "summary-offload.md").read_text()
+    assert summary["peak_rss_bytes"] == records[-1]["peak_rss_bytes"]
     assert (run_dir / "pretrain-offload.png").stat().st_size > 10_000
     resolved = run_config.load_config(str(run_dir / "config.yaml"))
     assert resolved.steps == STEPS and resolved.offload.tiers[0].path.startswith(str(run_dir))
@@ -429,7 +432,8 @@ def test_dry_run_280b_on_64_processes(tmp_path, caplog):
     assert sum(t["subgroups"] for t in plan["tiers"].values()) == plan["subgroups_per_process"]
     assert plan["host_bytes"] > plan["engine_host_bytes"] > 0 and plan["problem"] is None
     assert "| parameters " in caplog.text and "280,090,132,480" in caplog.text
-    assert "host memory needed per process" in caplog.text
+    assert "host memory per process on a GPU node" in caplog.text
+    assert "train on CPU" not in caplog.text  # 64 processes: not this machine's plan
     assert not run_dir.exists()
 
 
@@ -450,3 +454,35 @@ def test_every_config_loads_and_validates(path):
     plan = dry_run(cfg, 1)
     assert plan["problem"] is None, plan["problem"]
     assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("optimizer", ["optax", "offload"])
+def test_a_run_that_cannot_fit_is_refused_before_it_allocates(optimizer, data_cache, tmp_path,
+                                                               monkeypatch):  # fmt: skip
+    """The memory plan against MemAvailable, before the model is built: the figures, the fix."""
+    available = 256 * 2**20  # below the jax runtime's own share of the plan
+    monkeypatch.setattr(train, "meminfo", lambda field: available)
+    built = []
+    monkeypatch.setattr(train, "Llama", lambda *a, **k: built.append(1))
+    fix = "drop --optimizer optax" if optimizer == "optax" else "lower offload.host_cache"
+    with pytest.raises(SystemExit, match=r"needs [\d.]+ GiB of host memory \(params .*" + fix):
+        _main(tmp_path / "run", data_cache, "--optimizer", optimizer)
+    assert not built
+
+
+def test_dry_run_prints_the_training_plan_and_refusals(tmp_path, caplog):
+    from experiments import host_memory
+
+    cfg = run_config.load_config(str(ROOT / "experiments" / "configs" / "beyond-ram.yaml"))
+    plans = {o: host_memory.training_memory(cfg, o == "optax") for o in ("offload", "optax")}
+    n = param_count(run_config.resolve_model(cfg))
+    assert n >= 2_100_000_000 and 12 * n >= 25_000_000_000  # more state than 24 GiB of RAM
+    # offload: params + gradients + cache + runtime; optax: the moments and XLA's buffers too
+    assert plans["offload"].host_total < 12 * 2**30 < 24 * 2**30 < plans["optax"].host_total
+    d = dry_run(cfg, 1)
+    assert d["training_memory"]["optax"]["host_bytes"] == plans["optax"].host_total
+    caplog.set_level("INFO")
+    pretrain.main(["--config", str(ROOT / "experiments" / "configs" / "beyond-ram.yaml"),
+                   "--set", f"run_dir={tmp_path / 'never'}", "--dry-run"])  # fmt: skip
+    assert "train on CPU, optax: host memory" in caplog.text
+    assert not (tmp_path / "never").exists()

@@ -65,6 +65,35 @@ def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
     return out
 
 
+def fio_mixed(directory: str, size: str = "2GiB", block: str = "8M", depth: int = 16,
+              runtime_s: int = 10) -> dict:  # fmt: skip
+    """50/50 random reads and writes at once on one file, O_DIRECT (libaio): the combined
+    bandwidth of a mixed load such as an update's, for ``runtime_s`` seconds.
+
+    Returns:
+      ``{"read_gbps", "write_gbps", "mixed_gbps"}`` (mixed: read + write), with the request size
+      and depth; ``{"error": ...}`` without fio.
+    """
+    if shutil.which("fio") is None:
+        return {"error": "fio not installed (apt-get install fio)"}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "fio-mixed.dat")
+    cmd = [
+        "fio", "--name=mixed", f"--filename={path}", "--rw=randrw", "--rwmixread=50",
+        f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", "--direct=1",
+        f"--size={size}", "--time_based", f"--runtime={runtime_s}", "--output-format=json",
+    ]  # fmt: skip
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    job = json.loads(res.stdout)["jobs"][0]
+    read, write = job["read"]["bw_bytes"] / 1e9, job["write"]["bw_bytes"] / 1e9
+    return {"block": block, "depth": depth, "read_gbps": read, "write_gbps": write,
+            "mixed_gbps": read + write}  # fmt: skip
+
+
 def filesystem(directory: str) -> str:
     """``df -hT``'s line for the file system holding ``directory`` (for a result's metadata)."""
     res = subprocess.run(["df", "-hT", directory], capture_output=True, text=True)

@@ -1,0 +1,151 @@
+"""Will a run fit: its memory per process, by part, against what the machine has.
+
+:func:`training_memory` adds up what a training process allocates for the chosen optimizer,
+before anything is allocated: params, gradients, the update, the optimizer's state or host
+cache, an activations estimate, and the runtime's own. On a CPU backend all of it is host
+memory; with an accelerator the params, gradients and activations are device memory and the
+optimizer's side is host memory. :func:`check_fits` compares the host side with
+``/proc/meminfo``'s ``MemAvailable`` and refuses a run that cannot fit with the figures and the
+fix, instead of letting the kernel's OOM killer end it midway. ``pretrain.py`` checks before it
+builds the model, and ``--dry-run`` prints the same figures.
+
+The figures (bytes per parameter, bf16 params) are the measured ones of
+``experiments/bench/memory.py`` (docs/benchmarks.md, "Memory"): jax_mlpo grows params (2) +
+gradients (2) and writes the update over the gradients; ``optax.adamw`` as ``pretrain.py
+--optimizer optax`` runs it (moments in the params' dtype, clipping chained before it) holds m
+and v (2 + 2) and XLA's fresh update and clipped gradients (2 + 2) beside params and gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from experiments.run_config import ConfigError, RunConfig, resolve_model
+from jax_mlpo.plan import host_plan
+from models import param_count
+
+GiB = 2**30
+# What jax and XLA hold before the model (measured: 0.25 GiB RSS after import and a first
+# computation) plus compiled programs and their scratch (the no-optimizer intercept of
+# experiments/bench/memory.py, 0.51 GiB, rounded up).
+RUNTIME_BYTES = GiB // 2 + GiB // 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMemory:
+    """One process's memory by part, in bytes.
+
+    Attributes:
+      device: parts in the accelerator's memory (the host's on a CPU backend).
+      host: parts in host memory beside them.
+      on_cpu: whether the device is the host (CPU backend): then everything is host memory.
+      state_bytes: the optimizer's state (jax_mlpo: fp32 master, m, v on the tiers and in the
+        cache; optax: m and v in memory).
+    """
+
+    device: dict[str, int]
+    host: dict[str, int]
+    on_cpu: bool
+    state_bytes: int
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """The parts that are host memory (the device's too on a CPU backend)."""
+        return {**(self.device if self.on_cpu else {}), **self.host}
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes: the host parts, plus the device parts on a CPU backend."""
+        return sum(self.host.values()) + (sum(self.device.values()) if self.on_cpu else 0)
+
+
+def activations_bytes(cfg: RunConfig) -> int:
+    """An estimate of the forward and backward pass's activations (one process).
+
+    With ``remat`` each block keeps its input (bf16) and one block's intermediates live at a
+    time; without it every block's do. The float32 logits, their softmax and its gradient
+    (3 x batch x seq x vocab x 4 B) come on top.
+    """
+    m = resolve_model(cfg)
+    act = 2 if m.dtype == "bfloat16" else 4
+    tokens = cfg.batch_size * cfg.seq_len
+    # q, k, v, attention output, the two norms' outputs, gate, up and their product, and the
+    # attention scores: the block's intermediates, kept for its backward pass
+    block = (
+        tokens * (6 * m.hidden + 3 * m.ffn) * act + cfg.batch_size * m.heads * cfg.seq_len**2 * 4
+    )
+    kept = m.layers * tokens * m.hidden * act + block if m.remat else m.layers * block
+    return kept + 3 * tokens * m.vocab_size * 4
+
+
+def training_memory(cfg: RunConfig, use_optax: bool, on_cpu: bool = True) -> TrainingMemory:
+    """What one process of ``cfg`` allocates, by part (a single-process run).
+
+    Args:
+      cfg: the run config.
+      use_optax: ``pretrain.py --optimizer optax`` instead of jax_mlpo.
+      on_cpu: a CPU backend (the device parts are host memory too).
+
+    Returns:
+      The parts; nothing is allocated.
+    """
+    m = resolve_model(cfg)
+    n = param_count(m)
+    pbytes = 2 if m.param_dtype == "bfloat16" else 4
+    device = {
+        "params": n * pbytes,
+        "gradients": n * pbytes,
+        "activations (estimate)": activations_bytes(cfg),
+    }
+    host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
+    per_param = 12 if m.param_dtype == "bfloat16" else 8
+    if use_optax:
+        device["optax.adamw m and v (params' dtype)"] = 2 * n * pbytes
+        device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
+    else:
+        size = min(cfg.offload.subgroup_size, n)
+        plan = host_plan(
+            cfg.offload, num_subgroups=math.ceil(n / size), state_bytes=n * per_param,
+            max_state_elems=size * per_param // 4, max_subgroup_elems=size,
+        )  # fmt: skip
+        host["jax_mlpo host cache (engine)"] = plan.host_bytes
+        if not on_cpu:
+            host["subgroup staging (3 x 4 B x subgroup)"] = 12 * size
+        device["update"] = 0  # written over the gradients
+    state = 2 * n * pbytes if use_optax else n * per_param
+    return TrainingMemory(device, host, on_cpu, state)
+
+
+def meminfo(field: str) -> int | None:
+    """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes; None where there
+    is no such file or field."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(plan: TrainingMemory, use_optax: bool, available: int | None) -> None:
+    """Refuses a run whose host memory plan exceeds what the machine has available.
+
+    Raises:
+      ConfigError: naming the parts, the total, the available memory and the fixes.
+    """
+    need = plan.host_total
+    if available is None or need <= available:
+        return
+    lines = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.parts.items() if v)
+    fix = (
+        "offload the optimizer state (drop --optimizer optax: jax_mlpo keeps it on disk tiers)"
+        if use_optax
+        else "lower offload.host_cache, batch_size or seq_len, or set model_overrides.remat: true"
+    )
+    raise ConfigError(
+        f"this run needs {need / GiB:.1f} GiB of host memory ({lines} GiB) but "
+        f"{available / GiB:.1f} GiB is available (/proc/meminfo MemAvailable): {fix}"
+    )
