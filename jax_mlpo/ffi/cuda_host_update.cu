@@ -10,10 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <climits>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "host_update.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,11 +39,6 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
                               ffi::BufferR0<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
                               ffi::RemainingArgs leaves, ffi::ResultBufferR0<ffi::S32> count_out,
                               ffi::RemainingRets updates) {
-  HostUpdateFn fn = g_cuda_host_update.load(std::memory_order_acquire);
-  if (fn == nullptr) {
-    return ffi::Error::Internal(
-        "jax_mlpo_host_update (CUDA): no host engine callback is registered (import jax_mlpo)");
-  }
   if (scalars.element_count() != 4) {
     return ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[4]");
   }
@@ -69,19 +62,13 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
   }
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) return CudaError("reading the scalars", err);
-  const size_t n = updates.size();
-  std::vector<BufferView> views;
-  if (auto e = CollectViews(leaves, updates, &views); !e.success()) return e;
-  std::string error(kHostUpdateErrorCapacity, '\0');
-  const int32_t c = pinned->count;
-  const int rc = fn(pinned->handle, c, pinned->values, int64_t(n), views.data(), views.data() + n,
-                    views.data() + 2 * n, stream, error.data(), kHostUpdateErrorCapacity);
-  if (rc != 0) {
-    error.resize(error.find('\0'));
-    return ffi::Error::Internal(error.empty() ? "jax_mlpo host update failed" : error);
+  int32_t next = 0;
+  if (auto e = RunHostUpdate(g_cuda_host_update.load(std::memory_order_acquire), pinned->handle,
+                             pinned->count, pinned->values, leaves, updates, stream, &next);
+      !e.success()) {
+    return e;
   }
-  // optax.safe_increment's count: it stops at the largest int32
-  pinned->count = c == INT32_MAX ? c : c + 1;
+  pinned->count = next;
   err = cudaMemcpyAsync(count_out->typed_data(), &pinned->count, sizeof(int32_t),
                         cudaMemcpyHostToDevice, stream);
   // the pinned record is reused by this thread's next call: the copy must have read it

@@ -3,7 +3,9 @@
 #ifndef JAX_MLPO_FFI_HOST_UPDATE_H_
 #define JAX_MLPO_FFI_HOST_UPDATE_H_
 
+#include <climits>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -54,6 +56,31 @@ inline xla::ffi::Error CollectViews(xla::ffi::RemainingArgs leaves,
     if (update.has_error()) return update.error();
     (*views)[2 * n + k] = view(**update);
   }
+  return ffi::Error::Success();
+}
+
+// One call's work on either platform: the engine's callback on the call's buffers. On success
+// *next is the count after this update (optax.safe_increment's: it stops at the largest int32).
+inline xla::ffi::Error RunHostUpdate(HostUpdateFn fn, int32_t handle, int32_t count,
+                                     const float* scalars, xla::ffi::RemainingArgs leaves,
+                                     xla::ffi::RemainingRets updates, void* stream,
+                                     int32_t* next) {
+  namespace ffi = xla::ffi;
+  if (fn == nullptr) {
+    return ffi::Error::Internal(
+        "jax_mlpo_host_update: no host engine callback is registered (import jax_mlpo)");
+  }
+  std::vector<BufferView> views;
+  if (auto err = CollectViews(leaves, updates, &views); !err.success()) return err;
+  const size_t n = updates.size();
+  std::string error(kHostUpdateErrorCapacity, '\0');
+  const int rc = fn(handle, count, scalars, int64_t(n), views.data(), views.data() + n,
+                    views.data() + 2 * n, stream, error.data(), kHostUpdateErrorCapacity);
+  if (rc != 0) {
+    error.resize(error.find('\0'));
+    return ffi::Error::Internal(error.empty() ? "jax_mlpo host update failed" : error);
+  }
+  *next = count == INT32_MAX ? count : count + 1;
   return ffi::Error::Success();
 }
 
