@@ -250,7 +250,7 @@ def plot_run(
             "compute (AdamW)",
             "write wait",
             "engine other (I/O issue, copies)",
-            "outside the engine (callback transfers, XLA ops)",
+            "outside the engine (XLA ops in the update)",
         ]
         ax.stackplot(ws, *parts, alpha=0.8, labels=names)
         ax.set_ylim(0, 1.5 * float(np.percentile(sum(parts), 95)))

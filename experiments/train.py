@@ -357,6 +357,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 r = step_record(step + 1, loss_value, job, tokens_per_step, nproc)
                 if lead:
                     log.write(json.dumps(r) + "\n")
+                    log.flush()  # a long run's metrics can be followed, and survive a crash
                 records.append(r)
                 shown = progress(r)
                 bar.set_postfix(shown, refresh=False)

@@ -34,9 +34,9 @@ CONFIG = "experiments/configs/beyond-ram.yaml"
 FIO_POINTS = [("1M", 8), ("8M", 8), ("1M", 32), ("8M", 32)]
 
 
-def disk_limit(directory: str) -> dict:
+def disk_limit(directory: str, runtime_s: int) -> dict:
     """The best mixed read + write bandwidth over :data:`FIO_POINTS`."""
-    points = [fio_mixed(directory, block=b, depth=d) for b, d in FIO_POINTS]
+    points = [fio_mixed(directory, block=b, depth=d, runtime_s=runtime_s) for b, d in FIO_POINTS]
     best = max(points, key=lambda p: p.get("mixed_gbps", 0.0))
     return {"points": points, "limit_gbps": best.get("mixed_gbps"), "best": best}
 
@@ -47,16 +47,26 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/beyond-ram")
     parser.add_argument("--json", default=None)
     parser.add_argument("--keep-tiers", action="store_true", help="leave the tier files")
+    parser.add_argument("--fio-runtime", type=int, default=10, help="seconds per fio point")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more config overrides (e.g. a smaller model to try the driver)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     run_dir = Path(args.run_dir)
     tier_dir = run_dir / "tiers"
     tier_dir.mkdir(parents=True, exist_ok=True)
-    before = disk_limit(str(tier_dir))
+    before = disk_limit(str(tier_dir), args.fio_runtime)
     logger.info("disk mixed limit before: %.2f GB/s (%s)", before["limit_gbps"], before["best"])
     cmd = [sys.executable, "experiments/pretrain.py", "--config", CONFIG,
            "--set", f"run_dir={run_dir}", "--set", f"steps={args.steps}",
            "--set", f"offload.tiers=[{{path: {tier_dir / 't0'}}}]"]  # fmt: skip
+    for override in args.set:
+        cmd += ["--set", override]
     logger.info("running %s", " ".join(cmd))
     run = subprocess.run(cmd, capture_output=True, text=True)
     (run_dir / "pretrain.log").write_text(run.stdout + run.stderr)
@@ -66,7 +76,7 @@ def main() -> None:
     refusal = (optax_run.stdout + optax_run.stderr).strip().splitlines()[-1:]
     if not args.keep_tiers:
         shutil.rmtree(tier_dir / "t0", ignore_errors=True)
-    after = disk_limit(str(tier_dir))
+    after = disk_limit(str(tier_dir), args.fio_runtime)
     logger.info("disk mixed limit after: %.2f GB/s", after["limit_gbps"])
     records = [json.loads(line) for line in (run_dir / "metrics-offload.jsonl").open()]
     skip = 2
@@ -77,7 +87,7 @@ def main() -> None:
         moved = sum(t["read_bytes"] + t["write_bytes"] for t in r["tiers"].values())
         rates.append(moved / r["host_update_s"] / 1e9)
     total = meminfo("MemTotal")
-    plan = training_memory(load_config(CONFIG, []), use_optax=False)
+    plan = training_memory(load_config(CONFIG, args.set), use_optax=False)
     out = {
         "filesystem": filesystem(str(tier_dir)),
         "mem_total": total,
