@@ -172,9 +172,9 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
     out["host_bytes"] = sum(out["host_buffers"].values())
     if processes == 1:  # the whole training process on this machine, as pretrain.py checks it
         training = {}
-        for name, use_optax in (("offload", False), ("optax", True)):
-            plan_ = training_memory(cfg, use_optax)
-            training[name] = {"parts": plan_.parts, "host_bytes": plan_.host_total}
+        for name, engine in (("offload", plan), ("optax", None)):
+            t = training_memory(cfg, engine)
+            training[name] = {"parts": t.parts, "host_bytes": t.host_total}
         out["training_memory"] = training
         out["mem_available"] = meminfo("MemAvailable")
     return out

@@ -19,11 +19,14 @@ and v (2 + 2) and XLA's fresh update and clipped gradients (2 + 2) beside params
 from __future__ import annotations
 
 import dataclasses
-import math
+import resource
+from typing import TYPE_CHECKING
 
 from experiments.run_config import ConfigError, RunConfig, resolve_model
-from jax_mlpo.plan import host_plan
 from models import param_count
+
+if TYPE_CHECKING:  # dry_run imports this module
+    from experiments.dry_run import MemoryPlan
 
 GiB = 2**30
 # What jax and XLA hold before the model (measured: 0.25 GiB RSS after import and a first
@@ -79,12 +82,15 @@ def activations_bytes(cfg: RunConfig) -> int:
     return kept + 3 * tokens * m.vocab_size * 4
 
 
-def training_memory(cfg: RunConfig, use_optax: bool, on_cpu: bool = True) -> TrainingMemory:
+def training_memory(
+    cfg: RunConfig, engine: MemoryPlan | None, on_cpu: bool = True
+) -> TrainingMemory:
     """What one process of ``cfg`` allocates, by part (a single-process run).
 
     Args:
       cfg: the run config.
-      use_optax: ``pretrain.py --optimizer optax`` instead of jax_mlpo.
+      engine: jax_mlpo's plan for it (:func:`experiments.dry_run.memory_plan` with one process),
+        or None for ``pretrain.py --optimizer optax``.
       on_cpu: a CPU backend (the device parts are host memory too).
 
     Returns:
@@ -99,35 +105,48 @@ def training_memory(cfg: RunConfig, use_optax: bool, on_cpu: bool = True) -> Tra
         "activations (estimate)": activations_bytes(cfg),
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
-    per_param = 12 if m.param_dtype == "bfloat16" else 8
-    if use_optax:
+    if engine is None:
         device["optax.adamw m and v (params' dtype)"] = 2 * n * pbytes
         device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
-    else:
-        size = min(cfg.offload.subgroup_size, n)
-        plan = host_plan(
-            cfg.offload, num_subgroups=math.ceil(n / size), state_bytes=n * per_param,
-            max_state_elems=size * per_param // 4, max_subgroup_elems=size,
-        )  # fmt: skip
-        host["jax_mlpo host cache (engine)"] = plan.host_bytes
-        if not on_cpu:
-            host["subgroup staging (3 x 4 B x subgroup)"] = 12 * size
-        device["update"] = 0  # written over the gradients
-    state = 2 * n * pbytes if use_optax else n * per_param
-    return TrainingMemory(device, host, on_cpu, state)
+        return TrainingMemory(device, host, on_cpu, 2 * n * pbytes)
+    host["jax_mlpo host cache (engine)"] = engine.host.host_bytes
+    if not on_cpu:
+        host["subgroup staging (3 x 4 B x subgroup)"] = 12 * engine.subgroup_elems
+    device["update"] = 0  # written over the gradients
+    return TrainingMemory(device, host, on_cpu, engine.state_bytes_per_process)
 
 
-def meminfo(field: str) -> int | None:
-    """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes; None where there
-    is no such file or field."""
+def _kib_field(path: str, field: str) -> int | None:
+    """A ``kB`` field of a procfs file (``/proc/meminfo``, ``/proc/self/status``) in bytes;
+    None where there is no such file or field."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def meminfo(field: str) -> int | None:
+    """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes, or None."""
+    return _kib_field("/proc/meminfo", field)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set from ``getrusage`` (``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and at its peak (``VmRSS``, ``VmHWM``) in bytes, as
+    ``{"rss_bytes", "peak_rss_bytes"}``; without procfs the peak from ``getrusage``."""
+    rss, peak = (_kib_field("/proc/self/status", f) for f in ("VmRSS", "VmHWM"))
+    if peak is None:
+        peak = peak_rss_bytes()
+    return {"rss_bytes": rss, "peak_rss_bytes": peak} if rss is not None else {
+        "peak_rss_bytes": peak}  # fmt: skip
 
 
 def check_fits(plan: TrainingMemory, use_optax: bool, available: int | None) -> None:

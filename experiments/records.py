@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import statistics
 from pathlib import Path
 from typing import Any
 
 import jax_mlpo
 from experiments import report
+from experiments.host_memory import process_memory
 from experiments.run_config import RunConfig
 
 logger = logging.getLogger("pretrain")
@@ -58,7 +58,7 @@ def step_record(
         "loss": loss,
         **job.timings,
         "tokens_per_s": tokens_per_step / job.step_time_s,
-        **memory_record(),
+        **process_memory(),
     }
     if job.metrics is not None:
         r.update(update_record(job.metrics))
@@ -69,20 +69,6 @@ def step_record(
         r["per_process"] = {out: every_process[k] for k, out in PER_PROCESS.items()
                             if k in every_process}  # fmt: skip
     return r
-
-
-def memory_record() -> dict[str, int]:
-    """This process's resident memory now and at its peak (``VmRSS``, ``VmHWM``), in bytes."""
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                for field, key in (("VmRSS:", "rss_bytes"), ("VmHWM:", "peak_rss_bytes")):
-                    if line.startswith(field):
-                        out[key] = int(line.split()[1]) * 1024
-    except OSError:  # no procfs: the peak from getrusage (KiB on Linux)
-        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return out
 
 
 def update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import jax_mlpo
 from experiments.data import TokenDataset, batches
+from experiments.dry_run import memory_plan
 from experiments.host_memory import check_fits, meminfo, training_memory
 from experiments.records import earlier_records, finish, progress, step_record
 from experiments.run_config import ConfigError, RunConfig, resolve_model
@@ -273,7 +274,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if nproc == 1:  # before anything large is allocated (multi-process: --dry-run's figures)
-        plan = training_memory(cfg, use_optax, on_cpu=jax.default_backend() == "cpu")
+        engine = None if use_optax else memory_plan(cfg, 1)
+        plan = training_memory(cfg, engine, on_cpu=jax.default_backend() == "cpu")
         check_fits(plan, use_optax, meminfo("MemAvailable"))
         parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.parts.items() if v)
         logger.info("memory plan: %.2f GiB of host memory (%s)", plan.host_total / 2**30, parts)

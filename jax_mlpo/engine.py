@@ -150,7 +150,7 @@ class Engine:
     def host_bytes(self) -> int:
         """The host memory the engine holds: its buffer pool (within ``host_cache``), the
         baseline's fp32 gradient buffers, and on a GPU the subgroup staging."""
-        pool = sum(b.nbytes for b in self.pool.buffers) if hasattr(self, "pool") else 0
+        pool = sum(b.nbytes for b in self.pool.buffers)
         staging = self._staging.nbytes if self._staging is not None else 0
         return pool + self._gradients.host_bytes + staging
 

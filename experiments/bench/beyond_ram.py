@@ -26,6 +26,7 @@ from pathlib import Path
 
 from experiments.bench.harness import write_json
 from experiments.bench.sysio import filesystem, fio_mixed
+from experiments.dry_run import memory_plan
 from experiments.host_memory import meminfo, training_memory
 from experiments.run_config import load_config
 
@@ -87,7 +88,8 @@ def main() -> None:
         moved = sum(t["read_bytes"] + t["write_bytes"] for t in r["tiers"].values())
         rates.append(moved / r["host_update_s"] / 1e9)
     total = meminfo("MemTotal")
-    plan = training_memory(load_config(CONFIG, args.set), use_optax=False)
+    cfg = load_config(CONFIG, args.set)
+    plan = training_memory(cfg, memory_plan(cfg, 1))
     out = {
         "filesystem": filesystem(str(tier_dir)),
         "mem_total": total,

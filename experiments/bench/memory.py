@@ -26,7 +26,6 @@ import functools
 import json
 import logging
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -34,24 +33,12 @@ import tempfile
 import time
 import tracemalloc
 
+from experiments.host_memory import peak_rss_bytes, process_memory
+
 logger = logging.getLogger("bench.memory")
 
 LEAF = 16 * 2**20  # elements per param leaf
 SYSTEMS = ("none", "optax", "jax_mlpo")
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def proc_status_bytes(field: str) -> int:
-    """A ``kB`` field of /proc/self/status (``VmHWM``, ``VmRSS``), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dict:
@@ -63,7 +50,7 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
     import jax_mlpo
 
     jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime's own memory is in the baseline
-    rss_start = proc_status_bytes("VmRSS")
+    rss_start = process_memory()["rss_bytes"]
     n = params_mi * 2**20
     sizes = [LEAF] * (n // LEAF) + ([n % LEAF] if n % LEAF else [])
     keys = jax.random.split(jax.random.PRNGKey(0), len(sizes))
@@ -128,7 +115,7 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
     _, traced_peak = tracemalloc.get_traced_memory()
     return {
         "system": system, "params": n, "rss_start": rss_start, "peak_rss": peak_rss_bytes(),
-        "vm_hwm": proc_status_bytes("VmHWM"), "traced_peak": traced_peak,
+        "vm_hwm": process_memory()["peak_rss_bytes"], "traced_peak": traced_peak,
         "engine_host_bytes": engine_host, "step_s": times,
     }  # fmt: skip
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -24,19 +23,9 @@ import jax.numpy as jnp
 
 import jax_mlpo
 from experiments.bench.harness import format_spread, spread
+from experiments.host_memory import peak_rss_bytes, process_memory
 
 logger = logging.getLogger("bench.engine_overhead")
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def vm_hwm() -> str:
-    """``VmHWM`` from /proc/self/status, as the kernel prints it."""
-    with open("/proc/self/status") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("VmHWM")), "?")
 
 
 def main() -> None:
@@ -75,7 +64,8 @@ def main() -> None:
                 outside.append(dt - engine.metrics[-1].total_s)
         print(f"wall {format_spread(spread(wall))} s, outside the engine "
               f"{format_spread(spread(outside))} s")  # fmt: skip
-        print(f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB (ru_maxrss; VmHWM {vm_hwm()})")
+        hwm = process_memory()["peak_rss_bytes"]
+        print(f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB (ru_maxrss; VmHWM {hwm // 1024} kB)")
         jax_mlpo.close(state)
     finally:
         shutil.rmtree(root, ignore_errors=True)
