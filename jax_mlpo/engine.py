@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,8 +26,9 @@ from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.metrics import StepMetrics, TierIOWindow
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.replan import TierAssignment
+from jax_mlpo.snapshot import StateSnapshot, spare_buffers
 from jax_mlpo.tiers.file import FileTierStore, open_store
-from jax_mlpo.tiers.host import HostBufferPool, touched_buffer
+from jax_mlpo.tiers.host import STATE, STATE_ALT, HostBufferPool, touched_buffer
 from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
@@ -64,6 +65,7 @@ class Engine:
         self._weight_decay = float(weight_decay)
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
+        self._snapshot: StateSnapshot | None = None
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
@@ -102,7 +104,8 @@ class Engine:
         if plan.problem:
             raise ConfigError(plan.problem)
         self._gradients = gradient_source(config, layout, plan.buffers)
-        kinds = {"state": blob_elems, **self._gradients.tier_kinds()}
+        # a subgroup's state is one of two blob kinds (copy-on-write during checkpoints)
+        kinds = {STATE: blob_elems, STATE_ALT: blob_elems, **self._gradients.tier_kinds()}
         measured = config.placement == "measured"
         if measured:
             kinds.update(probe_kind(layout.max_state_elems))
@@ -205,6 +208,8 @@ class Engine:
 
     def _step(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
         self._check_usable()
+        if self._snapshot is not None and not self._snapshot.concurrent:
+            raise RuntimeError("an update ran while a synchronous snapshot of its state was open")
         if count != self.step_count:
             raise StaleStateError(
                 f"update was called with an optimizer state at step {count}, but the offloaded "
@@ -279,21 +284,59 @@ class Engine:
 
     # -- state in the logical layout (checkpoints) ------------------------------------------
 
+    def snapshot(self, *, concurrent: bool = False) -> StateSnapshot:
+        """The state at this step, to read subgroup by subgroup (:mod:`jax_mlpo.snapshot`).
+
+        Args:
+          concurrent: whether updates may run before it is closed (an asynchronous checkpoint):
+            the dirty subgroups are written to their tiers now, and later write-backs leave the
+            blobs it reads intact. Otherwise no update may run until it is closed.
+
+        Returns:
+          The snapshot; close it when done.
+
+        Raises:
+          EngineFailedError: the engine failed or was closed.
+          RuntimeError: another snapshot of this engine is open (a checkpoint being written).
+        """
+        with self._step_lock:
+            self._check_usable()
+            if self._snapshot is not None:
+                raise RuntimeError(
+                    "a checkpoint of this optimizer is still being written: wait for it "
+                    "(CheckpointManager.wait_until_finished()) before saving another"
+                )
+            self.drain()
+            if concurrent:
+                self.flush()
+            self._snapshot = StateSnapshot(
+                self.pool, self.layout, self.tiers, self.tier_of, self.step_count,
+                concurrent=concurrent, on_close=self._snapshot_closed,
+            )  # fmt: skip
+            return self._snapshot
+
+    def _snapshot_closed(self) -> None:
+        self._snapshot = None
+        self._window.reset()  # the snapshot's I/O belongs to no update
+
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
         """AdamW's state per parameter leaf, independent of subgroups and tiers.
+
+        The whole state in new arrays: for tests and small states (checkpoints stream it
+        through :meth:`snapshot` instead).
 
         Returns:
           ``{"mu": [...], "nu": [...], "master": [...]}``, float32 arrays of each leaf's shape
           (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
           whose master copy is the params themselves).
         """
-        self._check_usable()
         shapes, dtypes = self.layout.shapes, self.layout.dtypes
         out = {name: [np.zeros(s, F32) for s in shapes] for name in ("mu", "nu")}
         out["master"] = [np.zeros(s, F32) if dt == BF16 else None for s, dt in zip(
             shapes, dtypes, strict=True)]  # fmt: skip
-        for sg, blob in self._each_blob(load=False):
-            gather_state(sg, blob, out)
+        with self.snapshot() as snap:
+            for sg, blob in snap.blobs():
+                gather_state(sg, blob, out)
         return out
 
     def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
@@ -302,21 +345,38 @@ class Engine:
         Raises:
           ValueError: if the leaves' shapes differ from the layout's.
         """
-        self._check_usable()
         for name in ("mu", "nu"):
             shapes = tuple(tuple(np.shape(x)) for x in state[name])
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
-        self.drain()  # first: a drained write-back leaves its buffer as a clean hit...
-        self.pool.clean.clear()  # ...of the state this load replaces
-        for sg, blob in self._each_blob(load=True):
-            scatter_state(sg, state, blob)
-        self.step_count = int(step)
+        self.load(step, lambda sg, blob: scatter_state(sg, state, blob))
 
-    def _each_blob(self, *, load: bool) -> Iterator[tuple[Subgroup, np.ndarray]]:
-        self.drain()
-        yield from self.pool.each_blob(self.layout.subgroups, load=load)
-        self._window.reset()  # this I/O belongs to no update
+    def load(self, step: int, fill: Callable[[Subgroup, np.ndarray], None]) -> None:
+        """Replaces AdamW's state at ``step``, subgroup by subgroup in order.
+
+        Args:
+          step: the step the new state is at.
+          fill: fills a subgroup's blob (``[p | m | v]`` float32) with its new state; the
+            blobs are written to the tiers behind it, through the pool's free buffers.
+
+        Raises:
+          TierIOError: a tier write failed (the engine is failed then).
+          Whatever ``fill`` raises (the engine is failed then: its state is partly replaced).
+        """
+        with self._step_lock:
+            self._check_usable()
+            if self._snapshot is not None:
+                raise RuntimeError("a checkpoint of this optimizer is being written")
+            self.drain()
+            try:
+                buffers = spare_buffers(self.pool, self.layout) if self.tiers else []
+                for sg, blob in self.pool.stream_blobs(self.layout.subgroups, buffers, load=True):
+                    fill(sg, blob)
+            except BaseException as e:
+                self._failed = e
+                raise
+            self._window.reset()  # this I/O belongs to no update
+            self.step_count = int(step)
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -339,6 +399,10 @@ class Engine:
         """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent."""
         if self._closed:
             return
+        snapshot = self._snapshot
+        if snapshot is not None and not snapshot.wait_closed(timeout=1.0):
+            logger.info("jax_mlpo: waiting for the checkpoint being written before closing")
+            snapshot.wait_closed()
         self._closed = True
         try:
             if self.tiers and hasattr(self, "pool"):

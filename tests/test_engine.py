@@ -432,11 +432,11 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
         gate = held.setdefault(last, threading.Event())
         updates, state = update(grads_for(params, step), state, params)
         jax.block_until_ready(updates)
-        in_flight.append(sum(not f.done() for f, _, _ in engine.pool.writes))
+        in_flight.append(sum(not w.future.done() for w in engine.pool.writes))
         del held[last]
         gate.set()
         if settle:
-            concurrent.futures.wait([f for f, _, _ in engine.pool.writes])
+            concurrent.futures.wait([w.future for w in engine.pool.writes])
         params = optax.apply_updates(params, updates)
     return engine, state, params, in_flight
 
@@ -503,7 +503,7 @@ def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
     update = jax.jit(tx.update)
     updates, state = update(grads_for(params, 0), state, params)
     jax.block_until_ready(updates)  # returned while its last write-backs are in flight
-    assert any(not f.done() for f, _, _ in engine.pool.writes)
+    assert any(not w.future.done() for w in engine.pool.writes)
     release.set()
     with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
         jax.block_until_ready(update(grads_for(params, 1), state, params))

@@ -201,6 +201,16 @@ class FileTierStore:
         """
         return self._pool.submit(self._write, slot, data, kind)
 
+    def discard(self, slot: int, kind: str = "state") -> None:
+        """Deletes blob ``slot`` of ``kind``, a copy nobody will read again, to free its space.
+
+        The tensorstore engine keeps it (its rows share arrays); it is overwritten in place by
+        the next write of that slot and kind.
+        """
+        discard = getattr(self._blobs, "discard", None)
+        if discard is not None:
+            discard(slot, kind)
+
     def _read(self, slot: int, out: np.ndarray, kind: str) -> None:
         with self.permits.hold("read"):
             deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
@@ -258,7 +268,7 @@ class FileTierStore:
             else:
                 self.bytes_written += nbytes
             if self.trace is not None:  # ("read" | "write" [+ "-grad" / "-probe"], slot, t0, t1)
-                name = direction if kind == "state" else f"{direction}-{kind}"
+                name = direction if kind.startswith("state") else f"{direction}-{kind}"
                 self.trace.append((name, slot, t0, now))
 
     def _explain(self, error: Exception, doing: str) -> str:

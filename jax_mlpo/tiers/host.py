@@ -38,6 +38,12 @@ from jax_mlpo.tiers.posix import aligned_empty
 logger = logging.getLogger(__name__)
 
 Future = concurrent.futures.Future
+STATE, STATE_ALT = "state", "state.alt"  # a subgroup's blob is one of two kinds (see kind_of)
+
+
+def other_kind(kind: str) -> str:
+    """The blob kind a subgroup's state moves to while its current blob must stay intact."""
+    return STATE_ALT if kind == STATE else STATE
 
 
 def touched_buffer(n: int) -> np.ndarray:
@@ -57,6 +63,7 @@ class PendingWrite(NamedTuple):
     future: Future
     slot: int
     subgroup: int
+    kind: str = STATE
 
 
 class Resident(NamedTuple):
@@ -111,6 +118,11 @@ class HostBufferPool:
         self.dirty: dict[int, int] = dict(resident or {})  # subgroup -> slot, newer than disk
         self.clean: dict[int, int] = {}  # subgroup -> free slot still holding it as written
         self.writes: deque[PendingWrite] = deque()  # oldest first; outlive a step (write-behind)
+        # Each subgroup's state is the blob of kind kind_of[i] on its tier. A checkpoint being
+        # read from the tiers while training goes on (jax_mlpo.snapshot) has write-backs go to
+        # the other kind, so that the blob it still has to read stays as it was.
+        self.kind_of: list[str] = [STATE] * len(self._elems)
+        self.write_kind: Callable[[int, str], str] = lambda i, kind: kind
         self._reads: dict[int, Resident] = {}
         self._free: list[int] = []
         self._position: dict[int, int] = {}
@@ -210,31 +222,92 @@ class HostBufferPool:
     def _write_and_wait(self, blobs: Iterable[tuple[int, np.ndarray]]) -> None:
         """Writes each ``(subgroup, blob)`` to the subgroup's tier, all in flight, then waits."""
         tier_of = self._assignment.tier_of
-        futures = [(self._stores[tier_of[i]].write(i, blob), i) for i, blob in blobs]
+        futures = [(self._write(self._stores[tier_of[i]], i, blob), i) for i, blob in blobs]
         for future, i in futures:
             self.wait(future, i)
 
-    def each_blob(self, subgroups: Sequence[Subgroup], *, load: bool
-                  ) -> Iterator[tuple[Subgroup, np.ndarray]]:  # fmt: skip
-        """Yields every subgroup's blob: its resident buffer, or a scratch buffer read from its
-        tier first (``load=False``) or written to it after the caller filled it (``load``).
+    def _write(self, store: FileTierStore, index: int, blob: np.ndarray) -> Future:
+        """Writes subgroup ``index``'s blob as the kind :attr:`write_kind` says; it is then
+        the subgroup's state."""
+        kind = self.kind_of[index] = self.write_kind(index, self.kind_of[index])
+        return store.write(index, blob, kind)
 
-        Call it with no write-back in flight (:meth:`drain` first).
+    def free_buffers(self) -> list[np.ndarray]:
+        """The buffers holding no dirty subgroup, emptied of their clean ones, for work between
+        steps (:meth:`stream_blobs`). Call it with no write-back in flight (:meth:`drain`)."""
+        self.clean.clear()
+        busy = set(self.dirty.values())
+        return [b for slot, b in enumerate(self.buffers) if slot not in busy]
+
+    def stream_blobs(
+        self, subgroups: Sequence[Subgroup], buffers: Sequence[np.ndarray], *, load: bool,
+        source: Callable[[int], tuple[FileTierStore, str]] | None = None,
+    ) -> Iterator[tuple[Subgroup, np.ndarray]]:  # fmt: skip
+        """Yields every subgroup's blob, in order, with the tiers' I/O overlapped.
+
+        A dirty subgroup is yielded from its slot (unless ``source`` is given). The others go
+        through ``buffers``: read from their tier ahead of the caller (as many reads in flight
+        as there are buffers), or, with ``load``, written to their tier behind the caller once
+        it has filled the blob.
+
+        Args:
+          subgroups: the subgroups, in the order to yield them.
+          buffers: float32 buffers, each at least the largest blob (at least one where a tier
+            is read or written).
+          load: whether the caller fills the blobs (written back) or reads them.
+          source: where subgroup ``i``'s blob is read from, as (store, kind); default its tier
+            and :attr:`kind_of`, or its slot when dirty.
+
+        Raises:
+          TierIOError: a read or write failed.
         """
-        scratch = None  # one blob of host memory beyond the pool, only if a tier is read
-        for sg in subgroups:
-            i = sg.index
-            if i in self.dirty:
-                yield sg, self.blob(i, self.dirty[i])
-                continue
-            if scratch is None:
-                scratch = aligned_empty(max(s.state_elems for s in subgroups), np.float32)
-            blob, store = scratch[: sg.state_elems], self._stores[self._assignment.tier_of[i]]
-            if not load:
-                self.wait(store.read(i, blob), i)
-            yield sg, blob
+        def where(i: int) -> tuple[FileTierStore, str]:
+            if source is not None:
+                return source(i)
+            return self._stores[self._assignment.tier_of[i]], self.kind_of[i]
+
+        free = list(buffers)
+        queue: deque[tuple[Subgroup, np.ndarray, np.ndarray | None, Future | None]] = deque()
+        try:
             if load:
-                self.wait(store.write(i, blob), i)
+                for sg in subgroups:
+                    if sg.index in self.dirty:  # host memory is where it lives
+                        yield sg, self.blob(sg.index, self.dirty[sg.index])
+                        continue
+                    if not free:  # the oldest write-back in flight gives its buffer
+                        done, blob, buffer, future = queue.popleft()
+                        self.wait(future, done.index)
+                        free.append(buffer)
+                    buffer = free.pop()
+                    blob = buffer[: sg.state_elems]
+                    yield sg, blob
+                    queue.append((sg, blob, buffer, self._write(where(sg.index)[0], sg.index, blob)))
+                while queue:
+                    done, _, _, future = queue.popleft()
+                    self.wait(future, done.index)
+                return
+            todo = deque(subgroups)
+            while todo or queue:
+                while todo:  # reads ahead, in order, as far as the buffers allow
+                    sg = todo[0]
+                    if source is None and sg.index in self.dirty:
+                        queue.append((sg, self.blob(sg.index, self.dirty[sg.index]), None, None))
+                    elif free:
+                        buffer = free.pop()
+                        blob = buffer[: sg.state_elems]
+                        store, kind = where(sg.index)
+                        queue.append((sg, blob, buffer, store.read(sg.index, blob, kind)))
+                    else:
+                        break
+                    todo.popleft()
+                sg, blob, buffer, future = queue.popleft()
+                if future is not None:
+                    self.wait(future, sg.index)
+                yield sg, blob
+                if buffer is not None:
+                    free.append(buffer)
+        finally:  # no request may outlive the buffers it uses
+            concurrent.futures.wait([e[3] for e in queue if e[3] is not None])
 
     # -- requests -------------------------------------------------------------------------
 
@@ -261,7 +334,8 @@ class HostBufferPool:
 
     def _write_back(self, index: int, slot: int) -> None:
         store = self._stores[self._assignment.write_tier(index)]  # a re-planned one moves now
-        self.writes.append(PendingWrite(store.write(index, self.blob(index, slot)), slot, index))
+        future = self._write(store, index, self.blob(index, slot))
+        self.writes.append(PendingWrite(future, slot, index, self.kind_of[index]))
 
     def _writing(self, index: int) -> bool:
         return any(w.subgroup == index for w in self.writes)
@@ -271,7 +345,8 @@ class HostBufferPool:
         if slot is None:
             return False
         store = self._stores[self._assignment.tier_of[index]]
-        futures = [store.read(index, self.blob(index, slot)), *self._companion(index, slot)]
+        read = store.read(index, self.blob(index, slot), self.kind_of[index])
+        futures = [read, *self._companion(index, slot)]
         self._reads[index] = Resident(slot, False, futures)
         return True
 
@@ -331,15 +406,15 @@ class HostBufferPool:
 
     def _reclaim_one(self) -> tuple[int, int]:
         """Waits for the oldest write-back (moving it to another tier if its own is full)."""
-        future, slot, index = self.writes.popleft()
+        future, slot, index, kind = self.writes.popleft()
         try:
             self.wait(future, index)
         except TierFullError as e:
-            if not self._fall_back(index, self.blob(index, slot), e):
+            if not self._fall_back(index, kind, self.blob(index, slot), e):
                 raise
         return index, slot
 
-    def _fall_back(self, index: int, blob: np.ndarray, error: TierFullError) -> bool:
+    def _fall_back(self, index: int, kind: str, blob: np.ndarray, error: TierFullError) -> bool:
         """Writes a subgroup whose tier is full to another tier; False if none takes it.
 
         The blob left behind on the full tier is never read again (the assignment moves), and
@@ -352,7 +427,7 @@ class HostBufferPool:
             if k == full:
                 continue
             try:
-                self.wait(store.write(index, blob), index, tier=k)
+                self.wait(store.write(index, blob, kind), index, tier=k)
             except TierIOError:
                 continue
             self._assignment.moved(index, k)

@@ -71,6 +71,11 @@ class KvstoreBlobs:
         # up to max_concurrency blobs of it beyond host_cache while writes are in flight.
         self._kv.write(self.key(slot, kind), b"".join((raw, trailer))).result()
 
+    def discard(self, slot: int, kind: str) -> None:
+        """Deletes the blob's value (a later read fails as never written)."""
+        key = self.key(slot, kind)
+        self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+
     def read(self, slot: int, kind: str, out: np.ndarray) -> None:
         got = self._kv.read(self.key(slot, kind)).result()
         where = self.path(slot, kind)

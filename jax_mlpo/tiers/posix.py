@@ -325,6 +325,13 @@ class PosixBlobs:
             raise OSError(errno.ENOSPC, f"short write at byte {offset} ({put} of {moved} bytes)")
         return crc
 
+    def discard(self, slot: int, kind: str) -> None:
+        """Deletes the blob's file (a later read fails as never written)."""
+        try:
+            os.unlink(self.path(slot, kind))
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         self._queue.close()
 
