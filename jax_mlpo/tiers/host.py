@@ -261,6 +261,7 @@ class HostBufferPool:
         Raises:
           TierIOError: a read or write failed.
         """
+
         def where(i: int) -> tuple[FileTierStore, str]:
             if source is not None:
                 return source(i)
@@ -281,7 +282,9 @@ class HostBufferPool:
                     buffer = free.pop()
                     blob = buffer[: sg.state_elems]
                     yield sg, blob
-                    queue.append((sg, blob, buffer, self._write(where(sg.index)[0], sg.index, blob)))
+                    queue.append(
+                        (sg, blob, buffer, self._write(where(sg.index)[0], sg.index, blob))
+                    )
                 while queue:
                     done, _, _, future = queue.popleft()
                     self.wait(future, done.index)

@@ -30,6 +30,7 @@ once and uses the page cache.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import glob
 import itertools
@@ -327,10 +328,8 @@ class PosixBlobs:
 
     def discard(self, slot: int, kind: str) -> None:
         """Deletes the blob's file (a later read fails as never written)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(slot, kind))
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         self._queue.close()
