@@ -65,7 +65,7 @@ def main() -> None:
 
     import jax_mlpo
     from jax_mlpo import checkpoint, distributed
-    from jax_mlpo.checkpoint import restore_plan
+    from jax_mlpo.checkpoint import restore_plan, stream
 
     def barrier(name: str) -> None:
         if nproc > 1:
@@ -167,9 +167,19 @@ def main() -> None:
             reads.append({"shape": list(want.shape), "saved": len(shards), "rows": rows})
             return sharding
 
+        # and which saved shard arrays of the offloaded state it read chunks of
+        arrays = info["arrays"] = []
+        chunks = stream.StateReader._chunks
+
+        def recording_chunks(self, record, first, last, keep):
+            arrays.append(record["array"])
+            return chunks(self, record, first, last, keep)
+
         restore_plan.read_sharding = recording
+        stream.StateReader._chunks = recording_chunks
         restored = checkpoint.restore(mngr, params, opt_state)
         restore_plan.read_sharding = read_sharding
+        stream.StateReader._chunks = chunks
         params, opt_state = restored.params, restored.opt_state
         info["restored"] = {"step": restored.step, "extra": restored.extra}
         saved = {"state": logical_state(opt_state), "params": gathered(params)}
@@ -190,11 +200,11 @@ def main() -> None:
     jax_mlpo.close(opt_state)
 
     if spec.get("corrupt"):
-        # A byte of the largest array data file process 1 wrote, flipped: every process must
-        # refuse the checkpoint, whichever of them reads that file.
+        # A byte of the largest chunk of the offloaded state that process 1 wrote, flipped:
+        # every process must refuse the checkpoint, whichever of them reads that chunk.
         files = sorted(
             (os.path.join(root, f) for root, _, names in os.walk(spec["ckpt"]) for f in names
-             if "ocdbt.process_1" in root and os.sep + "opt_state" + os.sep in root),
+             if os.sep + "process_1" + os.sep in root and root.endswith(os.sep + "c")),
             key=os.path.getsize,
         )  # fmt: skip
         target = files[-1]

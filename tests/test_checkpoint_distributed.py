@@ -77,22 +77,27 @@ def _assert_bits_equal(got: dict, want: dict, prefix: str) -> None:
 
 def test_the_checkpoint_is_the_global_state_written_by_each_process(runs):
     step = runs["ckpt"] / str(STEPS)
+    # orbax's multi-process layout for the params: each process wrote its shards into its store
+    stores = sorted(p.name for p in (step / "params").glob("ocdbt.process_*"))
+    assert stores == ["ocdbt.process_0", "ocdbt.process_1"], stores
     for item in ("params", "opt_state"):
-        # orbax's multi-process layout: each process wrote its shards into its own store
-        stores = sorted(p.name for p in (step / item).glob("ocdbt.process_*"))
-        assert stores == ["ocdbt.process_0", "ocdbt.process_1"], stores
         # one manifest, merged from the processes' digests, covering every leaf
         assert not list((step / item).glob("jax_mlpo_checksums.process_*"))
+    # the offloaded state: each process streamed its shards into arrays of its own
+    streamed = step / "opt_state" / "jax_mlpo_state" / "0"
+    assert sorted(p.name for p in streamed.iterdir()) == ["process_0", "process_1"]
     leaves = checkpoint.OffloadCheckpointHandler().metadata(step / "opt_state")
     for name in ("mu", "nu"):
         for i, leaf in enumerate(LEAVES):
             record = leaves[f"tree/1/{name}/{i}"]  # chain member 1: jax_mlpo.adamw's state
             assert record["shape"] == list(SHAPES[leaf])  # the global shape
-            if leaf == "odd":  # replicated over the processes: saved once, whole
-                assert "sha256" in record and "shards" not in record
-            else:  # a sha256 per process's shard
-                rows = SHAPES[leaf][0] // 2
-                assert [s["index"][0] for s in record["shards"]] == [[0, rows], [rows, 2 * rows]]
+            shards = [(s["start"], s["size"], s["array"]) for s in record["shards"]]
+            size = int(np.prod(SHAPES[leaf]))
+            if leaf == "odd":  # replicated over the processes: saved once, whole, by process 0
+                assert shards == [(0, size, f"jax_mlpo_state/0/process_0/{name}.{i}")]
+            else:  # each process's rows, flattened: a contiguous half
+                assert shards == [(0, size // 2, f"jax_mlpo_state/0/process_0/{name}.{i}"),
+                                  (size // 2, size // 2, f"jax_mlpo_state/0/process_1/{name}.{i}")]  # fmt: skip
     assert leaves["tree/1/count"]["shape"] == []
     params = checkpoint.OffloadCheckpointHandler().metadata(step / "params")
     assert len(params["tree/w1"]["shards"]) == 2 and "sha256" in params["tree/odd"]
@@ -115,7 +120,14 @@ def test_restore_onto_other_process_counts_is_exact(nproc, runs):
         assert info["step_count"] == STEPS + 2
         # Each process read whole saved shards, only those overlapping its own: with 4
         # processes, the half of each split leaf that process 0 or 1 saved, holding its quarter.
-        assert len(info["reads"]) == 3 * len(LEAVES) + 1  # params, mu, nu; adamw's count
+        assert len(info["reads"]) == len(LEAVES) + 1  # params; adamw's count
+        # the offloaded state's chunks: only from the saved shards overlapping its own (with 4
+        # processes, process k's quarter lies in the half process k // 2 saved)
+        for i, leaf in enumerate(LEAVES):
+            for name in ("mu", "nu"):
+                read = {a for a in info["arrays"] if a.endswith(f"/{name}.{i}")}
+                savers = [0] if leaf == "odd" else [k // 2] if nproc == 4 else [0, 1]
+                assert read == {f"jax_mlpo_state/0/process_{j}/{name}.{i}" for j in savers}
         for read in info["reads"]:
             rows = read["shape"][0] if read["shape"] else None
             if nproc == 1 or read["saved"] == 1:  # one process, or a leaf saved whole
@@ -149,7 +161,7 @@ def test_a_data_parallel_step_after_restore_differs_only_by_reduction_order(npro
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_a_corrupt_file_of_the_multiprocess_save_is_detected(nproc, runs):
     for info in runs[nproc]["infos"]:
-        assert "ocdbt.process_1" in info["corrupted"]
+        assert "/process_1/" in info["corrupted"]
         # every process refuses it, whichever of them read the flipped byte
         assert info["corrupt_restore"].startswith("CorruptCheckpointError"), info
 
@@ -160,8 +172,10 @@ def test_a_manifest_missing_a_process_s_shard_is_refused(runs, tmp_path):
     manifest = json.loads((runs["ckpt"] / str(STEPS) / "opt_state" / checkpoint.CHECKSUMS_FILE)
                           .read_text())  # fmt: skip
     body = {k: v for k, v in manifest.items() if k != "sha256"}
-    body["leaves"]["tree/1/mu/3"]["shards"].pop()  # w1's rows of process 1
+    body["streamed"]["tree/1/mu/3"]["shards"].pop()  # w1's rows of process 1
     sealed = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     (tmp_path / checkpoint.CHECKSUMS_FILE).write_text(json.dumps({**body, "sha256": sealed}))
-    with pytest.raises(checkpoint.CorruptCheckpointError, match="tree/1/mu/3 do not cover it"):
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError, match="array tree/1/mu/3 do not cover it"
+    ):
         checkpoint.OffloadCheckpointHandler().metadata(tmp_path)

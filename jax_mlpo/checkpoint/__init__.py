@@ -83,6 +83,7 @@ from jax_mlpo.checkpoint.manifest import (
     CorruptCheckpointError,
 )
 from jax_mlpo.checkpoint.snapshot import check_savable
+from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space, space_needed
 from jax_mlpo.checkpoint.training import Restored, manager, restore, save
 
 __all__ = [
@@ -91,13 +92,16 @@ __all__ = [
     "Index",
     "PROCESS_CHECKSUMS_FILE",
     "READABLE_FORMATS",
+    "CheckpointSpaceError",
     "CorruptCheckpointError",
     "OffloadCheckpointHandler",
     "OffloadRestore",
     "OffloadSave",
     "Restored",
     "check_savable",
+    "check_space",
     "manager",
     "restore",
     "save",
+    "space_needed",
 ]

@@ -15,6 +15,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_mlpo import distributed
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
 
@@ -85,6 +88,32 @@ def tiles(shape: list[int], indexes: list[Index]) -> bool:
         for k, x in enumerate(indexes)
         for y in indexes[k + 1 :]
     )
+
+
+def shard_starts(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Where this process's shard of each offloaded leaf starts in the flattened global leaf
+    (:mod:`jax_mlpo.distributed`'s rows), and the leaves it does not write (replicated ones:
+    process 0 writes those)."""
+    n, k = jax.process_count(), jax.process_index()
+    starts, skip = [], []
+    for leaf, shape in enumerate(shapes):
+        if n == 1 or distributed.leaf_spec(shape, n) == P():
+            starts.append(0)
+            if k != 0:
+                skip.append(leaf)
+        else:
+            starts.append(k * math.prod(distributed.local_shape(shape, n)))
+    return starts, skip
+
+
+def covers(size: int, shards: list[dict[str, Any]]) -> bool:
+    """Whether the saved shards' ``[start, start + size)`` ranges tile ``[0, size)`` exactly."""
+    at = 0
+    for shard in sorted(shards, key=lambda r: r["start"]):
+        if shard["start"] != at or shard["size"] < 0:
+            return False
+        at += shard["size"]
+    return at == size
 
 
 @dataclasses.dataclass(frozen=True)

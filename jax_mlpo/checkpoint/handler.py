@@ -16,6 +16,7 @@ most a temporary directory, which ``CheckpointManager`` never returns as a step.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -30,7 +31,9 @@ from jax_mlpo.checkpoint.blocks import as_read
 from jax_mlpo.checkpoint.load import load
 from jax_mlpo.checkpoint.manifest import FORMAT, CorruptCheckpointError
 from jax_mlpo.checkpoint.restore_plan import plan_restore
-from jax_mlpo.checkpoint.snapshot import snapshot
+from jax_mlpo.checkpoint.snapshot import OffloadedStream, snapshot
+from jax_mlpo.checkpoint.space import check_space
+from jax_mlpo.checkpoint.stream import write_streams
 from jax_mlpo.checkpoint.tree import leaves
 
 
@@ -66,19 +69,36 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
           EngineFailedError: if an update failed midway (the state is inconsistent).
           ValueError: in a multi-process run, for an offloaded state without its params.
         """
-        host = _host_tree(args, kwargs)
-        futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
-        checksums = ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_manifest(directory, host), name="jax_mlpo_checksums"
+        concurrent = getattr(args, "concurrent", True)
+        host, streams = _host_tree(args, kwargs, directory, concurrent=concurrent)
+        try:
+            futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
+        except BaseException:
+            for stream in streams:
+                stream.snapshot.close()
+            raise
+        rest = ocp.future.CommitFutureAwaitingContractedSignals(
+            self._write_streams_and_manifest(directory, host, streams), name="jax_mlpo_state"
         )
-        return [*(futures or []), checksums]
+        return [*(futures or []), rest]
 
-    async def _write_manifest(self, directory: Any, host: Any) -> None:
+    async def _write_streams_and_manifest(
+        self, directory: Any, host: Any, streams: list[OffloadedStream]
+    ) -> None:
+        try:
+            if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
+                directory = await directory.await_creation()
+            # in a thread: the stream blocks on tier reads and tensorstore writes
+            streamed = await asyncio.to_thread(write_streams, directory, streams)
+        finally:
+            for stream in streams:
+                stream.snapshot.close()
+        self._write_manifest(directory, host, streamed)
+
+    def _write_manifest(self, directory: Any, host: Any, streamed: dict[str, Any]) -> None:
         # Every process digests what it writes; with several, process 0 merges them at
         # finalize, once orbax has seen every process's writes complete.
-        name, text = manifest.manifest_file(host, directory)
-        if hasattr(directory, "await_creation"):  # orbax creates the directory asynchronously
-            directory = await directory.await_creation()
+        name, text = manifest.manifest_file(host, streamed, directory)
         manifest.write_synced(directory / name, text)
 
     def save(self, directory: epath.Path, args: OffloadSave | None = None, **kwargs: Any) -> None:
@@ -91,10 +111,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         # Orbax's synchronous save of the tree, rather than running async_save in an event
         # loop: orbax exposes no public way to run a coroutine where a loop may be running.
-        host = _host_tree(args, kwargs)
-        self._tree.save(directory, args=ocp.args.PyTreeSave(host))
-        name, text = manifest.manifest_file(host, directory)
-        manifest.write_synced(directory / name, text)
+        host, streams = _host_tree(args, kwargs, directory, concurrent=False)
+        try:
+            self._tree.save(directory, args=ocp.args.PyTreeSave(host))
+            streamed = write_streams(directory, streams)
+        finally:
+            for stream in streams:
+                stream.snapshot.close()
+        self._write_manifest(directory, host, streamed)
 
     def restore(self, directory: epath.Path, args: OffloadRestore | None = None) -> Any:
         """Restores the tree saved in ``directory``, verified against its checksums.
@@ -139,11 +163,13 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
         reads = jax.tree.map(as_read, restored)
         manifest.verify(leaves(reads), saved, directory)
-        return load(target, plan.leaves["tree"], reads["tree"])
+        return load(target, plan.leaves["tree"], reads["tree"], plan.streams, directory)
 
     def metadata(self, directory: epath.Path) -> dict[str, Any]:
-        """The saved leaves' dtypes, shapes and sha256s by path, without reading arrays."""
-        return manifest.read_manifest(directory)["leaves"]
+        """The saved leaves' and streamed arrays' dtypes, shapes and sha256s by path, without
+        reading arrays."""
+        body = manifest.read_manifest(directory)
+        return {**body["leaves"], **body["streamed"]}
 
     def finalize(self, directory: epath.Path) -> None:
         """orbax's finalize (process 0, after every process wrote): merges the manifests."""
@@ -165,10 +191,13 @@ class OffloadSave(ocp.args.CheckpointArgs):
       params: the params the offloaded states in ``item`` were initialised with (arrays or
         ``jax.ShapeDtypeStruct``); needed in a multi-process run, where they give the global
         shapes of the leaves whose shards each process's engine holds.
+      concurrent: for an asynchronous save, whether updates may run while it is written
+        (copy-on-write on the tiers); False: the caller waits for it before the next update.
     """
 
     item: Any
     params: Any = None
+    concurrent: bool = True
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)
@@ -179,15 +208,20 @@ class OffloadRestore(ocp.args.CheckpointArgs):
     item: Any = None
 
 
-def _host_tree(args: OffloadSave | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The host tree orbax writes: the snapshot of ``args.item`` and the format."""
+def _host_tree(
+    args: OffloadSave | None, kwargs: dict[str, Any], directory: Any, *, concurrent: bool
+) -> tuple[dict[str, Any], list[OffloadedStream]]:
+    """The host tree orbax writes (the snapshot of ``args.item`` and the format) and the
+    offloaded states' streams, after checking there is disk space for them."""
     if not isinstance(args, OffloadSave):
         raise ValueError(
             "pass the item as args=jax_mlpo.checkpoint.OffloadSave(tree), got "
             f"{type(args).__name__} (and {sorted(kwargs)})"
         )
+    check_space(args.item, directory, concurrent=concurrent)
+    tree, streams = snapshot(args.item, args.params, concurrent=concurrent)
     # The format leaf also keeps orbax from refusing a tree without leaves (optax.sgd's state).
-    return {"format": FORMAT, "tree": snapshot(args.item, args.params)}
+    return {"format": FORMAT, "tree": tree}, streams
 
 
 def _agree(error: BaseException | None, directory: Any) -> None:

@@ -2,9 +2,10 @@
 
 Every leaf comes back as the kind of leaf the target has there (a device array on the target's
 sharding, a numpy array, a scalar); each process places only its own shards of a global array.
-An offloaded state's ``mu``, ``nu`` and ``master`` go into the target's engine (each process its
-shards), which writes them into its host cache and tiers; the state returned is the target's,
-at the saved step.
+An offloaded state's ``mu``, ``nu`` and ``master`` are streamed from their arrays into the
+target's engine subgroup by subgroup (each process its shards, every chunk verified first),
+which writes them into its host cache and tiers; the state returned is the target's, at the
+saved step.
 """
 
 from __future__ import annotations
@@ -15,40 +16,44 @@ import jax
 import numpy as np
 
 from jax_mlpo.checkpoint.blocks import Read, index_of
-from jax_mlpo.checkpoint.restore_plan import LeafPlan
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, unwrap
+from jax_mlpo.checkpoint.restore_plan import StreamPlan
+from jax_mlpo.checkpoint.stream import StateReader
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, path_name, unwrap
 from jax_mlpo.transform import OffloadedAdamWState, engine_of
 
 
-def load(target: Any, plans: Any, reads: Any) -> Any:
-    """Loads restored offloaded states into ``target``'s engines; leaves as ``target``'s.
+def load(
+    target: Any, plans: Any, reads: Any, streams: dict[str, StreamPlan], directory: Any
+) -> Any:
+    """Streams restored offloaded states into ``target``'s engines; leaves as ``target``'s.
 
     Args:
       target: the tree restored into (its offloaded states from a fresh ``tx.init``).
       plans: the restore plan's tree for it (``RestorePlan.leaves["tree"]``).
       reads: what this process read, as :class:`~jax_mlpo.checkpoint.blocks.Read` leaves, of the
         same structure.
+      streams: the restore plan's :class:`StreamPlan` of each offloaded state, by name.
+      directory: the item's directory (where the streamed arrays are).
 
     Returns:
       The restored tree, of ``target``'s structure.
+
+    Raises:
+      CorruptCheckpointError: a streamed chunk does not match its sha256 (the target's engine
+        is then failed: its state is partly replaced).
     """
 
-    def restore(t: Any, p: Any, r: Any) -> Any:
+    def restore(path: tuple[Any, ...], t: Any, p: Any, r: Any) -> Any:
         if is_offloaded(t):
             count = int(r["count"].whole())
-            state = {
-                name: [
-                    _local(plan, read) if plan is not None else None  # fp32 leaves: no master
-                    for plan, read in zip(p[name], r[name], strict=True)
-                ]
-                for name in ("mu", "nu", "master")
-            }
-            engine_of(t).load_state_dict(count, state)
+            plan = streams[path_name(("tree", *path))]
+            reader = StateReader(directory, plan.records, plan.starts)
+            engine_of(t).load(count, reader.fill)
             count = like(unwrap(t.count), r["count"])
             return OffloadedAdamWState(count=count, handle=t.handle)
         return like(t, r)
 
-    return jax.tree.map(restore, target, plans, reads, is_leaf=is_offloaded)
+    return jax.tree_util.tree_map_with_path(restore, target, plans, reads, is_leaf=is_offloaded)
 
 
 def like(target: Any, read: Read) -> Any:
@@ -79,13 +84,3 @@ def like(target: Any, read: Read) -> Any:
     if is_key(target):
         value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
     return value
-
-
-def _local(plan: LeafPlan, read: Read) -> np.ndarray:
-    """This process's shard of an offloaded state's leaf, as its engine holds it."""
-    need = plan.need
-    if need.sharding is None:
-        return read.whole()
-    indexes = need.sharding.addressable_devices_indices_map(need.shape).values()
-    (index,) = {index_of(i, need.shape) for i in indexes}  # one device per process
-    return read.part(index)

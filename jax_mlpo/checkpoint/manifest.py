@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -28,6 +29,7 @@ from jax_mlpo.checkpoint.blocks import (
     Read,
     as_index,
     contains,
+    covers,
     full,
     index_of,
     relative,
@@ -38,19 +40,23 @@ from jax_mlpo.checkpoint.tree import leaves
 
 CHECKSUMS_FILE = "jax_mlpo_checksums.json"
 PROCESS_CHECKSUMS_FILE = "jax_mlpo_checksums.process_{}.json"  # merged into CHECKSUMS_FILE
-FORMAT = 2  # 2: a leaf saved sharded has a sha256 per shard ("shards"); 1: one per leaf
-READABLE_FORMATS = (1, 2)
+# 3: offloaded states streamed as arrays of their own ("streamed", a sha256 per chunk); 2: a
+# leaf saved sharded has a sha256 per shard ("shards"); 1: one per leaf
+FORMAT = 3
+READABLE_FORMATS = (3,)
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint's contents differ from what was saved (or it is incomplete)."""
 
 
-def manifest_file(host: Any, where: Any) -> tuple[str, str]:
+def manifest_file(host: Any, streamed: dict[str, Any], where: Any) -> tuple[str, str]:
     """The manifest file this process writes for the host tree it saves.
 
     Args:
       host: the snapshot being saved (see :func:`jax_mlpo.checkpoint.snapshot.snapshot`).
+      streamed: the records of the offloaded states' arrays this process wrote
+        (:func:`jax_mlpo.checkpoint.stream.write_streams`).
       where: the item's directory, for error messages.
 
     Returns:
@@ -58,7 +64,7 @@ def manifest_file(host: Any, where: Any) -> tuple[str, str]:
       single-process run; with several processes, this process's digests, for
       :func:`merge_process_manifests` to merge once every process has written its own.
     """
-    digests = _process_manifest(host)
+    digests = _process_manifest(host, streamed)
     if jax.process_count() == 1:
         name, content = CHECKSUMS_FILE, _merge([digests], where)
     else:
@@ -91,7 +97,7 @@ def merge_process_manifests(directory: epath.Path) -> None:
     first = directory / PROCESS_CHECKSUMS_FILE.format(0)
     if not first.exists():
         return  # saved by a single process: the manifest is written already
-    keys = ("format", "process", "processes", "leaves")
+    keys = ("format", "process", "processes", "leaves", "streamed")
     partials = [_read_sealed(first, keys)]
     paths = [directory / PROCESS_CHECKSUMS_FILE.format(k) for k in range(partials[0]["processes"])]
     partials += [_read_sealed(path, keys) for path in paths[1:]]
@@ -107,15 +113,26 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
       directory: the item's directory.
 
     Returns:
-      The manifest's body: ``format`` and ``leaves`` (by name: ``dtype``, ``shape`` and either
-      ``sha256`` or ``shards``).
+      The manifest's body: ``format``, ``leaves`` (by name: ``dtype``, ``shape`` and either
+      ``sha256`` or ``shards``) and ``streamed`` (the offloaded states' arrays by name:
+      ``dtype``, ``shape`` and ``shards``, each with its range and a sha256 per chunk).
 
     Raises:
       CorruptCheckpointError: the manifest is missing, not valid, of an unknown format, does
         not match its seal, or has a leaf whose shards do not cover it exactly once.
     """
     path = directory / CHECKSUMS_FILE
-    body = _read_sealed(path, ("format", "leaves"))
+    try:  # the format first (unsealed): an older manifest has other keys
+        fmt = json.loads(path.read_text()).get("format")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        fmt = FORMAT  # let the sealed read below say what is wrong
+    if fmt in (1, 2):
+        raise CorruptCheckpointError(
+            f"{path}: format {fmt!r}; this jax_mlpo reads formats {READABLE_FORMATS} "
+            "(formats 1 and 2, which held the offloaded state as orbax arrays, were written "
+            "before jax_mlpo streamed it: restore them with the jax_mlpo that wrote them)"
+        )
+    body = _read_sealed(path, ("format", "leaves", "streamed"))
     if body["format"] not in READABLE_FORMATS:
         raise CorruptCheckpointError(
             f"{path}: format {body['format']!r}; this jax_mlpo reads formats {READABLE_FORMATS}"
@@ -125,6 +142,11 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
             if not tiles(record["shape"], [index for index, _ in saved_shards(record)]):
                 raise CorruptCheckpointError(
                     f"{path}: the shards of leaf {name} do not cover it exactly once"
+                )
+        for name, record in body["streamed"].items():
+            if not covers(math.prod(record["shape"]), record["shards"]):
+                raise CorruptCheckpointError(
+                    f"{path}: the shards of array {name} do not cover it exactly once"
                 )
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is not a valid checksum manifest ({e!r})") from None
@@ -214,8 +236,8 @@ def _written_shards(leaf: Any) -> list[dict[str, Any]]:
     return [{"index": [list(r) for r in full(described["shape"])], "sha256": described["sha256"]}]
 
 
-def _process_manifest(host: Any) -> dict[str, Any]:
-    """The digests of what this process writes of the host tree, sealed."""
+def _process_manifest(host: Any, streamed: dict[str, Any]) -> dict[str, Any]:
+    """The digests of what this process writes of the host tree and streams, sealed."""
     records = {}
     for name, leaf in leaves(host).items():
         a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
@@ -229,6 +251,7 @@ def _process_manifest(host: Any) -> dict[str, Any]:
         "process": jax.process_index(),
         "processes": jax.process_count(),
         "leaves": records,
+        "streamed": streamed,
     }
     return {**body, "sha256": _seal(body)}
 
@@ -271,7 +294,19 @@ def _merge(partials: list[dict[str, Any]], where: Any) -> dict[str, Any]:
             record["sha256"] = shards[0]["sha256"]
         else:
             record["shards"] = shards
-    body = {"format": FORMAT, "leaves": records}
+    streamed: dict[str, dict[str, Any]] = {}
+    for partial in partials:
+        for name, record in partial["streamed"].items():
+            merged = streamed.setdefault(name, {**record, "shards": []})
+            merged["shards"].extend(record["shards"])
+    for name, record in streamed.items():
+        record["shards"].sort(key=lambda r: r["start"])
+        if not covers(math.prod(record["shape"]), record["shards"]):
+            raise CorruptCheckpointError(
+                f"{where}: the saved shards of array {name} do not cover it exactly once "
+                f"({[(r['start'], r['size']) for r in record['shards']][:8]})"
+            )
+    body = {"format": FORMAT, "leaves": records, "streamed": streamed}
     return {**body, "sha256": _seal(body)}
 
 

@@ -22,8 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
-from jax_mlpo.checkpoint.blocks import Index, full, index_of
+from jax_mlpo.checkpoint.blocks import Index, full, index_of, shard_starts
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
+from jax_mlpo.checkpoint.stream import QUANTITIES
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
 from jax_mlpo.transform import engine_of
 from jax_mlpo.types import F32
@@ -38,16 +39,13 @@ class Wanted:
 
     Attributes:
       dtype: the leaf's dtype.
-      shape: its global shape; None for an offloaded state's leaf, whose engine holds only its
-        shard (the manifest has the global shape).
-      local: an offloaded state's leaf: its shape in this process's engine.
+      shape: its global shape.
       sharding: the leaf's sharding where this process needs only its shards; None where it
         needs all of it.
     """
 
     dtype: np.dtype
-    shape: tuple[int, ...] | None
-    local: tuple[int, ...] | None = None
+    shape: tuple[int, ...]
     sharding: jax.sharding.Sharding | None = None
 
 
@@ -80,6 +78,18 @@ class LeafPlan:
     read: jax.sharding.Sharding | None
 
 
+class StreamPlan(NamedTuple):
+    """How one offloaded state's arrays are read (:class:`~jax_mlpo.checkpoint.stream.StateReader`).
+
+    Attributes:
+      records: for each ``(quantity, leaf)``, the saved shards' records.
+      starts: where this process's shard of each leaf starts (flattened).
+    """
+
+    records: dict[tuple[str, int], list[dict[str, Any]]]
+    starts: list[int]
+
+
 class RestorePlan(NamedTuple):
     """What :func:`plan_restore` returns.
 
@@ -88,11 +98,13 @@ class RestorePlan(NamedTuple):
         for every array leaf, other leaves as the target's.
       item: the abstract tree for ``ocp.args.PyTreeRestore``.
       restore_args: the ``ocp.RestoreArgs`` tree for it.
+      streams: each offloaded state's :class:`StreamPlan`, by its leaf name (``"tree/2"``).
     """
 
     leaves: Any
     item: Any
     restore_args: Any
+    streams: dict[str, StreamPlan]
 
 
 def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> RestorePlan:
@@ -111,8 +123,10 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
     """
     wanted = {"format": FORMAT, "tree": _abstract(target)}
     saved = manifest["leaves"]
-    names = set(leaves(wanted))
-    missing, extra = sorted(names - set(saved)), sorted(set(saved) - names)
+    arrays = _offloaded_arrays(target)
+    names = set(leaves(wanted)) | set(arrays)
+    have = set(saved) | set(manifest["streamed"])
+    missing, extra = sorted(names - have), sorted(have - names)
     if missing or extra:
         raise ValueError(
             f"checkpoint {directory} does not fit the target tree: leaves only in the target "
@@ -143,7 +157,55 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
             return ocp.RestoreArgs(restore_type=np.ndarray)
         return ocp.ArrayRestoreArgs(sharding=p.read, global_shape=p.need.shape, dtype=p.need.dtype)
 
-    return RestorePlan(planned, jax.tree.map(item, planned), jax.tree.map(restore_args, planned))
+    streams = _plan_streams(arrays, manifest["streamed"], directory)
+    return RestorePlan(
+        planned, jax.tree.map(item, planned), jax.tree.map(restore_args, planned), streams
+    )
+
+
+def _offloaded_arrays(target: Any) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """The arrays the target's offloaded states want: name -> (state, (quantity, leaf), its
+    shape in this process's engine)."""
+    arrays = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_offloaded)
+    for path, x in flat:
+        if not is_offloaded(x):
+            continue
+        state, layout = path_name(("tree", *path)), engine_of(x).layout
+        for leaf, (shape, dtype) in enumerate(zip(layout.shapes, layout.dtypes, strict=True)):
+            for quantity in QUANTITIES:
+                if quantity != "master" or dtype != F32:
+                    arrays[f"{state}/{quantity}/{leaf}"] = (state, (quantity, leaf), shape)
+    return arrays
+
+
+def _plan_streams(
+    arrays: dict[str, tuple[str, tuple[str, int], tuple[int, ...]]],
+    saved: dict[str, Any], directory: Any,
+) -> dict[str, StreamPlan]:  # fmt: skip
+    """Each offloaded state's :class:`StreamPlan`, the saved arrays checked against its engine.
+
+    Raises:
+      ValueError: a saved array's shard on this run's processes is not the engine's leaf.
+    """
+    n = jax.process_count()
+    shapes: dict[str, dict[int, tuple[int, ...]]] = {}
+    streams: dict[str, StreamPlan] = {}
+    for name, (state, key, local) in arrays.items():
+        record = saved[name]
+        shape = tuple(int(d) for d in record["shape"])
+        if record["dtype"] != "float32" or distributed.local_shape(shape, n) != local:
+            raise ValueError(
+                f"checkpoint {directory}: array {name} is {record['dtype']}{list(shape)}, whose "
+                f"shard on each of {n} processes is {list(distributed.local_shape(shape, n))}; "
+                f"the target optimizer's is float32{list(local)}"
+            )
+        shapes.setdefault(state, {})[key[1]] = shape
+        streams.setdefault(state, StreamPlan({}, [])).records[key] = record["shards"]
+    for state, plan in streams.items():
+        by_leaf = shapes[state]
+        plan.starts.extend(shard_starts([by_leaf[k] for k in range(len(by_leaf))])[0])
+    return streams
 
 
 def read_sharding(need: Need, shards: list[tuple[Index, str]]) -> jax.sharding.Sharding | None:
@@ -197,17 +259,8 @@ def _abstract(target: Any) -> Any:
         return sharding if sharding is not None and not sharding.is_fully_addressable else None
 
     def convert(x: Any) -> Any:
-        if is_offloaded(x):
-            layout = engine_of(x).layout
-            return {
-                "count": Wanted(np.dtype(np.int32), ()),
-                "mu": [Wanted(F32, None, shape) for shape in layout.shapes],
-                "nu": [Wanted(F32, None, shape) for shape in layout.shapes],
-                "master": [
-                    Wanted(F32, None, shape) if dt != F32 else None
-                    for shape, dt in zip(layout.shapes, layout.dtypes, strict=True)
-                ],
-            }
+        if is_offloaded(x):  # its arrays are streamed (see _plan_streams)
+            return {"count": Wanted(np.dtype(np.int32), ())}
         if is_key(x):
             x = jax.eval_shape(jax.random.key_data, x)
             return Wanted(np.dtype(x.dtype), tuple(x.shape))  # small: read whole everywhere
@@ -222,26 +275,12 @@ def _need(name: str, wanted: Wanted, record: dict[str, Any], directory: Any) -> 
     """What this process needs of the saved leaf ``name``, checked against its record.
 
     Raises:
-      ValueError: the saved leaf's dtype or shape is not the target's (for an offloaded
-        state's leaf: its shard on this run's processes is not the engine's).
+      ValueError: the saved leaf's dtype or shape is not the target's.
     """
     got = (record["dtype"], list(record["shape"]))
-    shape, sharding = wanted.shape, wanted.sharding
-    if shape is None:  # an offloaded state's leaf: this process's shard of got's shape
-        n = jax.process_count()
-        shape = tuple(got[1])
-        if distributed.local_shape(shape, n) != wanted.local:
-            raise ValueError(
-                f"checkpoint {directory}: leaf {name} is {got[0]}{got[1]}, whose shard on "
-                f"each of {n} processes is {list(distributed.local_shape(shape, n))}; the "
-                f"target optimizer's is {list(wanted.local)}"
-            )
-        if n > 1:  # the optimizer's engine holds its shards of the leaf
-            mesh = distributed.data_parallel_mesh()
-            sharding = NamedSharding(mesh, distributed.leaf_spec(shape, n))
-    if (wanted.dtype.name, list(shape)) != got:
+    if (wanted.dtype.name, list(wanted.shape)) != got:
         raise ValueError(
             f"checkpoint {directory}: leaf {name} is {got[0]}{got[1]}, the target's is "
-            f"{wanted.dtype.name}{list(shape)}"
+            f"{wanted.dtype.name}{list(wanted.shape)}"
         )
-    return Need(wanted.dtype, tuple(shape), sharding)
+    return Need(wanted.dtype, tuple(wanted.shape), wanted.sharding)

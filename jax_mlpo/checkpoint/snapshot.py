@@ -1,33 +1,30 @@
 """The snapshot: what a save takes from a training tree, synchronously, before writing it.
 
-A save copies the tree to host memory at the moment it is called, so that the next update may
-run (and donate or overwrite the device buffers, and rewrite the tiers) while orbax writes the
-copy in the background. Every :class:`~jax_mlpo.OffloadedAdamWState` is replaced by its
-engine's state in the *logical* layout, independent of subgroups, tiers, host cache and process
-count:
-
-- ``count``: the step count (the offloaded state is at exactly this step);
-- ``mu`` and ``nu``: float32 arrays of each parameter leaf's (global) shape;
-- ``master``: the fp32 master copy of each bfloat16 leaf (None for float32 leaves).
-
-With several processes each engine holds only its shards; they become global arrays with the
-params' ``data`` sharding, so that orbax writes each process's shards as it does for any sharded
-``jax.Array``. The snapshot holds the (process's share of the) optimizer state in host memory
-for the duration of the write: 12 bytes per parameter with bfloat16 params, 8 with float32.
+A save copies the small part of the tree to host memory at the moment it is called (params,
+scalars, PRNG keys), so that the next update may run (and donate or overwrite the device
+buffers) while orbax writes the copy in the background. Every
+:class:`~jax_mlpo.OffloadedAdamWState` becomes its ``count`` in that tree, and its AdamW state
+an :class:`OffloadedStream`: an engine snapshot (:mod:`jax_mlpo.snapshot`), read from the host
+cache and the tiers subgroup by subgroup while it is written (:mod:`~jax_mlpo.checkpoint.stream`),
+never held in host memory as a whole. Its arrays are the *logical* layout, independent of
+subgroups, tiers, host cache and process count: ``mu``, ``nu`` and (bfloat16 leaves) ``master``
+of every parameter leaf, each process writing its shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, unwrap
+from jax_mlpo.checkpoint.blocks import shard_starts
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name, unwrap
 from jax_mlpo.engine import EngineFailedError, StaleStateError
+from jax_mlpo.layout import Layout
+from jax_mlpo.snapshot import StateSnapshot
 from jax_mlpo.transform import engine_of
 
 if TYPE_CHECKING:
@@ -65,34 +62,66 @@ def check_savable(tree: Any) -> None:
             )
 
 
-def snapshot(tree: Any, params: Any = None) -> Any:
-    """``tree`` in host memory, offloaded states in the logical layout.
+@dataclasses.dataclass
+class OffloadedStream:
+    """An offloaded state's AdamW state, to stream into a checkpoint.
+
+    Attributes:
+      name: the state's leaf name in the host tree (``"tree/2"``).
+      snapshot: its engine's snapshot at the state's step; the writer closes it.
+      shapes: each parameter leaf's global shape.
+      starts: each leaf's first element, in the flattened global leaf, held by this process.
+      skip: leaves this process does not write (replicated over processes: process 0 does).
+    """
+
+    name: str
+    snapshot: StateSnapshot
+    layout: Layout
+    shapes: list[tuple[int, ...]]
+    starts: list[int]
+    skip: list[int]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes this process writes of it."""
+        return self.layout.state_bytes
+
+
+def snapshot(
+    tree: Any, params: Any = None, *, concurrent: bool = False
+) -> tuple[Any, list[OffloadedStream]]:
+    """``tree`` in host memory, offloaded states as their counts; their states as streams.
 
     Args:
       tree: the tree to save (params, opt_state, scalars).
       params: the params the offloaded states in ``tree`` were initialised with (arrays or
         ``jax.ShapeDtypeStruct``); in a multi-process run they give the global shapes of the
         leaves whose shards each engine holds.
+      concurrent: whether updates may run while the streams are written (an async save).
 
     Returns:
-      A copy the caller's later updates cannot change: each offloaded state a dict of
-      ``count``, ``mu``, ``nu`` and ``master``, PRNG keys as their key data, other arrays as
-      numpy arrays. In a multi-process run what this process holds of each sharded leaf stays
-      a (sharded) global array, in host memory.
+      A copy the caller's later updates cannot change (each offloaded state a dict of its
+      ``count``, PRNG keys as their key data, other arrays as numpy arrays; in a multi-process
+      run what this process holds of each sharded leaf stays a sharded global array, in host
+      memory), and the streams of the offloaded states, open: close them (write them with
+      :func:`~jax_mlpo.checkpoint.stream.write_streams`) whatever happens.
 
     Raises:
       EngineFailedError, StaleStateError: see :func:`check_savable`.
       ValueError: in a multi-process run, for an offloaded state without (its) params.
     """
-    multiprocess = distributed.is_multiprocess()
+    check_savable(tree)
+    streams: list[OffloadedStream] = []
 
-    def convert(x: Any) -> Any:
+    def convert(path: tuple[Any, ...], x: Any) -> Any:
         if is_offloaded(x):
             engine = engine_of(x)
-            state = engine.state_dict()  # fresh arrays, from the cache and the tiers
-            if multiprocess:
-                state = _global_state(state, _global_shapes(engine, params))
-            return {"count": np.array(unwrap(x.count), np.int32), **state}
+            shapes = _global_shapes(engine, params)
+            starts, skip = shard_starts(shapes)
+            name = path_name(("tree", *path))
+            state = engine.snapshot(concurrent=concurrent)
+            streams.append(OffloadedStream(name, state, engine.layout, shapes, starts, skip))
+            return {"count": np.array(unwrap(x.count), np.int32)}
         if is_key(x):
             x = jax.random.key_data(x)
         if is_sharded(x):
@@ -101,12 +130,18 @@ def snapshot(tree: Any, params: Any = None) -> Any:
             return np.array(x)  # a copy: device buffers may be donated, numpy ones reused
         return x
 
-    check_savable(tree)
-    return jax.tree.map(convert, tree, is_leaf=is_offloaded)
+    try:
+        return jax.tree_util.tree_map_with_path(convert, tree, is_leaf=is_offloaded), streams
+    except BaseException:
+        for stream in streams:
+            stream.snapshot.close()
+        raise
 
 
 def _global_shapes(engine: Engine, params: Any) -> list[tuple[int, ...]]:
-    """The global shape of each leaf of a multi-process engine, which holds local shards only."""
+    """The global shape of each leaf (a multi-process engine holds local shards only)."""
+    if not distributed.is_multiprocess():
+        return list(engine.layout.shapes)
     if params is None:
         raise ValueError(
             "in a multi-process run, an offloaded optimizer state is saved with its params "
@@ -122,30 +157,6 @@ def _global_shapes(engine: Engine, params: Any) -> list[tuple[int, ...]]:
             f"{list(engine.layout.shapes[:8])}: pass the params it was initialised with"
         )
     return shapes
-
-
-def _global_state(
-    state: dict[str, list[np.ndarray | None]], shapes: list[tuple[int, ...]]
-) -> dict[str, list[Any]]:
-    """This process's ``state_dict`` (its shards) as global arrays sharded like the params.
-
-    A leaf that is replicated over the processes stays a host array: every process holds the
-    same state for it, and orbax writes host arrays once, from process 0.
-    """
-    mesh = distributed.data_parallel_mesh()
-    n = mesh.shape[distributed.AXIS]
-
-    def put(local: np.ndarray | None, shape: tuple[int, ...]) -> Any:
-        spec = distributed.leaf_spec(shape, n)
-        if local is None or spec == P():
-            return local
-        sharding = _in_host_memory(NamedSharding(mesh, spec))
-        return jax.make_array_from_process_local_data(sharding, local, shape)
-
-    return {
-        name: [put(a, s) for a, s in zip(leaves, shapes, strict=True)]
-        for name, leaves in state.items()
-    }
 
 
 def _in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:

@@ -9,6 +9,7 @@ previous one first).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, NamedTuple
 
@@ -16,6 +17,9 @@ import orbax.checkpoint as ocp
 
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave
 from jax_mlpo.checkpoint.snapshot import check_savable
+from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
+
+logger = logging.getLogger(__name__)
 
 
 class Restored(NamedTuple):
@@ -62,15 +66,18 @@ def save(
     extra: dict[str, Any] | None = None,
     *,
     force: bool = False,
+    blocking: bool | None = None,
 ) -> bool:
     """Saves params, the optimizer state and ``extra`` as checkpoint ``step``.
 
-    Call it between updates with the params and state the last update returned. It returns
-    once the state is snapshotted in host memory (the next update may run); with an async
-    manager the files are written in the background, and the checkpoint is durable once
-    ``mngr.wait_until_finished()`` returns. See the module docstring for the contents. With
-    several processes, every process calls it (orbax saves collectively); each writes its
-    shards, and the checkpoint holds the global state.
+    Call it between updates with the params and state the last update returned. With an async
+    manager it returns once the params are copied to host memory and the retained subgroups
+    are written to their tiers; the offloaded state is streamed into the checkpoint from the
+    tiers while the next updates run (they write copy-on-write blobs until the checkpoint has
+    read the old ones), and the checkpoint is durable once ``mngr.wait_until_finished()``
+    returns. See the module docstring for the contents. With several processes, every process
+    calls it (orbax saves collectively); each writes its shards, and the checkpoint holds the
+    global state.
 
     Args:
       mngr: from :func:`manager` (or any ``ocp.CheckpointManager``).
@@ -79,6 +86,10 @@ def save(
       opt_state: the optimizer state (e.g. an ``optax.chain`` state with ``jax_mlpo.adamw``).
       extra: JSON-like scalars to keep with it (data position, RNG seeds...).
       force: save even if the manager's save policy would skip this step.
+      blocking: True: return once the checkpoint is written (no room needed on the tiers for
+        copy-on-write); False: write it while training goes on (async managers), or raise if
+        the disks have no room for that; None: the latter where there is room, else the former
+        (logged).
 
     Returns:
       Whether a checkpoint was started (orbax's save policy may skip a step).
@@ -86,14 +97,26 @@ def save(
     Raises:
       StaleStateError: ``opt_state`` is not the latest state of its optimizer.
       EngineFailedError: an update failed midway; restore from the previous checkpoint.
+      CheckpointSpaceError: a file system has too little free space for the checkpoint.
     """
     check_savable(opt_state)  # before orbax starts a step directory
+    concurrent = mngr._options.enable_async_checkpointing and blocking is not True  # noqa: SLF001
+    target = os.path.join(os.fspath(mngr.directory), str(step))
+    if concurrent and blocking is None:
+        try:
+            check_space(opt_state, target, concurrent=True)
+        except CheckpointSpaceError as e:
+            logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
+            concurrent = False
     args = ocp.args.Composite(
         params=OffloadSave(params),
-        opt_state=OffloadSave(opt_state, params=params),
+        opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),
         extra=OffloadSave(dict(extra or {})),
     )
-    return mngr.save(step, args=args, force=force)
+    started = mngr.save(step, args=args, force=force)
+    if not concurrent:
+        mngr.wait_until_finished()
+    return started
 
 
 def restore(

@@ -1,0 +1,334 @@
+"""The offloaded state in a checkpoint: per-leaf zarr3 arrays, written and read chunk by chunk.
+
+An offloaded AdamW state is not an orbax leaf: it may be larger than host memory. For every
+parameter leaf, each process writes its shard of ``mu``, ``nu`` and (bfloat16 leaves)
+``master`` as a 1-D float32 zarr3 array of the shard's flattened elements (tensorstore's
+``file`` driver, uncompressed; readable with ``ts.open``), from an engine snapshot, subgroup by
+subgroup. Subgroups cover the leaves in order, so every array's data arrives in order: it is cut
+into chunks of ``chunk_elems``, each written whole once complete and digested (sha256) on the
+way. Host memory: the chunks being filled (only a leaf that straddles two subgroups keeps its
+three open between them) and at most ``MAX_IN_FLIGHT`` being written.
+
+A restore reads, for each subgroup of the restoring engine in order, the chunks that overlap
+its segments (in any saved shard), checks each against its sha256 before any of its bytes is
+used, and fills the subgroup's blob. A shard record (:class:`ShardRecord` as JSON) goes into
+the checksum manifest.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
+from jax_mlpo.layout import Layout, Subgroup
+from jax_mlpo.types import F32
+
+QUANTITIES = ("mu", "nu", "master")
+CHUNK_ELEMS = 4 * 2**20  # 16 MiB chunks: large requests, few files
+MAX_IN_FLIGHT = 8  # chunks being written or read at once (and the host memory they hold)
+
+
+def context() -> ts.Context:
+    """tensorstore's context for state arrays: no cache (every chunk is touched once)."""
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
+
+
+def array_spec(path: str, size: int, chunk: int) -> dict[str, Any]:
+    """The zarr3 spec of one shard's array: ``size`` float32 in chunks of ``chunk``."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "store_data_equal_to_fill_value": True,  # an all-zero chunk (fresh moments) is written
+        "metadata": {
+            "shape": [size],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+            "data_type": "float32",
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "fill_value": 0,
+        },
+    }
+
+
+def _sha256(data: np.ndarray) -> str:
+    return hashlib.sha256(data.view(np.uint8)).hexdigest()  # releases the GIL on large data
+
+
+def _split(sg: Subgroup, blob: np.ndarray) -> dict[str, np.ndarray | None]:
+    p, m, v = sg.split(blob)
+    return {"mu": m, "nu": v, "master": p}
+
+
+class _OpenArray:
+    """One shard's array while it is written: the chunk being filled and the digests so far."""
+
+    def __init__(self, store: ts.TensorStore, size: int, chunk: int) -> None:
+        self.store, self.size, self.chunk = store, size, chunk
+        self.filled = 0  # elements written or buffered
+        self.buffer: np.ndarray | None = None
+        self.digests: list[concurrent.futures.Future] = []
+
+
+class StateWriter:
+    """Writes one offloaded state's shards, as a snapshot yields its subgroups.
+
+    Args:
+      directory: the checkpoint item's directory.
+      prefix: where this state's arrays go, relative to ``directory``.
+      layout: the engine's layout (this process's shards of the leaves).
+      starts: each leaf's shard's first element in the flattened global leaf.
+      skip: leaves this process does not write (replicated ones, written by process 0).
+      chunk_elems: the chunk length.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike, prefix: str, layout: Layout, starts: list[int],
+        skip: Iterable[int] = (), chunk_elems: int = CHUNK_ELEMS,
+    ) -> None:  # fmt: skip
+        self._directory, self._prefix = os.fspath(directory), prefix
+        self._layout, self._starts, self._skip = layout, starts, set(skip)
+        self._chunk = chunk_elems
+        self._context = context()
+        self._open: dict[tuple[str, int], _OpenArray] = {}
+        self._done: dict[tuple[str, int], dict[str, Any]] = {}
+        self._spare: list[np.ndarray] = []
+        self._in_flight: collections.deque[tuple[Any, concurrent.futures.Future, np.ndarray]]
+        self._in_flight = collections.deque()
+        self._digester = concurrent.futures.ThreadPoolExecutor(2, "jax_mlpo-ckpt-sha256")
+
+    def array_path(self, quantity: str, leaf: int) -> str:
+        """A shard array's path relative to the item directory."""
+        return f"{self._prefix}/{quantity}.{leaf}"
+
+    def write(self, blobs: Iterable[tuple[Subgroup, np.ndarray]]) -> dict[tuple[str, int], Any]:
+        """Writes every blob's segments; returns once all is written and durable.
+
+        Args:
+          blobs: every subgroup and its blob, in subgroup order (a snapshot's ``blobs()``).
+
+        Returns:
+          ``{(quantity, leaf): shard record}`` (``start``, ``size``, ``array``, ``chunk``,
+          ``sha256`` per chunk) for every array written.
+
+        Raises:
+          ValueError: tensorstore failed to write (the message says why: a full disk...).
+        """
+        try:
+            for sg, blob in blobs:
+                parts = _split(sg, blob)
+                for seg in sg.segments:
+                    if seg.leaf in self._skip:
+                        continue
+                    for name in QUANTITIES:
+                        if name != "master" or seg.master:
+                            self._append(name, seg.leaf, seg.leaf_start, parts[name][seg.span])
+            if self._open:
+                raise AssertionError(f"arrays {sorted(self._open)[:4]} were not completed")
+            while self._in_flight:
+                self._settle()
+            return {
+                key: {**record, "sha256": [d.result() for d in record["sha256"]]}
+                for key, record in self._done.items()
+            }
+        finally:
+            for write, _, _ in self._in_flight:  # a failure: let nothing write on after it
+                write.commit.exception()
+            self._digester.shutdown(wait=True)
+
+    def _array(self, name: str, leaf: int) -> _OpenArray:
+        key = (name, leaf)
+        if key not in self._open:
+            size = int(np.prod(self._layout.shapes[leaf], dtype=np.int64))
+            chunk = max(1, min(self._chunk, size))
+            path = os.path.join(self._directory, self.array_path(name, leaf))
+            spec = array_spec(path, size, chunk)
+            store = ts.open(spec, create=True, delete_existing=True, context=self._context)
+            self._open[key] = _OpenArray(store.result(), size, chunk)
+        return self._open[key]
+
+    def _append(self, name: str, leaf: int, offset: int, data: np.ndarray) -> None:
+        array = self._array(name, leaf)
+        if offset != array.filled:  # subgroups cover each leaf in order, so this cannot be
+            raise AssertionError(f"{name} of leaf {leaf}: element {offset} after {array.filled}")
+        done = 0
+        while done < data.size:
+            if array.buffer is None:
+                array.buffer = self._spare.pop() if self._spare else np.empty(self._chunk, F32)
+            at = array.filled % array.chunk
+            take = min(array.chunk - at, data.size - done)
+            array.buffer[at : at + take] = data[done : done + take]
+            array.filled += take
+            done += take
+            if array.filled % array.chunk == 0 or array.filled == array.size:
+                self._flush_chunk(name, leaf, array)
+
+    def _flush_chunk(self, name: str, leaf: int, array: _OpenArray) -> None:
+        start = (array.filled - 1) // array.chunk * array.chunk
+        data = array.buffer[: array.filled - start]
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._settle()
+        write = array.store[start : array.filled].write(data)
+        digest = self._digester.submit(_sha256, data)
+        self._in_flight.append((write, digest, array.buffer))
+        array.digests.append(digest)
+        array.buffer = None
+        if array.filled == array.size:
+            del self._open[(name, leaf)]
+            self._done[(name, leaf)] = {
+                "start": self._starts[leaf], "size": array.size, "chunk": array.chunk,
+                "array": self.array_path(name, leaf), "sha256": array.digests,
+            }  # fmt: skip
+
+    def _settle(self) -> None:
+        write, digest, buffer = self._in_flight.popleft()
+        write.commit.result()
+        digest.result()
+        if buffer.size == self._chunk:
+            self._spare.append(buffer)
+
+
+class StateReader:
+    """Fills an engine's subgroups from the saved shards of one offloaded state, verified.
+
+    Args:
+      directory: the checkpoint item's directory.
+      records: for each ``(quantity, leaf)``, the saved shards' records (every process's), as
+        the manifest has them.
+      starts: each leaf's shard's first element (in the flattened global leaf) in this run.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike, records: dict[tuple[str, int], list[dict[str, Any]]],
+        starts: list[int],
+    ) -> None:  # fmt: skip
+        self._directory = os.fspath(directory)
+        self._records = {k: sorted(v, key=lambda r: r["start"]) for k, v in records.items()}
+        self._starts = starts
+        self._context = context()
+        self._stores: dict[str, ts.TensorStore] = {}
+        self._last: dict[str, tuple[int, np.ndarray]] = {}  # array -> its last chunk read
+
+    def fill(self, sg: Subgroup, blob: np.ndarray) -> None:
+        """Fills ``blob`` with subgroup ``sg``'s saved state (an ``Engine.load`` callback).
+
+        Raises:
+          CorruptCheckpointError: a chunk does not match its sha256, or an array is missing
+            or not what the manifest says.
+        """
+        parts = _split(sg, blob)
+        for seg in sg.segments:
+            for name in QUANTITIES:
+                if name != "master" or seg.master:
+                    start = self._starts[seg.leaf] + seg.leaf_start
+                    self._read(name, seg.leaf, start, parts[name][seg.span])
+
+    def _read(self, name: str, leaf: int, start: int, out: np.ndarray) -> None:
+        """Copies elements ``[start, start + out.size)`` of the global leaf into ``out``."""
+        stop = start + out.size
+        for record in self._records[(name, leaf)]:
+            a, b = max(start, record["start"]), min(stop, record["start"] + record["size"])
+            if a >= b:
+                continue
+            chunk, base = record["chunk"], record["start"]
+            first, last = (a - base) // chunk, (b - 1 - base) // chunk
+            keep = base + (last + 1) * chunk > b  # the next segment of the leaf starts in it
+            for k, data in self._chunks(record, first, last, keep):
+                lo, hi = max(a, base + k * chunk), min(b, base + k * chunk + data.size)
+                out[lo - start : hi - start] = data[lo - base - k * chunk : hi - base - k * chunk]
+
+    def _chunks(
+        self, record: dict[str, Any], first: int, last: int, keep: bool
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Chunks ``first..last`` of a shard's array, each verified, read ``MAX_IN_FLIGHT`` at
+        a time; the last one is kept if ``keep`` (the next read of the array starts in it)."""
+        path, chunk = record["array"], record["chunk"]
+        cached = self._last.pop(path, None)
+        k = first
+        if cached is not None and cached[0] == first:
+            if first == last and keep:
+                self._last[path] = cached
+            yield first, cached[1]
+            k += 1
+        store = self._store(record)
+        while k <= last:
+            batch = range(k, min(last + 1, k + MAX_IN_FLIGHT))
+            reads = [
+                (j, store[j * chunk : min(record["size"], (j + 1) * chunk)].read()) for j in batch
+            ]
+            for j, future in reads:
+                data = self._checked(record, j, future)
+                if j == last and keep:
+                    self._last[path] = (j, data)
+                yield j, data
+            k = batch.stop
+
+    def _checked(self, record: dict[str, Any], j: int, future: Any) -> np.ndarray:
+        where = os.path.join(self._directory, record["array"])
+        try:
+            data = np.ascontiguousarray(future.result(), F32)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: chunk {j} cannot be read ({e})") from e
+        if j >= len(record["sha256"]) or _sha256(data) != record["sha256"][j]:
+            raise CorruptCheckpointError(
+                f"{where}: chunk {j} does not match its sha256 (the checkpoint is corrupt: a "
+                "changed or half-written file). Restore another step, into a new tx.init."
+            )
+        return data
+
+    def _store(self, record: dict[str, Any]) -> ts.TensorStore:
+        path = record["array"]
+        if path not in self._stores:
+            where = os.path.join(self._directory, path)
+            spec = array_spec(where, record["size"], record["chunk"])
+            try:
+                self._stores[path] = ts.open(spec, open=True, context=self._context).result()
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{where} cannot be opened as the manifest describes it ({e}): the "
+                    "checkpoint is incomplete or corrupt. Restore another step."
+                ) from e
+        return self._stores[path]
+
+
+STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>
+
+
+def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str, dict[str, Any]]:
+    """Writes the offloaded states' streams (closing their snapshots, whatever happens).
+
+    Args:
+      directory: the checkpoint item's directory.
+      streams: :class:`~jax_mlpo.checkpoint.snapshot.OffloadedStream` s, open.
+
+    Returns:
+      The manifest's ``streamed`` records of this process: for each array leaf name
+      (``"tree/2/mu/3"``), its dtype, global shape and the shards this process wrote.
+    """
+    records: dict[str, dict[str, Any]] = {}
+    try:
+        for k, stream in enumerate(streams):
+            prefix = f"{STATE_DIR}/{k}/process_{jax.process_index()}"
+            writer = StateWriter(directory, prefix, stream.layout, stream.starts, stream.skip)
+            with stream.snapshot:
+                shards = writer.write(stream.snapshot.blobs())
+            for leaf, shape in enumerate(stream.shapes):
+                for name in QUANTITIES:
+                    if name == "master" and stream.layout.dtypes[leaf] == F32:
+                        continue
+                    shard = shards.get((name, leaf))
+                    records[f"{stream.name}/{name}/{leaf}"] = {
+                        "dtype": "float32", "shape": [int(d) for d in shape],
+                        "shards": [shard] if shard is not None else [],
+                    }  # fmt: skip
+    finally:
+        for stream in streams:
+            stream.snapshot.close()
+    return records
