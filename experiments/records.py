@@ -164,7 +164,10 @@ def common_tiers(records: list[dict], skip: int) -> list[dict]:
             if "tiers" in r else r for r in records]  # fmt: skip
 
 
-def finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -> dict[str, Any]:
+def finish(
+    cfg: RunConfig, name: str, records: list[dict], metrics_path: Path,
+    params_sha256: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Writes the run's summary (markdown and JSON) and plot under ``cfg.run_dir``.
 
     Args:
@@ -172,6 +175,7 @@ def finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -
       name: the optimizer's name in the file names ("offload" or "optax").
       records: every step's record, in step order.
       metrics_path: the metrics file (returned, and logged).
+      params_sha256: a digest of the final params (single-process runs), kept in the summary.
 
     Returns:
       The run's ``losses``, ``summary`` (``report.summarize``'s, with every process's medians
@@ -209,6 +213,9 @@ def finish(cfg: RunConfig, name: str, records: list[dict], metrics_path: Path) -
         "summary (medians of steps %d..%d):\n%s", summary["first_step"], summary["last_step"], table
     )
     (run_dir / f"summary-{name}.md").write_text(table + "\n")
+    if params_sha256 is not None:
+        summary["final_step"], summary["params_sha256"] = records[-1]["step"], params_sha256
+        logger.info("final params (step %d): sha256 %s", records[-1]["step"], params_sha256)
     (run_dir / f"summary-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot = None
     if cfg.report.plot:

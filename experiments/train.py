@@ -11,6 +11,7 @@ resumes exactly. A step is two jitted halves timed apart (forward + backward, th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -382,4 +383,16 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     if not lead:
         return {"losses": [r["loss"] for r in records], "summary": None, "metrics": None,
                 "plot": None}  # fmt: skip
-    return finish(cfg, name, records, metrics_path)
+    digest = params_sha256(params) if nproc == 1 else None
+    return finish(cfg, name, records, metrics_path, params_sha256=digest)
+
+
+def params_sha256(params: Any) -> str:
+    """A sha256 of the params' bytes (every leaf, in tree order): a resumed run's final params
+    are bit for bit an uninterrupted run's iff the digests agree."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{a.dtype.name}{a.shape}".encode())
+        digest.update(a.reshape(-1).view(np.uint8))
+    return digest.hexdigest()

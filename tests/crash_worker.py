@@ -11,7 +11,9 @@ It prints ``init`` after ``tx.init``, restores the latest checkpoint in ``ckpt``
 one and prints ``start <step>``, trains up to ``steps`` updates (saving a checkpoint every
 ``save_every``), printing ``step <n>`` after each update (before its checkpoint), and writes
 the losses and final params to ``out`` (``.npz``). ``slow_writes`` (seconds) injects a random
-sleep before every tier write, so that a kill lands inside the update phase.
+sleep before every tier write, so that a kill lands inside the update phase; ``slow_stream``
+(seconds) a sleep after each subgroup a checkpoint streams, so that updates run while a save is
+in flight (it prints ``saving <step>`` once ``save`` has returned).
 """
 
 from __future__ import annotations
@@ -127,9 +129,24 @@ def _slow_tier_writes(max_s: float, seed: int) -> None:
     FileTierStore._write = slow_write
 
 
+def _slow_stream(delay_s: float) -> None:
+    from jax_mlpo.snapshot import StateSnapshot
+
+    blobs = StateSnapshot.blobs
+
+    def slow_blobs(self):
+        for item in blobs(self):
+            yield item
+            time.sleep(delay_s)
+
+    StateSnapshot.blobs = slow_blobs
+
+
 def main(spec: dict[str, Any]) -> None:
     if spec.get("slow_writes"):
         _slow_tier_writes(spec["slow_writes"], os.getpid())
+    if spec.get("slow_stream"):
+        _slow_stream(spec["slow_stream"])
     dtype = jnp.dtype(spec["dtype"])
     tx = make_tx(offload_config(spec))
     params = make_params(dtype)
@@ -146,6 +163,7 @@ def main(spec: dict[str, Any]) -> None:
         print(f"step {step}", flush=True)
         if every and step % every == 0:
             checkpoint.save(mngr, step, params, opt_state, {"step": step})
+            print(f"saving {step}", flush=True)
 
     params, opt_state, losses = train(
         make_update(tx), params, opt_state, start, spec["steps"], after_step

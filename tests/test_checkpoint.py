@@ -260,6 +260,8 @@ def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
         # the first update), or after the first or second update of this process
         wait_for, delay = rng.choice([0, 1, 2, 2, 3]), rng.uniform(0.0, 0.4)
         for line in proc.stdout:
+            if line.startswith("saving"):
+                continue
             lines.append(line.strip())
             if line.startswith("start"):
                 resumed_at.append(int(line.split()[1]))
@@ -514,6 +516,7 @@ def test_pretrain_resume_continues_the_run_exactly(tmp_path):
     shutil.rmtree(ckpt / "6")  # as if the run had died after step 5
     resumed = main("--resume")
     assert resumed["losses"] == full["losses"]  # steps 1-3 from the metrics, 4-6 recomputed
+    assert resumed["summary"]["params_sha256"] == full["summary"]["params_sha256"]
     records = [json.loads(line) for line in resumed["metrics"].read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert "checkpoint_s" in records[2] and "checkpoint_s" in records[5]

@@ -96,8 +96,11 @@ def test_the_checkpoint_is_the_global_state_written_by_each_process(runs):
             if leaf == "odd":  # replicated over the processes: saved once, whole, by process 0
                 assert shards == [(0, size, f"jax_mlpo_state/0/process_0/{name}.{i}")]
             else:  # each process's rows, flattened: a contiguous half
-                assert shards == [(0, size // 2, f"jax_mlpo_state/0/process_0/{name}.{i}"),
-                                  (size // 2, size // 2, f"jax_mlpo_state/0/process_1/{name}.{i}")]  # fmt: skip
+                half = size // 2
+                assert shards == [
+                    (0, half, f"jax_mlpo_state/0/process_0/{name}.{i}"),
+                    (half, half, f"jax_mlpo_state/0/process_1/{name}.{i}"),
+                ]
     assert leaves["tree/1/count"]["shape"] == []
     params = checkpoint.OffloadCheckpointHandler().metadata(step / "params")
     assert len(params["tree/w1"]["shards"]) == 2 and "sha256" in params["tree/odd"]

@@ -89,6 +89,10 @@ def check_space(tree: Any, directory: Any, *, concurrent: bool, margin: float = 
             )
             raise CheckpointSpaceError(
                 f"a checkpoint {'written while training goes on ' if concurrent else ''}needs "
-                f"{nbytes / 1e9:.2f} GB on the file system of {path}, which has "
-                f"{free / 1e9:.2f} GB free: {fix}"
+                f"{_size(nbytes)} on the file system of {path}, which has {_size(free)} free: "
+                f"{fix}"
             )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

@@ -316,7 +316,9 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
     try:
         for k, stream in enumerate(streams):
             prefix = f"{STATE_DIR}/{k}/process_{jax.process_index()}"
-            writer = StateWriter(directory, prefix, stream.layout, stream.starts, stream.skip)
+            writer = StateWriter(
+                directory, prefix, stream.layout, stream.starts, stream.skip, CHUNK_ELEMS
+            )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
             for leaf, shape in enumerate(stream.shapes):

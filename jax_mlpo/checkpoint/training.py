@@ -108,6 +108,7 @@ def save(
         except CheckpointSpaceError as e:
             logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
             concurrent = False
+    check_space(opt_state, target, concurrent=concurrent)  # before orbax starts the step
     args = ocp.args.Composite(
         params=OffloadSave(params),
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),

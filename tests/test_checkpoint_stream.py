@@ -1,0 +1,150 @@
+"""Checkpoints that stream the offloaded state: larger than the host cache, written while
+training goes on, killed in the middle of such a save.
+
+The job is tests/crash_worker.py's (an MLP of 263K params under optax.chain(clip_by_global_norm,
+add_noise, jax_mlpo.adamw)); the arrays are cut into chunks of an odd length here, so that
+chunks straddle subgroups and leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import crash_worker as job
+import jax
+import numpy as np
+import pytest
+from test_checkpoint import (
+    WORKER,
+    assert_bits_equal,
+    assert_states_equal,
+    logical_state,
+    run_worker,
+    spec_for,
+    start_job,
+    worker_env,  # noqa: F401 - a fixture
+)
+
+import jax_mlpo
+from jax_mlpo import checkpoint
+from jax_mlpo.checkpoint import stream
+
+
+def test_a_state_8x_the_host_cache_restores_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(stream, "CHUNK_ELEMS", 4099)
+    spec = spec_for(tmp_path / "a", "bfloat16", 1, "none", False, subgroup_size=8192)
+    tx, update, params, opt_state = start_job(spec)
+    engine = jax_mlpo.engine_of(opt_state)
+    assert engine.layout.state_bytes >= 8 * engine.config.host_cache
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    saved_state = logical_state(opt_state)
+    mngr = checkpoint.manager(spec["ckpt"])
+    checkpoint.save(mngr, 2, params, opt_state, {"step": 2})  # streamed while step 3 runs
+    want, opt_state, _ = job.train(update, params, opt_state, 2, 3)
+    mngr.wait_until_finished()
+    jax_mlpo.close(opt_state)
+    arrays = Path(spec["ckpt"]) / "2" / "opt_state" / "jax_mlpo_state" / "0" / "process_0"
+    chunks = sorted(int(p.name) for p in (arrays / "mu.2" / "c").iterdir())  # w1: 131072 elements
+    assert chunks == list(range(-(-131072 // 4099)))
+
+    # onto 3 tiers, other subgroups (not multiples of the chunk), the pipeline's cache only
+    other = spec_for(tmp_path / "b", "bfloat16", 3, "none", False, subgroup_size=5003)
+    _, update, fresh, opt_state = start_job(other)
+    restored = checkpoint.restore(mngr, fresh, opt_state)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    got, opt_state, _ = job.train(update, restored.params, restored.opt_state, 2, 3)
+    assert_bits_equal(job.as_bits(got), job.as_bits(want))
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+def test_a_corrupt_chunk_fails_the_restore_before_the_state_is_used(tmp_path):
+    spec = spec_for(tmp_path / "a", "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 1)
+    mngr = checkpoint.manager(spec["ckpt"], async_save=False)
+    checkpoint.save(mngr, 1, params, opt_state)
+    jax_mlpo.close(opt_state)
+    chunk = Path(spec["ckpt"]) / "1" / "opt_state" / "jax_mlpo_state" / "0" / "process_0"
+    chunk = chunk / "nu.3" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 3] ^= 1
+    chunk.write_bytes(bytes(data))
+    _, _, fresh, opt_state = start_job(spec_for(tmp_path / "b", "float32", 1, "none", False))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"nu\.3: chunk 0 does not match"):
+        checkpoint.restore(mngr, fresh, opt_state)
+    # the engine's state is partly replaced: it refuses to go on
+    with pytest.raises(jax_mlpo.EngineFailedError, match="Restore from your last checkpoint"):
+        jax_mlpo.engine_of(opt_state).state_dict()
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+def test_no_room_for_an_async_save_falls_back_or_fails_clearly(tmp_path, monkeypatch):
+    spec = spec_for(tmp_path, "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 1)
+    mngr = checkpoint.manager(spec["ckpt"])
+    need = checkpoint.space_needed(opt_state, spec["ckpt"], concurrent=True)
+    # one file system: the checkpoint and the tier's copy-on-write room add up
+    ((path, nbytes),) = need.items()
+    state = jax_mlpo.engine_of(opt_state).layout.state_bytes
+    assert 2 * state <= nbytes < 2 * state + 1024  # and the chain's scalars
+    free = {"bytes": int(1.5 * state)}  # room for the checkpoint, not for the copies too
+
+    class Usage:
+        def __init__(self, path):
+            self.free = free["bytes"]
+
+    monkeypatch.setattr(checkpoint.space.shutil, "disk_usage", Usage)
+    message = r"while training goes on needs 4\.2 MB .*blocking=True"
+    with pytest.raises(checkpoint.CheckpointSpaceError, match=message):
+        checkpoint.save(mngr, 1, params, opt_state, blocking=False)
+    assert mngr.all_steps() == []
+    checkpoint.save(mngr, 1, params, opt_state)  # blocking=None: synchronous, logged
+    assert mngr.all_steps() == [1]
+    free["bytes"] = state // 2
+    with pytest.raises(checkpoint.CheckpointSpaceError, match="keep fewer checkpoints"):
+        checkpoint.save(mngr, 2, params, opt_state)
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+def test_a_kill_during_an_async_save_while_training_resumes_exactly(tmp_path, worker_env):  # noqa: F811
+    """A save streamed slowly while the next updates run, killed before it is published: the
+    checkpoint set holds the previous steps, and the run resumes from them to the
+    uninterrupted params."""
+    steps = 8
+    spec = spec_for(tmp_path / "run", "bfloat16", 2, "part", True, steps=steps, save_every=2)
+    spec["slow_stream"] = 0.1  # a save takes ~1 s, the updates between saves much less
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(spec)], env=worker_env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    saving = None
+    for line in proc.stdout:
+        if line.startswith("saving 4"):
+            saving = 4
+        elif saving and line.startswith("step 5"):  # an update ran after save 4 returned
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert saving == 4 and proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    mngr = checkpoint.manager(spec["ckpt"])
+    assert mngr.all_steps() == [2]  # 4 was in flight: not published; 2 intact
+    mngr.close()
+    run_worker(spec, worker_env)
+    with np.load(spec["out"]) as out:
+        assert int(out["start"]) == 2
+        got = {k: out[k] for k in job.SHAPES}
+
+    ref = spec_for(tmp_path / "ref", "bfloat16", 2, "part", True)
+    _, update, params, opt_state = start_job(ref)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, steps)
+    jax_mlpo.close(opt_state)
+    assert_bits_equal(got, job.as_bits(params))
+    jax.clear_caches()
