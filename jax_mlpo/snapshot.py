@@ -36,9 +36,12 @@ READ_AHEAD = 2  # a concurrent snapshot's buffers: one blob read while the last 
 
 
 def spare_buffers(pool: HostBufferPool, layout: Layout) -> list[np.ndarray]:
-    """Buffers for work between steps: the pool's free ones, or (every slot holding a dirty
-    subgroup) one blob beyond the pool."""
-    return pool.free_buffers() or [aligned_empty(layout.max_state_elems, np.float32)]
+    """Buffers for work between steps: the pool's free ones, topped up to ``READ_AHEAD`` with
+    blobs beyond the pool (where dirty subgroups hold the rest), so that one subgroup's tier
+    I/O overlaps the next one's use."""
+    free = pool.free_buffers()
+    extra = max(0, READ_AHEAD - len(free))
+    return free + [aligned_empty(layout.max_state_elems, np.float32) for _ in range(extra)]
 
 
 class StateSnapshot:

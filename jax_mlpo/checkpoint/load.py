@@ -47,8 +47,9 @@ def load(
         if is_offloaded(t):
             count = int(r["count"].whole())
             plan = streams[path_name(("tree", *path))]
-            reader = StateReader(directory, plan.records, plan.starts)
-            engine_of(t).load(count, reader.fill)
+            engine = engine_of(t)
+            reader = StateReader(directory, plan.records, plan.starts, engine.layout.subgroups)
+            engine.load(count, reader.fill)
             count = like(unwrap(t.count), r["count"])
             return OffloadedAdamWState(count=count, handle=t.handle)
         return like(t, r)

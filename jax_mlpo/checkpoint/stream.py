@@ -21,7 +21,7 @@ import collections
 import concurrent.futures
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -33,13 +33,18 @@ from jax_mlpo.layout import Layout, Subgroup
 from jax_mlpo.types import F32
 
 QUANTITIES = ("mu", "nu", "master")
-CHUNK_ELEMS = 4 * 2**20  # 16 MiB chunks: large requests, few files
+CHUNK_ELEMS = 2 * 2**20  # 8 MiB chunks: requests as large as fio's best, few files
 MAX_IN_FLIGHT = 8  # chunks being written or read at once (and the host memory they hold)
 
 
-def context() -> ts.Context:
-    """tensorstore's context for state arrays: no cache (every chunk is touched once)."""
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
+def context(*, writing: bool) -> ts.Context:
+    """tensorstore's context for state arrays: no cache (every chunk is touched once); writes
+    with O_DIRECT, each chunk file fsynced (measured here: 1.36 GB/s against 0.54 through the
+    page cache with the same fsyncs; reads are faster through the page cache's read-ahead)."""
+    spec: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True}
+    if writing:
+        spec["file_io_mode"] = {"mode": "direct"}
+    return ts.Context(spec)
 
 
 def array_spec(path: str, size: int, chunk: int) -> dict[str, Any]:
@@ -96,7 +101,7 @@ class StateWriter:
         self._directory, self._prefix = os.fspath(directory), prefix
         self._layout, self._starts, self._skip = layout, starts, set(skip)
         self._chunk = chunk_elems
-        self._context = context()
+        self._context = context(writing=True)
         self._open: dict[tuple[str, int], _OpenArray] = {}
         self._done: dict[tuple[str, int], dict[str, Any]] = {}
         self._spare: list[np.ndarray] = []
@@ -198,23 +203,29 @@ class StateWriter:
 class StateReader:
     """Fills an engine's subgroups from the saved shards of one offloaded state, verified.
 
+    The chunks a subgroup needs are read concurrently, and those of the next subgroup while the
+    engine writes this one to its tier (host memory: about two subgroups' chunks).
+
     Args:
       directory: the checkpoint item's directory.
       records: for each ``(quantity, leaf)``, the saved shards' records (every process's), as
         the manifest has them.
       starts: each leaf's shard's first element (in the flattened global leaf) in this run.
+      subgroups: the restoring engine's subgroups, in the order they are filled.
     """
 
     def __init__(
         self, directory: str | os.PathLike, records: dict[tuple[str, int], list[dict[str, Any]]],
-        starts: list[int],
+        starts: list[int], subgroups: Sequence[Subgroup],
     ) -> None:  # fmt: skip
         self._directory = os.fspath(directory)
         self._records = {k: sorted(v, key=lambda r: r["start"]) for k, v in records.items()}
         self._starts = starts
-        self._context = context()
+        after = [*subgroups[1:], None]
+        self._next = {sg.index: nxt for sg, nxt in zip(subgroups, after, strict=True)}
+        self._context = context(writing=False)
         self._stores: dict[str, ts.TensorStore] = {}
-        self._last: dict[str, tuple[int, np.ndarray]] = {}  # array -> its last chunk read
+        self._reads: dict[tuple[str, int], Any] = {}  # (array, chunk) -> read future or data
 
     def fill(self, sg: Subgroup, blob: np.ndarray) -> None:
         """Fills ``blob`` with subgroup ``sg``'s saved state (an ``Engine.load`` callback).
@@ -223,52 +234,59 @@ class StateReader:
           CorruptCheckpointError: a chunk does not match its sha256, or an array is missing
             or not what the manifest says.
         """
+        pieces = self._pieces(sg)
+        self._issue(pieces)
+        upcoming = self._next.get(sg.index)
+        later = self._pieces(upcoming) if upcoming is not None else []
+        self._issue(later)  # read while this subgroup is copied and written to its tier
         parts = _split(sg, blob)
+        for name, at, record, k, lo, hi in pieces:
+            data = self._chunk(record, k)
+            base = record["start"] + k * record["chunk"]
+            parts[name][at : at + hi - lo] = data[lo - base : hi - base]
+        keep = {(record["array"], k) for _, _, record, k, _, _ in later}
+        for key in [key for key in self._reads if key not in keep]:
+            del self._reads[key]
+
+    def _pieces(self, sg: Subgroup) -> list[tuple[str, int, dict[str, Any], int, int, int]]:
+        """What ``sg`` needs, as ``(quantity, at, record, k, lo, hi)``: the elements
+        ``[lo, hi)`` of the flattened global leaf, from chunk ``k`` of ``record``'s array, go
+        to ``[at, at + hi - lo)`` of the subgroup's part of ``quantity``."""
+        pieces = []
         for seg in sg.segments:
+            start = self._starts[seg.leaf] + seg.leaf_start
+            stop = start + seg.size
             for name in QUANTITIES:
-                if name != "master" or seg.master:
-                    start = self._starts[seg.leaf] + seg.leaf_start
-                    self._read(name, seg.leaf, start, parts[name][seg.span])
+                if name == "master" and not seg.master:
+                    continue
+                for record in self._records[(name, seg.leaf)]:
+                    a = max(start, record["start"])
+                    b = min(stop, record["start"] + record["size"])
+                    chunk, base = record["chunk"], record["start"]
+                    for k in (
+                        range((a - base) // chunk, (b - 1 - base) // chunk + 1) if a < b else ()
+                    ):
+                        lo = max(a, base + k * chunk)
+                        hi = min(b, base + (k + 1) * chunk)
+                        pieces.append((name, seg.start + lo - start, record, k, lo, hi))
+        return pieces
 
-    def _read(self, name: str, leaf: int, start: int, out: np.ndarray) -> None:
-        """Copies elements ``[start, start + out.size)`` of the global leaf into ``out``."""
-        stop = start + out.size
-        for record in self._records[(name, leaf)]:
-            a, b = max(start, record["start"]), min(stop, record["start"] + record["size"])
-            if a >= b:
-                continue
-            chunk, base = record["chunk"], record["start"]
-            first, last = (a - base) // chunk, (b - 1 - base) // chunk
-            keep = base + (last + 1) * chunk > b  # the next segment of the leaf starts in it
-            for k, data in self._chunks(record, first, last, keep):
-                lo, hi = max(a, base + k * chunk), min(b, base + k * chunk + data.size)
-                out[lo - start : hi - start] = data[lo - base - k * chunk : hi - base - k * chunk]
+    def _issue(self, pieces: list[tuple[str, int, dict[str, Any], int, int, int]]) -> None:
+        for _, _, record, k, _, _ in pieces:
+            key = (record["array"], k)
+            if key not in self._reads:
+                chunk, size = record["chunk"], record["size"]
+                self._reads[key] = self._store(record)[
+                    k * chunk : min(size, (k + 1) * chunk)
+                ].read()
 
-    def _chunks(
-        self, record: dict[str, Any], first: int, last: int, keep: bool
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """Chunks ``first..last`` of a shard's array, each verified, read ``MAX_IN_FLIGHT`` at
-        a time; the last one is kept if ``keep`` (the next read of the array starts in it)."""
-        path, chunk = record["array"], record["chunk"]
-        cached = self._last.pop(path, None)
-        k = first
-        if cached is not None and cached[0] == first:
-            if first == last and keep:
-                self._last[path] = cached
-            yield first, cached[1]
-            k += 1
-        store = self._store(record)
-        while k <= last:
-            batch = range(k, min(last + 1, k + MAX_IN_FLIGHT))
-            reads = [
-                (j, store[j * chunk : min(record["size"], (j + 1) * chunk)].read()) for j in batch
-            ]
-            for j, future in reads:
-                data = self._checked(record, j, future)
-                if j == last and keep:
-                    self._last[path] = (j, data)
-                yield j, data
-            k = batch.stop
+    def _chunk(self, record: dict[str, Any], k: int) -> np.ndarray:
+        """Chunk ``k`` of ``record``'s array, verified once."""
+        key = (record["array"], k)
+        got = self._reads[key]
+        if not isinstance(got, np.ndarray):
+            got = self._reads[key] = self._checked(record, k, got)
+        return got
 
     def _checked(self, record: dict[str, Any], j: int, future: Any) -> np.ndarray:
         where = os.path.join(self._directory, record["array"])

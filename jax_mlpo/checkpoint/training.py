@@ -110,7 +110,7 @@ def save(
             concurrent = False
     check_space(opt_state, target, concurrent=concurrent)  # before orbax starts the step
     args = ocp.args.Composite(
-        params=OffloadSave(params),
+        params=OffloadSave(params, concurrent=concurrent),
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),
         extra=OffloadSave(dict(extra or {})),
     )
