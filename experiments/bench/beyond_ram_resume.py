@@ -3,11 +3,11 @@ resumed, against an uninterrupted run of the same steps (issue 16).
 
 1. **Uninterrupted**: ``pretrain.py`` on the config for ``--steps`` steps, no checkpoints; its
    summary keeps the sha256 of the final params.
-2. **Interrupted**: the same with a checkpoint every ``--every`` steps. Once the checkpoint's
-   step record is in the metrics (the save has returned: with the state on one disk there is no
-   room for a copy-on-write save, so pretrain saves synchronously and the checkpoint is durable
-   then), a random delay of up to ``--max-delay`` seconds, then ``kill -9`` of the process
-   group; then ``pretrain.py --resume`` to the end.
+2. **Interrupted**: the same with a checkpoint every ``--every`` steps. Once the checkpoint is
+   published (its step directory renamed into place: durable; with the state on one disk there
+   is no room for a copy-on-write save, so pretrain saves it synchronously), a random delay of
+   up to ``--max-delay`` seconds, then ``kill -9`` of the process group; then
+   ``pretrain.py --resume`` to the end. ``--reuse-uninterrupted`` keeps step 1's results.
 3. The final step's loss and the params' sha256 of the two runs must be equal (bit for bit).
 
 Each run's tier and checkpoint files are deleted when it is done (tier ~ state, checkpoint ~
@@ -78,19 +78,23 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/beyond-ram-resume")
     parser.add_argument("--json", default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--reuse-uninterrupted", action="store_true",
+                        help="keep an earlier uninterrupted run of the same steps")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     root = Path(args.run_dir)
     full, interrupted = root / "uninterrupted", root / "interrupted"
-    for d in (full, interrupted):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+    shutil.rmtree(interrupted, ignore_errors=True)
+    interrupted.mkdir(parents=True)
 
     t0 = time.time()
-    try:
-        run(command(full, args.steps, 0, args.set), full / "pretrain.log")
-    finally:
-        shutil.rmtree(full / "tiers", ignore_errors=True)
+    if not (args.reuse_uninterrupted and (full / "summary-offload.json").exists()):
+        shutil.rmtree(full, ignore_errors=True)
+        full.mkdir(parents=True)
+        try:
+            run(command(full, args.steps, 0, args.set), full / "pretrain.log")
+        finally:
+            shutil.rmtree(full / "tiers", ignore_errors=True)
     full_s = time.time() - t0
 
     cmd = command(interrupted, args.steps, args.every, args.set)
@@ -101,14 +105,14 @@ def main() -> None:
         logger.info("running %s (killed %.1f s after checkpoint %d)", " ".join(cmd), delay,
                     args.every)  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None and not any(
-            r["step"] == args.every and "checkpoint_s" in r for r in records(interrupted)
-        ):
+        published = interrupted / "checkpoints-offload" / str(args.every)
+        while proc.poll() is None and not published.is_dir():  # orbax's rename: durable
             time.sleep(1.0)
         if proc.poll() is not None:
             raise SystemExit(f"the interrupted run ended before its checkpoint: see {log}")
         saved = [r for r in records(interrupted) if r["step"] == args.every][0]
         kill["checkpoint_s"] = saved["checkpoint_s"]
+        kill["published_after_step_records"] = len(records(interrupted))
         time.sleep(delay)
         kill["steps_done_at_kill"] = len(records(interrupted))
         os.killpg(proc.pid, signal.SIGKILL)

@@ -1,52 +1,59 @@
 """Checkpoints of a training state that holds offloaded AdamW state, through orbax.
 
 A jax_mlpo optimizer state is two int32 scalars on the device; AdamW's p, m and v live in the
-engine's host cache and file tiers. :class:`OffloadCheckpointHandler` saves any pytree (params,
-an ``optax.chain`` state, a dict of scalars) and replaces every
-:class:`~jax_mlpo.OffloadedAdamWState` in it by the engine's state in the *logical* layout:
+engine's host cache and file tiers, and may be larger than host memory. Each item of a
+checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
+``optax.chain`` state, a dict of scalars) as a standard orbax PyTree item, every
+:class:`~jax_mlpo.OffloadedAdamWState` in it reduced to its ``count``, and the offloaded state
+*streamed* beside it (``jax_mlpo_state/``) in the *logical* layout:
 
-- ``count``: the step count (the offloaded state is at exactly this step);
-- ``mu`` and ``nu``: float32 arrays of each parameter leaf's (global) shape;
-- ``master``: the fp32 master copy of each bfloat16 leaf (None for float32 leaves).
+- ``mu`` and ``nu`` of every parameter leaf, and ``master`` (the fp32 master copy) of every
+  bfloat16 leaf, each a 1-D float32 zarr3 array of the leaf's flattened elements (each process
+  writes its shard: ``jax_mlpo_state/<state>/process_<k>/<quantity>.<leaf>``; readable with
+  ``ts.open``);
+- the save reads the state from the host cache and the tiers subgroup by subgroup
+  (:mod:`jax_mlpo.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a sha256 per
+  piece; host memory beyond ``host_cache``: two read-ahead blobs and at most 8 pieces in flight,
+  whatever the state's size.
 
 Subgroups, tiers, host cache and process count are not part of a checkpoint, so it restores
 into an optimizer with another ``subgroup_size``, tier list or ``host_cache``, and onto any
-number of processes. Everything else in the tree (clipping and schedule states, the ``count``
-scalars of ``optax.chain`` members) is saved as it is.
+number of processes: the restore streams the arrays into the new engine subgroup by subgroup,
+each process reading only the pieces that overlap its shards.
 
-Several processes (``jax.distributed``, see :mod:`jax_mlpo.distributed`): the checkpoint is
-still the global logical state, written the way orbax writes sharded ``jax.Array``s. Each
-process contributes the shards it owns: its rows of every params leaf and of ``mu``, ``nu`` and
-``master`` (as global arrays with the params' ``data`` sharding, written by orbax into
-``ocdbt.process_<k>`` and merged into one array store when the checkpoint is finalized); the
-replicated leaves and the scalars are written once, by process 0. On restore each process reads
-only the saved shards that overlap its own (whole, to verify them; with 2 processes saved and 4
-restoring, each reads the saved half holding its quarter) and loads only its shards into its
-engine, whatever the process count, subgroups and tiers of the restoring run.
+**Asynchronous saves without a copy of the state.** With an async manager, :func:`save`
+returns once the params are copied to host memory and the retained subgroups are written to
+their tiers; the next updates run while the state is streamed from the tiers. Until the
+checkpoint has read a subgroup, its write-backs go to a second blob of that subgroup
+(copy-on-write), and the old one is deleted once read: the tiers hold up to twice the state
+during such a save. :func:`save` checks the free space first (:mod:`~jax_mlpo.checkpoint.space`)
+and saves synchronously where copy-on-write would not fit (``blocking=None``), or raises
+:class:`CheckpointSpaceError` naming the figures and the fix.
 
-Each item also holds ``jax_mlpo_checksums.json``: a sha256 of every leaf as saved (dtype, shape
-and bytes) or, for a leaf saved sharded, of every shard (with its index), the manifest itself
-sealed by a sha256. Orbax's array files carry no checksum of their own (a flipped byte in an
-array's data reads back as a different value); restore recomputes the digest of every shard it
-reads and raises :class:`CorruptCheckpointError` on any difference, so what restores is bit for
-bit what was saved. With several processes, each writes the digests of what it wrote into
-``jax_mlpo_checksums.process_<k>.json``; process 0 merges them into the manifest when orbax
-finalizes the checkpoint (after every process's writes), and a failed verification on any
-process fails the restore on every process.
+Several processes (``jax.distributed``, see :mod:`jax_mlpo.distributed`): the params are written
+the way orbax writes sharded ``jax.Array``s (``ocdbt.process_<k>``, merged when the checkpoint is
+finalized), the offloaded state by each process into its own arrays (replicated leaves once, by
+process 0). On restore each process reads only the saved shards that overlap its own.
 
-Crash safety and durability: the state is snapshotted synchronously in ``save`` (the next
-update may then run while the snapshot is written in the background), written into orbax's
-temporary directory and published by orbax's atomic rename once every file is written
-(tensorstore fsyncs array files; the manifest is fsynced). A process killed at any moment leaves
-the previous checkpoints as they were and at most a temporary directory, which
+Each item also holds ``jax_mlpo_checksums.json``: a sha256 of every orbax leaf as saved (or of
+every shard of a leaf saved sharded) and of every piece of every streamed array, the manifest
+itself sealed by a sha256. Orbax's array files carry no checksum of their own; restore
+recomputes the digest of every shard and piece it reads, before using it, and raises
+:class:`CorruptCheckpointError` on any difference (a corrupt piece found midway leaves the
+restoring engine failed: restore again into a new ``tx.init``). With several processes, each
+writes the digests of what it wrote into ``jax_mlpo_checksums.process_<k>.json``; process 0
+merges them when orbax finalizes the checkpoint, and a failed verification on any process fails
+the restore on every process.
+
+Crash safety and durability: everything is written into orbax's temporary directory (streamed
+arrays fdatasync'd, the manifest fsynced) and published by orbax's atomic rename once every file
+is written. A process killed at any moment, during an asynchronous save included, leaves the
+previous checkpoints as they were and at most a temporary directory, which
 ``CheckpointManager`` never returns as a step (and removes at start with
-``cleanup_tmp_directories``). A checkpoint is durable once
-``manager.wait_until_finished()`` returns (or the next save has started: orbax waits for the
-previous one first). Tiers are never read back after a crash: restoring into a freshly
-``tx.init``-ed optimizer re-creates them and writes the checkpointed state into them.
-
-The snapshot holds the (process's share of the) optimizer state in host memory for the duration
-of the write (12 bytes per parameter with bfloat16 params, 8 with float32).
+``cleanup_tmp_directories``). A checkpoint is durable once ``manager.wait_until_finished()``
+returns (or the next save has started: orbax waits for the previous one first). Tiers are never
+read back after a crash: restoring into a freshly ``tx.init``-ed optimizer re-creates them and
+writes the checkpointed state into them.
 
 Example (``tx`` an ``optax.chain`` holding ``jax_mlpo.adamw``)::
 
@@ -66,6 +73,9 @@ Modules, one concept each:
 - :mod:`~jax_mlpo.checkpoint.training`: :func:`manager`, :func:`save`, :func:`restore`;
 - :mod:`~jax_mlpo.checkpoint.handler`: the orbax handler and its args;
 - :mod:`~jax_mlpo.checkpoint.snapshot`: what a save takes from the tree and the engines;
+- :mod:`~jax_mlpo.checkpoint.stream` and :mod:`~jax_mlpo.checkpoint.shard_file`: the offloaded
+  state's arrays, written and read piece by piece;
+- :mod:`~jax_mlpo.checkpoint.space`: the free space a save needs;
 - :mod:`~jax_mlpo.checkpoint.manifest`: the sha256 manifest, written and verified;
 - :mod:`~jax_mlpo.checkpoint.restore_plan`: what each process reads of every leaf;
 - :mod:`~jax_mlpo.checkpoint.load`: what was read, into the target and its engines;

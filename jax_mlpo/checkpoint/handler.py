@@ -3,15 +3,17 @@
 :class:`OffloadCheckpointHandler` is an ``ocp.AsyncCheckpointHandler``: it composes with any
 orbax ``CheckpointManager``, e.g. ``OffloadSave(tree, params=...)`` and ``OffloadRestore(target)``
 as items of ``ocp.args.Composite`` next to the caller's own. It snapshots the tree
-(:mod:`~jax_mlpo.checkpoint.snapshot`), has orbax's ``PyTreeCheckpointHandler`` write it, writes
-the checksum manifest (:mod:`~jax_mlpo.checkpoint.manifest`) and, on restore, reads what the
-restore plan says (:mod:`~jax_mlpo.checkpoint.restore_plan`), verifies it and loads it
+(:mod:`~jax_mlpo.checkpoint.snapshot`), has orbax's ``PyTreeCheckpointHandler`` write it, streams
+the offloaded states (:mod:`~jax_mlpo.checkpoint.stream`), writes the checksum manifest
+(:mod:`~jax_mlpo.checkpoint.manifest`) and, on restore, reads what the restore plan says
+(:mod:`~jax_mlpo.checkpoint.restore_plan`), verifies it and loads it
 (:mod:`~jax_mlpo.checkpoint.load`).
 
 Crash safety: everything is written into orbax's temporary directory and published by orbax's
-atomic rename once every file is written (tensorstore fsyncs the array files; the manifest is
-fsynced), so a process killed at any moment leaves the previous checkpoints as they were and at
-most a temporary directory, which ``CheckpointManager`` never returns as a step.
+atomic rename once every file is written (tensorstore fsyncs the array files, the streamed
+arrays are fdatasync'd, the manifest is fsynced), so a process killed at any moment leaves the
+previous checkpoints as they were and at most a temporary directory, which
+``CheckpointManager`` never returns as a step.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves and restores a pytree that may hold offloaded AdamW states, checksummed.
 
     ``async_save`` snapshots the tree synchronously (device arrays copied to the host, every
-    :class:`~jax_mlpo.OffloadedAdamWState` replaced by its engine's ``state_dict`` at that
-    step; with several processes, each process's shards as global sharded arrays), then writes
-    it with orbax's ``PyTreeCheckpointHandler`` and computes and writes the sha256 manifest in
-    the background. ``restore`` needs the target tree (for the engines to load into) except for
-    trees without offloaded states; it verifies every shard it reads.
+    :class:`~jax_mlpo.OffloadedAdamWState` reduced to its count and its engine snapshotted,
+    copy-on-write where ``concurrent``), then writes it with orbax's ``PyTreeCheckpointHandler``
+    and, in the background, streams the offloaded states and writes the sha256 manifest.
+    ``restore`` needs the target tree (for the engines to load into) except for trees without
+    offloaded states; it verifies every shard and piece it reads.
     """
 
     def __init__(self) -> None:

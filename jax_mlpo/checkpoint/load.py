@@ -49,7 +49,10 @@ def load(
             plan = streams[path_name(("tree", *path))]
             engine = engine_of(t)
             reader = StateReader(directory, plan.records, plan.starts, engine.layout.subgroups)
-            engine.load(count, reader.fill)
+            try:
+                engine.load(count, reader.fill)
+            finally:
+                reader.close()
             count = like(unwrap(t.count), r["count"])
             return OffloadedAdamWState(count=count, handle=t.handle)
         return like(t, r)

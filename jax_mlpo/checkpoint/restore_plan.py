@@ -1,12 +1,14 @@
 """Restore planning: what each process reads of every saved leaf, and as what.
 
 A restore starts from the target (params and a fresh ``tx.init``, with any offload config and
-process count) and the checkpoint's manifest. For every leaf the plan settles its global shape
-(an offloaded state's comes from the manifest; the engine only knows its own shard of it), the
-part of it this process needs, and the sharding orbax reads it with: each process reads only
-the saved shards that overlap its own, whole (so that their sha256s can be checked), and with 2
-processes saved and 4 restoring each reads the saved half holding its quarter. A leaf it needs
-all of, or whose shards are not equal slices along the first dimension, is read whole.
+process count) and the checkpoint's manifest. For every orbax leaf the plan settles the part of
+it this process needs and the sharding orbax reads it with: each process reads only the saved
+shards that overlap its own, whole (so that their sha256s can be checked), and with 2 processes
+saved and 4 restoring each reads the saved half holding its quarter. A leaf it needs all of, or
+whose shards are not equal slices along the first dimension, is read whole. For every offloaded
+state it checks the streamed arrays against the engine (global shapes whose shards on this
+run's processes are the engine's leaves) and gives the reader the saved shards' records and
+where this process's shard of each leaf starts.
 """
 
 from __future__ import annotations

@@ -102,13 +102,14 @@ def save(
     check_savable(opt_state)  # before orbax starts a step directory
     concurrent = mngr._options.enable_async_checkpointing and blocking is not True  # noqa: SLF001
     target = os.path.join(os.fspath(mngr.directory), str(step))
+    everything = (params, opt_state, extra)  # the items share the file system's free space
     if concurrent and blocking is None:
         try:
-            check_space(opt_state, target, concurrent=True)
+            check_space(everything, target, concurrent=True)
         except CheckpointSpaceError as e:
             logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
             concurrent = False
-    check_space(opt_state, target, concurrent=concurrent)  # before orbax starts the step
+    check_space(everything, target, concurrent=concurrent)  # before orbax starts the step
     args = ocp.args.Composite(
         params=OffloadSave(params, concurrent=concurrent),
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),

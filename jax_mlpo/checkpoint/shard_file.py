@@ -1,0 +1,137 @@
+"""One shard of an offloaded state's array on disk: a zarr3 array moved by O_DIRECT I/O.
+
+Each shard array is a zarr3 array (``zarr.json`` written by tensorstore) of a single chunk, the
+whole shard, uncompressed little-endian float32: its chunk file ``c/0`` is the shard's raw
+bytes, so that the checkpoint is read by any zarr3 reader (``ts.open``), while jax_mlpo writes
+and reads that file itself, in pieces of ``piece`` elements, with ``pwrite``/``pread`` and
+O_DIRECT from page-aligned buffers. tensorstore's ``file`` driver writes each chunk to a new file
+and renames it, at 43-57% of the disk here (docs/design.md); a preallocated file rewritten in
+place is what reaches the disk's bandwidth, as the tiers' posix engine does.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jax_mlpo.tiers.posix import ALIGN, _pread_full, _pwrite_full
+
+logger = logging.getLogger(__name__)
+
+DATA_FILE = os.path.join("c", "0")  # zarr3's default chunk key of chunk (0,)
+
+
+def array_spec(path: str, size: int) -> dict[str, Any]:
+    """The zarr3 spec of a shard's array: ``size`` float32 in one chunk."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "metadata": {
+            "shape": [size],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, size)]}},
+            "data_type": "float32",
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "fill_value": 0,
+        },
+    }
+
+
+def _open(path: str, flags: int) -> int:
+    """``path`` opened with O_DIRECT, or through the page cache where the file system has no
+    O_DIRECT (tmpfs)."""
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, 0o600)
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class ShardWriter:
+    """Creates a shard's array and writes its data file, piece by piece, in any order.
+
+    Args:
+      path: the array's directory.
+      size: the shard's elements.
+
+    Raises:
+      OSError: the file cannot be created or its space reserved (``ENOSPC``: a full disk).
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        ts.open(array_spec(path, size), create=True, delete_existing=True).result()
+        data = os.path.join(path, DATA_FILE)
+        os.makedirs(os.path.dirname(data), exist_ok=True)
+        self._fd = _open(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            if size:
+                os.posix_fallocate(self._fd, 0, _padded(4 * size))  # a full disk fails here
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def write(self, start: int, buffer: np.ndarray, count: int) -> None:
+        """Writes ``buffer[:count]`` at element ``start``.
+
+        ``buffer`` is page-aligned float32 with room up to the page after ``count`` elements;
+        that room is zeroed and written too (O_DIRECT moves whole pages), then cut off by
+        :meth:`finish`.
+        """
+        n = 4 * count
+        if buffer.nbytes < _padded(n):
+            raise ValueError(f"a buffer of {buffer.nbytes} bytes cannot take {_padded(n)}")
+        raw = buffer.view(np.uint8)[: _padded(n)]
+        raw[n:] = 0
+        if _pwrite_full(self._fd, raw, 4 * start) < raw.nbytes:
+            raise OSError(errno.ENOSPC, f"{self.path}: short write at element {start}")
+
+    def finish(self) -> None:
+        """Cuts the page padding off, makes the file durable and closes it."""
+        try:
+            os.ftruncate(self._fd, 4 * self.size)
+            os.fdatasync(self._fd)
+        finally:
+            os.close(self._fd)
+
+    def abandon(self) -> None:
+        """Closes the file after a failure (the checkpoint is not published)."""
+        os.close(self._fd)
+
+
+def check_array(path: str, size: int) -> None:
+    """Raises unless ``path`` holds the zarr3 array of a ``size``-element shard.
+
+    Raises:
+      ValueError: tensorstore cannot open it as that array (missing, or other metadata).
+    """
+    ts.open(array_spec(path, size), open=True).result()
+
+
+def read_piece(path: str, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
+    """Reads elements ``[start, start + count)`` of a shard's data file into ``buffer`` (page-
+    aligned float32 with room up to the page after ``count``); returns ``buffer[:count]``.
+
+    Raises:
+      OSError: the file is missing or short (truncated).
+    """
+    n = 4 * count
+    if buffer.nbytes < _padded(n):
+        raise ValueError(f"a buffer of {buffer.nbytes} bytes cannot take {_padded(n)}")
+    fd = _open(os.path.join(path, DATA_FILE), os.O_RDONLY)
+    try:
+        got = _pread_full(fd, buffer.view(np.uint8)[: _padded(n)], 4 * start)
+    finally:
+        os.close(fd)
+    if got < n:
+        raise OSError(errno.EIO, f"{path}: short read at element {start} (a truncated file)")
+    return buffer[:count]
