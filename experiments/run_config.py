@@ -75,6 +75,9 @@ class CheckpointConfig:
     """Where the checkpoints go; None means <run_dir>/checkpoints-<optimizer>."""
     keep: int = 2
     """Checkpoints kept (the oldest are deleted)."""
+    final: bool = True
+    """Also save at the last step. False where the disk holds one checkpoint only (a new one
+    is written before the old one is deleted)."""
 
 
 @dataclasses.dataclass(frozen=True)

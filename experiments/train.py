@@ -347,7 +347,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 timings = {"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "update_s": t2 - t1,
                            "data_s": t0 - t_data}  # fmt: skip
                 every = cfg.checkpoint.every
-                if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                last = cfg.checkpoint.final and step + 1 == cfg.steps
+                if every and ((step + 1) % every == 0 or last):
                     extra = {"data_step": step + 1, "seed": cfg.seed, "processes": nproc,
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)

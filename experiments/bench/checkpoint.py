@@ -23,7 +23,7 @@ Before each save the last update's write-behind is drained (it is the update's I
 Issue 15's targets: RSS growth <= 512 MiB in each, throughput >= 80% of fio's mixed figure, the
 stall <= 10% of the synchronous save's time. Medians over rounds, the spread beside them.
 
-    python -m experiments.bench.checkpoint --params-mi 384 --cache 256MiB --rounds 3 \
+    python -m experiments.bench.checkpoint --params-mi 344 --cache 256MiB --rounds 2 \
         --dir /var/tmp/jax_mlpo_ckpt --json experiments/results/checkpoint.json
 """
 
