@@ -158,7 +158,8 @@ class StateWriter:
         done = 0
         while done < data.size:
             if array.buffer is None:  # page-aligned, with room for O_DIRECT's last page
-                array.buffer = self._spare.pop() if self._spare else aligned_empty(self._chunk)
+                whole_pages = -(-self._chunk // PAGE_ELEMS) * PAGE_ELEMS
+                array.buffer = self._spare.pop() if self._spare else aligned_empty(whole_pages)
             at = array.filled % array.chunk
             take = min(array.chunk - at, data.size - done)
             array.buffer[at : at + take] = data[done : done + take]
@@ -187,7 +188,7 @@ class StateWriter:
     def _settle(self) -> None:
         future, array, buffer = self._in_flight.popleft()
         future.result()
-        self._spare.append(buffer)
+        self._spare.append(buffer)  # every buffer is whole_pages long
         array.pending -= 1
         if array.complete and not array.pending:
             self._unfinished.remove(array)
