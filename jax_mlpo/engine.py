@@ -316,8 +316,12 @@ class Engine:
             return self._snapshot
 
     def _snapshot_closed(self) -> None:
+        # Between steps the snapshot's I/O belongs to no update. A concurrent one closes on the
+        # checkpoint's thread, maybe inside an update: its reads count in the updates' tier
+        # bytes then, rather than the window being reset under the update.
+        if not self._snapshot.concurrent:
+            self._window.reset()
         self._snapshot = None
-        self._window.reset()  # the snapshot's I/O belongs to no update
 
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
         """AdamW's state per parameter leaf, independent of subgroups and tiers.
