@@ -106,10 +106,7 @@ class StateSnapshot:
                 yield sg, self._copies[sg.index]
                 del self._copies[sg.index]  # freed as it goes
             return
-        if not self._stores:
-            for sg in sgs:
-                yield sg, self._pool.blob(sg.index, self._pool.dirty[sg.index])
-            return
+        # all in host memory: every subgroup is dirty, yielded from its slot
         source = self._source if self.concurrent else None
         for sg, blob in self._pool.stream_blobs(sgs, self._buffers, load=False, source=source):
             yield sg, blob

@@ -42,6 +42,11 @@ IO_THREADS = 4  # each moves one piece at a time and digests it
 PAGE_ELEMS = ALIGN // 4  # float32 per page: pieces start on pages
 
 
+def _whole_pages(elems: int) -> int:
+    """``elems`` rounded up to whole pages of float32 (O_DIRECT moves whole pages)."""
+    return -(-elems // PAGE_ELEMS) * PAGE_ELEMS
+
+
 def _sha256(data: np.ndarray) -> str:
     return hashlib.sha256(data.view(np.uint8)).hexdigest()  # releases the GIL on large data
 
@@ -158,8 +163,8 @@ class StateWriter:
         done = 0
         while done < data.size:
             if array.buffer is None:  # page-aligned, with room for O_DIRECT's last page
-                whole_pages = -(-self._chunk // PAGE_ELEMS) * PAGE_ELEMS
-                array.buffer = self._spare.pop() if self._spare else aligned_empty(whole_pages)
+                whole = _whole_pages(self._chunk)
+                array.buffer = self._spare.pop() if self._spare else aligned_empty(whole)
             at = array.filled % array.chunk
             take = min(array.chunk - at, data.size - done)
             array.buffer[at : at + take] = data[done : done + take]
@@ -188,7 +193,7 @@ class StateWriter:
     def _settle(self) -> None:
         future, array, buffer = self._in_flight.popleft()
         future.result()
-        self._spare.append(buffer)  # every buffer is whole_pages long
+        self._spare.append(buffer)  # every buffer is _whole_pages(chunk_elems) long
         array.pending -= 1
         if array.complete and not array.pending:
             self._unfinished.remove(array)
@@ -225,7 +230,10 @@ class StateReader:
         after = [*subgroups[1:], None]
         self._next = {sg.index: nxt for sg, nxt in zip(subgroups, after, strict=True)}
         self._checked_arrays: set[str] = set()
-        self._reads: dict[tuple[str, int], Any] = {}  # (array, piece) -> read future or data
+        # (array, piece) -> (its buffer, the read's future or the verified data)
+        self._reads: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}
+        self._spare: list[np.ndarray] = []  # buffers of pieces no longer needed, reused
+        self._planned: tuple[int, list] | None = None  # the next subgroup's pieces
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-read")
 
     def fill(self, sg: Subgroup, blob: np.ndarray) -> None:
@@ -235,10 +243,12 @@ class StateReader:
           CorruptCheckpointError: a chunk does not match its sha256, or an array is missing
             or not what the manifest says.
         """
-        pieces = self._pieces(sg)
+        planned = self._planned
+        pieces = planned[1] if planned and planned[0] == sg.index else self._pieces(sg)
         self._issue(pieces)
         upcoming = self._next.get(sg.index)
         later = self._pieces(upcoming) if upcoming is not None else []
+        self._planned = (upcoming.index, later) if upcoming is not None else None
         self._issue(later)  # read while this subgroup is copied and written to its tier
         parts = _split(sg, blob)
         for name, at, record, k, lo, hi in pieces:
@@ -247,7 +257,9 @@ class StateReader:
             parts[name][at : at + hi - lo] = data[lo - base : hi - base]
         keep = {(record["array"], k) for _, _, record, k, _, _ in later}
         for key in [key for key in self._reads if key not in keep]:
-            del self._reads[key]
+            buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
+            if buffer.size == _whole_pages(CHUNK_ELEMS):
+                self._spare.append(buffer)
 
     def _pieces(self, sg: Subgroup) -> list[tuple[str, int, dict[str, Any], int, int, int]]:
         """What ``sg`` needs, as ``(quantity, at, record, k, lo, hi)``: the elements
@@ -277,23 +289,26 @@ class StateReader:
             key = (record["array"], k)
             if key not in self._reads:
                 self._check(record)
-                self._reads[key] = self._io.submit(self._read, record, k)
+                size = _whole_pages(record["chunk"])
+                spare = size == _whole_pages(CHUNK_ELEMS) and self._spare
+                buffer = self._spare.pop() if spare else aligned_empty(size)
+                self._reads[key] = (buffer, self._io.submit(self._read, record, k, buffer))
 
     def _chunk(self, record: dict[str, Any], k: int) -> np.ndarray:
         """Piece ``k`` of ``record``'s array, verified."""
         key = (record["array"], k)
-        got = self._reads[key]
+        buffer, got = self._reads[key]
         if not isinstance(got, np.ndarray):
-            got = self._reads[key] = got.result()
+            got = got.result()
+            self._reads[key] = (buffer, got)
         return got
 
-    def _read(self, record: dict[str, Any], k: int) -> np.ndarray:
+    def _read(self, record: dict[str, Any], k: int, buffer: np.ndarray) -> np.ndarray:
         """Reads piece ``k`` of ``record``'s array and checks it against its sha256."""
         where = os.path.join(self._directory, record["array"])
         chunk = record["chunk"]
         count = min(chunk, record["size"] - k * chunk)
         try:
-            buffer = aligned_empty(-(-chunk // PAGE_ELEMS) * PAGE_ELEMS)  # whole pages
             data = read_piece(where, k * chunk, buffer, count)
         except OSError as e:
             raise CorruptCheckpointError(f"{where}: piece {k} cannot be read ({e})") from e
