@@ -2,12 +2,13 @@
 
 :func:`training_memory` adds up what a training process allocates for the chosen optimizer,
 before anything is allocated: params, gradients, the update, the optimizer's state or host
-cache, an activations estimate, and the runtime's own. On a CPU backend all of it is host
-memory; with an accelerator the params, gradients and activations are device memory and the
-optimizer's side is host memory. :func:`check_fits` compares the host side with
-``/proc/meminfo``'s ``MemAvailable`` and refuses a run that cannot fit with the figures and the
-fix, instead of letting the kernel's OOM killer end it midway. ``pretrain.py`` checks before it
-builds the model, and ``--dry-run`` prints the same figures.
+cache, the forward and backward pass's temporaries as XLA's compiler counts them, and the
+runtime's own. On a CPU backend all of it is host memory; with an accelerator the params,
+gradients and temporaries are device memory and the optimizer's side is host memory.
+:func:`check_fits` compares the host side with ``/proc/meminfo``'s ``MemAvailable`` and refuses
+a run that cannot fit with the figures and the fix, instead of letting the kernel's OOM
+killer end it midway. ``pretrain.py`` checks before it builds the model, and ``--dry-run``
+prints the same figures.
 
 The figures (bytes per parameter, bf16 params) are the measured ones of
 ``experiments/bench/memory.py`` (docs/benchmarks.md, "Memory"): jax_mlpo grows params (2) +
@@ -23,6 +24,7 @@ import resource
 from typing import TYPE_CHECKING
 
 from experiments.run_config import ConfigError, RunConfig, resolve_model
+from experiments.steps import grad_step_temp_bytes
 from models import param_count
 
 if TYPE_CHECKING:  # dry_run imports this module
@@ -63,25 +65,6 @@ class TrainingMemory:
         return sum(self.host.values()) + (sum(self.device.values()) if self.on_cpu else 0)
 
 
-def activations_bytes(cfg: RunConfig) -> int:
-    """An estimate of the forward and backward pass's activations (one process).
-
-    With ``remat`` each block keeps its input (bf16) and one block's intermediates live at a
-    time; without it every block's do. The float32 logits, their softmax and its gradient
-    (3 x batch x seq x vocab x 4 B) come on top.
-    """
-    m = resolve_model(cfg)
-    act = 2 if m.dtype == "bfloat16" else 4
-    tokens = cfg.batch_size * cfg.seq_len
-    # q, k, v, attention output, the two norms' outputs, gate, up and their product, and the
-    # attention scores: the block's intermediates, kept for its backward pass
-    block = (
-        tokens * (6 * m.hidden + 3 * m.ffn) * act + cfg.batch_size * m.heads * cfg.seq_len**2 * 4
-    )
-    kept = m.layers * tokens * m.hidden * act + block if m.remat else m.layers * block
-    return kept + 3 * tokens * m.vocab_size * 4
-
-
 def training_memory(
     cfg: RunConfig, engine: MemoryPlan | None, on_cpu: bool = True
 ) -> TrainingMemory:
@@ -102,7 +85,10 @@ def training_memory(
     device = {
         "params": n * pbytes,
         "gradients": n * pbytes,
-        "activations (estimate)": activations_bytes(cfg),
+        # XLA's own figure for the compiled forward and backward pass (seconds to compile,
+        # nothing allocated): an estimate from the shapes missed the backward pass's
+        # temporaries by 0.8 GiB on beyond-ram.yaml (docs/beyond-ram.md)
+        "forward and backward temporaries (XLA)": grad_step_temp_bytes(cfg),
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:

@@ -8,6 +8,7 @@ from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
 from jax_mlpo.engine import EngineFailedError, StaleStateError
+from jax_mlpo.host_heap import return_freed_buffers
 from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
@@ -33,4 +34,5 @@ __all__ = [
     "close",
     "engine_of",
     "parse_size",
+    "return_freed_buffers",
 ]

@@ -8,7 +8,8 @@ the same run and the figures docs/beyond-ram.md reports.
 3. fio again (the disk drifts); the tier files are deleted.
 
 Then per measured step: the update's tier bytes (read + written) over the host update's time,
-against the limit; peak RSS against MemTotal; the state on disk against MemTotal.
+against the limit; peak RSS against MemTotal and against the memory plan; the state on disk
+against MemTotal.
 
     python -m experiments.bench.beyond_ram --json experiments/results/beyond_ram.json
 """
@@ -110,13 +111,14 @@ def main() -> None:
         "state_bytes": plan.state_bytes,
         "state_vs_mem_total": plan.state_bytes / total,
         "planned_host_bytes": plan.host_total,
+        "plan_vs_peak": plan.host_total / max(r["peak_rss_bytes"] for r in records),
         "optax_refusal": refusal,
         "optax_returncode": optax_run.returncode,
     }
     print(json.dumps({k: v for k, v in out.items() if "fio" not in k}, indent=1))
     print(f"peak RSS {out['peak_rss_bytes'] / total:.2f}x MemTotal; update moved its bytes at "
           f"{out['update_gbps']:.2f} GB/s = {out['update_vs_limit']:.2f}x the mixed limit "
-          f"{limit:.2f} GB/s")  # fmt: skip
+          f"{limit:.2f} GB/s; memory plan {out['plan_vs_peak']:.3f}x the peak")  # fmt: skip
     if args.json:
         write_json(args.json, out)
 
