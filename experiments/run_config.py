@@ -81,6 +81,16 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    axes: tuple[str, ...] = ("fsdp", "tensor")
+    """Mesh axis names: the batch and every leaf's first dimension are split over the first
+    (FSDP), a 2-D or larger leaf's last dimension over the second (tensor parallel)."""
+    shape: tuple[int, ...] = ()
+    """Devices per axis, their product this process's devices; () puts every device of the
+    process on the first axis (FSDP over all of them). Unused with one device."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     run_dir: str = "runs/tiny"
     """Output directory: config, metrics, summary, plot and default tiers."""
@@ -104,6 +114,9 @@ class RunConfig:
     report: ReportConfig = dataclasses.field(default_factory=ReportConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Params, optimizer state and data position, saved in the background (jax_mlpo.checkpoint)."""
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    """How params and batch are sharded over this process's devices (a single-process run with
+    several devices, e.g. JAX_NUM_CPU_DEVICES=4 or a multi-GPU node)."""
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -263,11 +276,15 @@ def _coerce(value: Any, hint: Any, key: str, default: Any) -> Any:
     if hint is dict and isinstance(value, dict | None):
         return dict(value or {})
     if typing.get_origin(hint) is tuple:
-        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        item = typing.get_args(hint)[0]  # tuple[X, ...]
+        if isinstance(value, list | tuple) and all(
+            isinstance(v, item) and not isinstance(v, bool) for v in value
+        ):
             return tuple(value)
+        kind, eg = ("integers", "[2, 2]") if item is int else ("strings", "[a.txt, b.txt]")
         raise ConfigError(
-            f"config key '{key}' must be a list of strings, got {_describe(value)}; "
-            f"e.g. {key}: [a.txt, b.txt] in YAML or --set '{key}=[a.txt, b.txt]'"
+            f"config key '{key}' must be a list of {kind}, got {_describe(value)}; "
+            f"e.g. {key}: {eg} in YAML or --set '{key}={eg}'"
         )
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     want = names.get(hint, "a mapping" if hint is dict else str(hint))
@@ -328,6 +345,16 @@ def _check(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {value!r}")
+    mesh = cfg.mesh
+    if not 1 <= len(mesh.axes) <= 2 or len(set(mesh.axes)) != len(mesh.axes):
+        raise ConfigError(
+            f"config key 'mesh.axes' must name one or two distinct axes, got {list(mesh.axes)}"
+        )
+    if mesh.shape and (len(mesh.shape) != len(mesh.axes) or min(mesh.shape) < 1):
+        raise ConfigError(
+            f"config key 'mesh.shape' must give a positive size for each of mesh.axes "
+            f"{list(mesh.axes)}, got {list(mesh.shape)} (or [] for every device on the first)"
+        )
     non_negative = {
         "seed": cfg.seed,
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,

@@ -32,6 +32,7 @@ import jax_mlpo
 from experiments.data import TokenDataset, batches
 from experiments.dry_run import memory_plan
 from experiments.host_memory import check_fits, meminfo, training_memory
+from experiments.mesh import batch_sharding, build_mesh, shard
 from experiments.records import earlier_records, finish, progress, step_record
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from experiments.steps import make_steps
@@ -260,6 +261,13 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 ": it could not be held in memory even with nothing else there"
                 if plan.state_bytes >= total else "",
             )  # fmt: skip
+    local_mesh = build_mesh(cfg.mesh) if nproc == 1 else None
+    if local_mesh is not None and (cfg.checkpoint.every or resume):
+        raise ConfigError(
+            f"checkpoints of a run sharded over the {local_mesh.size} devices of one process are "
+            "not supported yet: set checkpoint.every=0, or run one process per device "
+            "(--num-processes, experiments/launch/)"
+        )
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
     model_cfg = resolve_model(cfg)
     graphdef, params, rest = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
@@ -273,6 +281,10 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         rows = distributed.batch_sharding(mesh)
         logger.info("%d processes, global batch %d x %d tokens", nproc, cfg.batch_size * nproc,
                     cfg.seq_len)  # fmt: skip
+    elif local_mesh is not None:  # the params sharded over this process's devices
+        params, rest = shard(params, local_mesh), shard(rest, local_mesh)
+        rows = batch_sharding(local_mesh, cfg.batch_size)
+        logger.info("mesh %s over %d devices", dict(local_mesh.shape), local_mesh.size)
     tx = build_optimizer(cfg, use_optax)
     opt_state = tx.init(params)
     start = 0
@@ -315,6 +327,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 if nproc > 1:
                     mine = batch[pid * cfg.batch_size : (pid + 1) * cfg.batch_size]
                     tokens = jax.make_array_from_process_local_data(rows, mine)
+                elif local_mesh is not None:
+                    tokens = jax.device_put(batch, rows)
                 else:
                     tokens = jnp.asarray(batch)
                 t0 = time.perf_counter()

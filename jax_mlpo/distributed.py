@@ -147,17 +147,25 @@ def sharded_update(
     params: Sequence[jax.Array],
     handle: jax.Array,
     *replicated_args: jax.Array,
+    mesh: Mesh | None = None,
+    specs: Sequence[P] | None = None,
 ) -> tuple[jax.Array, list[jax.Array]]:
-    """Runs ``host_update(grads, params, handle, *replicated_args)`` on each process's shards.
+    """Runs ``host_update(grads, params, handle, *replicated_args)`` on each device's shards.
 
     Traced inside the optimizer's jitted update: ``grads`` and ``params`` are the flat leaves
-    (global), ``handle`` the ``int32[processes]`` handles. Returns the next step count
-    (replicated: every process computes the same) and the update leaves (global, with the
+    (global), ``handle`` the handles, one element per device of the mesh. Returns the next step
+    count (replicated: every device computes the same) and the update leaves (global, with the
     params' partition).
+
+    Args:
+      host_update, grads, params, handle, replicated_args: as above.
+      mesh: the params' mesh (default: :func:`data_parallel_mesh`).
+      specs: each leaf's partition (default: :func:`leaf_spec`'s over ``mesh``).
     """
-    mesh = data_parallel_mesh()
-    n = mesh.shape[AXIS]
-    specs = [leaf_spec(np.shape(p), n) for p in params]
+    mesh = data_parallel_mesh() if mesh is None else mesh
+    if specs is None:
+        specs = [leaf_spec(np.shape(p), mesh.shape[AXIS]) for p in params]
+    specs = list(specs)
 
     def body(grads, params, handle, *rest):
         return host_update(list(grads), list(params), handle.reshape(()), *rest)
@@ -165,7 +173,7 @@ def sharded_update(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(specs, specs, P(AXIS), *([P()] * len(replicated_args))),
+        in_specs=(specs, specs, P(*mesh.axis_names), *([P()] * len(replicated_args))),
         out_specs=(P(), specs),
         check_vma=False,  # an FFI call; replicated leaves and the counts give equal results
     )(list(grads), list(params), handle, *replicated_args)

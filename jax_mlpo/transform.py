@@ -29,6 +29,7 @@ from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
 from jax_mlpo.layout import build_layout, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.mesh_update import DeviceCalls, MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import ensure_platform, host_update_call, set_host_update
 
@@ -41,6 +42,8 @@ class OffloadedAdamWState(NamedTuple):
 
 
 _ENGINES: dict[int, Engine] = {}
+# A mesh engine's handles, one per device of this process: where its calls meet, and its slot.
+_SLOTS: dict[int, tuple[DeviceCalls, int]] = {}
 _NEXT_HANDLE = itertools.count(1)
 _REGISTRY_LOCK = threading.Lock()
 
@@ -50,6 +53,21 @@ def _register(engine: Engine) -> int:
         handle = next(_NEXT_HANDLE)
         _ENGINES[handle] = engine
     return handle
+
+
+def _register_mesh(engine: Engine, plan: MeshPlan) -> list[int]:
+    """One handle per device of ``plan`` (its slot), all naming ``engine``."""
+
+    def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
+        engine.step_leaves(count, _hyper(engine, scalars), HostLeaves(grads, params, updates))
+
+    calls = DeviceCalls(plan, run)
+    with _REGISTRY_LOCK:
+        handles = [next(_NEXT_HANDLE) for _ in plan.devices]
+        for slot, handle in enumerate(handles):
+            _ENGINES[handle] = engine
+            _SLOTS[handle] = (calls, slot)
+    return handles
 
 
 def _key(handle: Any) -> int:
@@ -94,6 +112,13 @@ def engine_of(opt_state: Any) -> Engine:
     return _engine(_unwrap(states[0].handle))
 
 
+def mesh_plan_of(state: OffloadedAdamWState) -> MeshPlan | None:
+    """The shards of an offloaded state over params on several devices of this process, or
+    None (params on one device per process)."""
+    slot = _SLOTS.get(_key(_unwrap(state.handle)))
+    return None if slot is None else slot[0].plan
+
+
 def close(opt_state: Any) -> None:
     """Waits for the update in flight and the writes, releases the tier locks and forgets the
     host state.
@@ -120,6 +145,10 @@ def close(opt_state: Any) -> None:
         key = _key(_unwrap(state.handle))
         with _REGISTRY_LOCK:
             engine = _ENGINES.pop(key, None)
+            for other in [h for h, e in _ENGINES.items() if e is engine]:  # a mesh's slots
+                del _ENGINES[other]
+                _SLOTS.pop(other, None)
+            _SLOTS.pop(key, None)
         if engine is not None:
             engine.close()
 
@@ -127,8 +156,9 @@ def close(opt_state: Any) -> None:
 @atexit.register
 def _close_all() -> None:
     with _REGISTRY_LOCK:
-        engines = list(_ENGINES.values())
+        engines = list({id(e): e for e in _ENGINES.values()}.values())
         _ENGINES.clear()
+        _SLOTS.clear()
     for engine in engines:
         try:
             engine.close()
@@ -155,15 +185,30 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
-def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
-    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
-    XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU."""
-    engine = _engine(handle)
+def _hyper(engine: Engine, scalars: np.ndarray) -> AdamWHyper:
     lr, bc1, bc2, scale = (float(x) for x in scalars)
-    hyper = AdamWHyper(
+    return AdamWHyper(
         bc1=bc1, bc2=bc2, lr=lr, b1=engine.b1, b2=engine.b2, eps=engine.eps, weight_decay=0.0,
         grad_scale=scale,
     )  # fmt: skip
+
+
+def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
+    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
+    XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
+    with params on a mesh, each device's call meets the others' (:mod:`jax_mlpo.mesh_update`)."""
+    slot = _SLOTS.get(handle)
+    if slot is not None:
+        if stream is not None:
+            raise NotImplementedError(
+                "jax_mlpo on a GPU takes one device per process for now: start one process "
+                "per GPU (jax.distributed), each with its shards"
+            )
+        calls, k = slot
+        calls.arrive(k, (count, scalars, grads, params, updates))
+        return
+    engine = _engine(handle)
+    hyper = _hyper(engine, scalars)
     if stream is None:
         leaves = HostLeaves(grads, params, updates)
     else:
@@ -267,9 +312,25 @@ def adamw(
             f"update_dtype must be None (the params' dtype) or float32, got {update_dtype!r}"
         )
 
+    # The plans of the states this transformation initialised on a mesh, by what an update
+    # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
+    # not visible under jit.
+    mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
+
+    def plan_key(handle: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
+        return (tuple(np.shape(handle)), *(tuple(np.shape(p)) for p in param_leaves))
+
     def init_fn(params):
         _refuse_discarding_wrappers()
         ensure_platform(jax.default_backend())
+        plan = None if distributed.is_multiprocess() else mesh_plan(params)
+        if plan is not None:  # one process, params on several devices
+            flags = plan.shard_flags(resolve_mask(mask, params))
+            layout = build_layout(plan.shard_structs(params), offload.subgroup_size, flags)
+            engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            handle = plan.handle_array(_register_mesh(engine, plan))
+            mesh_plans[plan_key(handle, jax.tree.leaves(params))] = plan
+            return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)
         if distributed.is_multiprocess():
             # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
             # of its own shards, in per-process tier directories.
@@ -311,7 +372,13 @@ def adamw(
         scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2, scale)])
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        if state.handle.ndim:  # multi-process: each process updates its own shards
+        plan = mesh_plans.get(plan_key(state.handle, param_leaves))
+        if plan is not None:  # each device's call with its shards, one engine per process
+            count_out, outs = distributed.sharded_update(
+                host_update, grads, param_leaves, state.handle, state.count, scalars,
+                mesh=plan.mesh, specs=plan.specs,
+            )  # fmt: skip
+        elif state.handle.ndim:  # multi-process: each process updates its own shards
             count_out, outs = distributed.sharded_update(
                 host_update, grads, param_leaves, state.handle, state.count, scalars
             )

@@ -27,7 +27,7 @@ from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Index, full, index_of, shard_starts
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
 from jax_mlpo.checkpoint.stream import QUANTITIES
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name, refuse_mesh_states
 from jax_mlpo.transform import engine_of
 from jax_mlpo.types import F32
 
@@ -122,7 +122,10 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
 
     Raises:
       ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
+      NotImplementedError: a target state over params sharded on several devices of this
+        process.
     """
+    refuse_mesh_states(target)
     wanted = {"format": FORMAT, "tree": _abstract(target)}
     saved = manifest["leaves"]
     arrays = _offloaded_arrays(target)

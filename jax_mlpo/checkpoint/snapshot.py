@@ -21,7 +21,14 @@ import numpy as np
 
 from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import shard_starts
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name, unwrap
+from jax_mlpo.checkpoint.tree import (
+    is_key,
+    is_offloaded,
+    is_sharded,
+    path_name,
+    refuse_mesh_states,
+    unwrap,
+)
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
 from jax_mlpo.snapshot import StateSnapshot
@@ -42,7 +49,9 @@ def check_savable(tree: Any) -> None:
     Raises:
       EngineFailedError: an update failed midway; the offloaded state is partly updated.
       StaleStateError: a state is not the one its engine was last advanced to.
+      NotImplementedError: a state over params sharded on several devices of this process.
     """
+    refuse_mesh_states(tree)
     states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]
     # Checked before the barrier too: the barrier re-raises a failed update less clearly.
     for _ in range(2):

@@ -14,12 +14,31 @@ from typing import Any
 
 import jax
 
-from jax_mlpo.transform import OffloadedAdamWState
+from jax_mlpo.transform import OffloadedAdamWState, mesh_plan_of
 
 
 def is_offloaded(x: Any) -> bool:
     """Whether ``x`` is an offloaded AdamW state (a leaf of the checkpoint's tree maps)."""
     return isinstance(x, OffloadedAdamWState)
+
+
+def refuse_mesh_states(tree: Any) -> None:
+    """Raises for an offloaded state over params sharded on several devices of one process.
+
+    Its engine's leaves are the distinct shards, which may be split on any dimension, while
+    the streamed arrays record flat ranges of whole leaves: saving and restoring such states
+    is not built yet.
+
+    Raises:
+      NotImplementedError: naming what works instead.
+    """
+    states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]
+    if any(mesh_plan_of(s) is not None for s in states):
+        raise NotImplementedError(
+            "jax_mlpo cannot checkpoint an optimizer state whose params are sharded over "
+            "several devices of one process yet: checkpoint a run with one device per process "
+            "(jax.distributed, one process per device), or save the params alone"
+        )
 
 
 def unwrap(x: Any) -> Any:

@@ -1,0 +1,112 @@
+"""jax_mlpo.adamw on params sharded over a mesh of four devices in one process.
+
+Each case runs in its own interpreter with four CPU devices (this test process has one):
+tests/mesh_worker.py's 50 steps against optax.adamw on one device, to tests/test_transform.py's
+tolerances, with the state stored once per distinct parameter and the updates in the params'
+shardings; and the main job (experiments/pretrain.py) on a (2, 2) mesh against one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "mesh_worker.py"
+CASES = [
+    ("data4", "float32", "jit", "chain"),
+    ("fsdp2x2", "float32", "jit", "chain"),
+    ("fsdp2x2", "float32", "nnx", "chain"),
+    ("fsdp2x2", "bfloat16", "jit", "inside"),
+    ("data4", "bfloat16", "nnx", "inside"),
+]
+
+
+def _worker(*args: str) -> dict:
+    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_parity_on_four_devices(case, tmp_path):
+    out = _worker(*case, str(tmp_path / "tier"))
+    assert out["devices"] == 4
+    # every distinct parameter's state once: replicated leaves (and those replicated over one
+    # mesh axis) are not stored per device
+    assert out["state_bytes"] == out["per_elem"] * out["distinct_params"]
+    assert out["tier_bytes"] == out["state_bytes"]  # closed: every subgroup on the tier
+    assert all(out["params_keep_shardings"].values()), out["params_keep_shardings"]
+    if case[2] == "jit":
+        assert all(out["updates_keep_shardings"].values()), out["updates_keep_shardings"]
+
+
+def test_what_a_mesh_state_refuses(tmp_path):
+    out = _worker("refusals", str(tmp_path / "tier"))
+    assert "place every param on the same mesh" in out["two_meshes"]
+    assert "needs every leaf placed with a NamedSharding on one mesh" in out["one_device_leaf"]
+    assert "one device per process" in out["checkpoint"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+
+
+def _pretrain(devices: int, run_dir: Path, cache: Path, *sets: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
+    argv = [sys.executable, str(ROOT / "experiments" / "pretrain.py"), "--config", TINY]
+    for item in (f"run_dir={run_dir}", f"data.cache_dir={cache}", "report.plot=false", *sets):
+        argv += ["--set", item]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics-offload.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_tiny_job_on_a_2x2_mesh_follows_the_single_device_run(tmp_path):
+    """The main job with its params on a (2, 2) fsdp x tensor mesh of four devices: the loss
+    curve of the same run on one device, up to the order of the sharded reductions."""
+    cache = tmp_path / "data-cache"
+    one = _pretrain(1, tmp_path / "one", cache, "steps=30")
+    assert one.returncode == 0, one.stderr[-3000:]
+    mesh = _pretrain(4, tmp_path / "mesh", cache, "steps=30", "mesh.shape=[2, 2]")
+    assert mesh.returncode == 0, mesh.stderr[-3000:]
+    assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices" in mesh.stderr
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "mesh")
+    assert len(a) == len(b) == 30 and b[-1] < b[0]
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+    assert worst <= 1e-3, f"losses differ by {worst:.3g} relative"
+
+
+def test_tiny_job_on_a_mesh_refuses_checkpoints_and_a_wrong_shape(tmp_path):
+    cache = tmp_path / "data-cache"
+    done = _pretrain(4, tmp_path / "a", cache, "checkpoint.every=5")
+    assert done.returncode != 0
+    assert "checkpoints of a run sharded over the 4 devices of one process" in done.stderr
+    done = _pretrain(4, tmp_path / "b", cache, "mesh.shape=[3, 1]")
+    assert done.returncode != 0 and "holds 3 devices, this process has 4" in done.stderr
+    assert not (tmp_path / "a" / "metrics-offload.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "item,message",
+    [
+        ("mesh.axes=[data, data]", "must name one or two distinct axes"),
+        ("mesh.axes=[a, b, c]", "must name one or two distinct axes"),
+        ("mesh.shape=[4]", "must give a positive size for each of mesh.axes"),
+        ("mesh.shape=[2, 0]", "must give a positive size for each of mesh.axes"),
+        ("mesh.shape=[two, 2]", "must be a list of integers"),
+    ],
+)
+def test_mesh_config_errors(item, message):
+    from experiments.run_config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [item])
