@@ -1,12 +1,12 @@
-"""The pre-training job's mesh over this process's devices: FSDP, and tensor parallel if asked.
+"""The pre-training job's mesh over its devices: FSDP, and tensor parallel if asked.
 
-With several devices in one process (``JAX_NUM_CPU_DEVICES=4``, a multi-GPU node) the job
-builds a mesh from the config's ``mesh`` section (every device on the first axis by default)
-and shards the params by one rule: a leaf's first dimension over the first axis (FSDP) and, on
-a second axis, a 2-D or larger leaf's last dimension over it (tensor parallel), each only where
-the size divides; the rest is replicated. The batch is split over the first axis. jax_mlpo
-takes the params as they are sharded (:mod:`jax_mlpo.mesh_update`); a user's own rules work
-the same way.
+With several devices in a process (``JAX_NUM_CPU_DEVICES=4``, a multi-GPU node; one process or
+more) the job builds a mesh over every device of the job from the config's ``mesh`` section
+(every device on the first axis by default) and shards the params by one rule: a leaf's first
+dimension over the first axis (FSDP) and, on a second axis, a 2-D or larger leaf's last
+dimension over it (tensor parallel), each only where the size divides; the rest is
+replicated. The batch is split over the first axis. jax_mlpo takes the params as they are
+sharded (:mod:`jax_mlpo.mesh_update`); a user's own rules work the same way.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from jax.sharding import PartitionSpec as P
 from experiments.run_config import ConfigError, MeshConfig
 
 
-def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
-    """The mesh of ``config`` over ``devices`` (default: this process's); None for one device.
+def build_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh | None:
+    """The mesh of ``config`` over ``devices`` (the job's); None for one device.
 
     Raises:
       ConfigError: when ``mesh.shape`` does not multiply to the number of devices.
     """
-    devices = list(jax.local_devices() if devices is None else devices)
+    devices = list(devices)
     if len(devices) == 1:
         return None
     shape = tuple(config.shape) or (len(devices), *([1] * (len(config.axes) - 1)))
     if math.prod(shape) != len(devices):
         raise ConfigError(
-            f"config key 'mesh.shape' {list(shape)} holds {math.prod(shape)} devices, this "
-            f"process has {len(devices)}: give sizes that multiply to {len(devices)}, or [] "
-            "for every device on the first axis"
+            f"config key 'mesh.shape' {list(shape)} holds {math.prod(shape)} devices, the job "
+            f"has {len(devices)}: give sizes that multiply to {len(devices)}, or [] for every "
+            "device on the first axis"
         )
     return Mesh(np.array(devices).reshape(shape), tuple(config.axes))
 
@@ -55,10 +55,15 @@ def leaf_spec(mesh: Mesh, shape: Sequence[int]) -> P:
 
 
 def shard(tree: Any, mesh: Mesh) -> Any:
-    """``tree``'s arrays placed on ``mesh`` by :func:`leaf_spec`."""
-    return jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, leaf_spec(mesh, np.shape(x)))), tree
-    )
+    """``tree``'s arrays (the same values in every process) placed on ``mesh`` by
+    :func:`leaf_spec`; each process keeps its devices' shards."""
+
+    def put(x: Any) -> jax.Array:
+        value = np.asarray(x)
+        sharding = NamedSharding(mesh, leaf_spec(mesh, value.shape))
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree)
 
 
 def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:

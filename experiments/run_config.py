@@ -86,8 +86,9 @@ class MeshConfig:
     """Mesh axis names: the batch and every leaf's first dimension are split over the first
     (FSDP), a 2-D or larger leaf's last dimension over the second (tensor parallel)."""
     shape: tuple[int, ...] = ()
-    """Devices per axis, their product this process's devices; () puts every device of the
-    process on the first axis (FSDP over all of them). Unused with one device."""
+    """Devices per axis, their product the job's devices; () puts every device on the first
+    axis (FSDP over all of them). Unused with one device, and with one device per process
+    (jax_mlpo.distributed's data-parallel layout)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Params, optimizer state and data position, saved in the background (jax_mlpo.checkpoint)."""
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    """How params and batch are sharded over this process's devices (a single-process run with
-    several devices, e.g. JAX_NUM_CPU_DEVICES=4 or a multi-GPU node)."""
+    """How params and batch are sharded over the job's devices where a process has several
+    (e.g. JAX_NUM_CPU_DEVICES=4, a multi-GPU node)."""
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -261,11 +261,14 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 ": it could not be held in memory even with nothing else there"
                 if plan.state_bytes >= total else "",
             )  # fmt: skip
-    local_mesh = build_mesh(cfg.mesh) if nproc == 1 else None
-    if local_mesh is not None and (cfg.checkpoint.every or resume):
+    # One device per process: jax_mlpo.distributed's data-parallel layout (it checkpoints);
+    # otherwise the config's mesh over every device of the job.
+    data_parallel = nproc > 1 and jax.local_device_count() == 1
+    device_mesh = None if data_parallel else build_mesh(cfg.mesh, jax.devices())
+    if device_mesh is not None and (cfg.checkpoint.every or resume):
         raise ConfigError(
-            f"checkpoints of a run sharded over the {local_mesh.size} devices of one process are "
-            "not supported yet: set checkpoint.every=0, or run one process per device "
+            f"checkpoints of a run sharded over a mesh of {device_mesh.size} devices are not "
+            "supported yet: set checkpoint.every=0, or run one process per device "
             "(--num-processes, experiments/launch/)"
         )
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
@@ -274,17 +277,18 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     logger.info("model %s: %s parameters", cfg.model, f"{param_count(model_cfg):,}")
     dataset = build_dataset(cfg, model_cfg.vocab_size)
     logger.info("data: %r", dataset)
-    if nproc > 1:
+    if device_mesh is not None:  # the params sharded over the mesh
+        params, rest = shard(params, device_mesh), shard(rest, device_mesh)
+        rows = batch_sharding(device_mesh, cfg.batch_size * nproc)
+        logger.info("mesh %s over %d devices of %d process(es)", dict(device_mesh.shape),
+                    device_mesh.size, nproc)  # fmt: skip
+    elif nproc > 1:
         # Every process built the same params from the seed; each keeps its shards only.
         mesh = distributed.data_parallel_mesh()
         params, rest = distributed.shard_params(params, mesh), distributed.shard_params(rest, mesh)
         rows = distributed.batch_sharding(mesh)
         logger.info("%d processes, global batch %d x %d tokens", nproc, cfg.batch_size * nproc,
                     cfg.seq_len)  # fmt: skip
-    elif local_mesh is not None:  # the params sharded over this process's devices
-        params, rest = shard(params, local_mesh), shard(rest, local_mesh)
-        rows = batch_sharding(local_mesh, cfg.batch_size)
-        logger.info("mesh %s over %d devices", dict(local_mesh.shape), local_mesh.size)
     tx = build_optimizer(cfg, use_optax)
     opt_state = tx.init(params)
     start = 0
@@ -327,7 +331,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 if nproc > 1:
                     mine = batch[pid * cfg.batch_size : (pid + 1) * cfg.batch_size]
                     tokens = jax.make_array_from_process_local_data(rows, mine)
-                elif local_mesh is not None:
+                elif device_mesh is not None:
                     tokens = jax.device_put(batch, rows)
                 else:
                     tokens = jnp.asarray(batch)

@@ -1,4 +1,4 @@
-"""Params sharded over several devices of this process: one engine over its distinct shards.
+"""Params sharded over a mesh of several devices: one engine per process over its distinct shards.
 
 A user's params may carry any ``NamedSharding``: any mesh shape and axis names, leaves split on
 any dimensions, replicated or partly replicated. XLA runs the update's FFI call once per device
@@ -7,6 +7,9 @@ The process runs one engine, whose layout holds every distinct shard of its devi
 shard held by several of them (a leaf replicated over a mesh axis) has one owner, the first of
 those devices in mesh order. The state of each distinct shard is stored once per process, and
 the other devices holding the shard receive a copy of the owner's update.
+
+With several processes each does the same over its own devices (a shard held by two
+processes is stored by both, as replicated leaves are in :mod:`jax_mlpo.distributed`).
 
 One engine per process rather than one per device, so that the host cache, the tiers'
 directories and permits, the metrics and the checkpoints stay per process (as with one device
@@ -34,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_mlpo.distributed import AXIS, leaf_spec
 
 # How long a device's call waits for the others of its step. XLA starts them together, so a
 # wait this long means one will never come (a program that runs the update on some devices
@@ -71,12 +76,14 @@ class MeshPlan:
     Attributes:
       mesh: the params' mesh.
       specs: each leaf's ``PartitionSpec``.
+      shapes: each leaf's global shape.
       devices: this process's devices of the mesh, in mesh order: the calls' slots.
       shards: the distinct shards, leaf by leaf: the engine's layout leaves.
     """
 
     mesh: Mesh
     specs: tuple[P, ...]
+    shapes: tuple[tuple[int, ...], ...]
     devices: tuple[jax.Device, ...]
     shards: tuple[LocalShard, ...]
 
@@ -100,8 +107,33 @@ class MeshPlan:
         return jax.make_array_from_single_device_arrays(self.mesh.devices.shape, sharding, arrays)
 
     def replicated(self, value: Any) -> jax.Array:
-        """``value`` on every device of the mesh."""
-        return jax.device_put(np.asarray(value), NamedSharding(self.mesh, P()))
+        """``value`` on every device of the mesh (the same in every process)."""
+        sharding = NamedSharding(self.mesh, P())
+        return jax.make_array_from_process_local_data(sharding, np.asarray(value))
+
+    def is_data_parallel(self) -> bool:
+        """Whether this is :mod:`jax_mlpo.distributed`'s layout: a 1-D ``data`` mesh of one
+        device per process in device order, each leaf split along its first dimension where it
+        divides and replicated otherwise."""
+        mesh = self.mesh
+        if mesh.axis_names != (AXIS,) or list(mesh.devices.flat) != jax.devices():
+            return False
+        if len(self.devices) != 1:
+            return False
+        n = mesh.size
+        return all(
+            spec_equal(spec, leaf_spec(shape, n), len(shape))
+            for spec, shape in zip(self.specs, self.shapes, strict=True)
+        )
+
+
+def spec_equal(a: P, b: P, ndim: int) -> bool:
+    """Whether two partitions of an ``ndim``-D leaf are the same (``P()`` is ``P(None)``)."""
+
+    def padded(spec: P) -> tuple[Any, ...]:
+        return tuple(spec) + (None,) * (ndim - len(spec))
+
+    return padded(a) == padded(b)
 
 
 def _normalised(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
@@ -145,8 +177,8 @@ def mesh_plan(params: Any) -> MeshPlan | None:
     devices = tuple(d for d in mesh.devices.flat if d.process_index == me)
     slot = {d: k for k, d in enumerate(devices)}
     shards = []
-    for leaf, ((_, x), s) in enumerate(zip(flat, shardings, strict=True)):
-        shape = tuple(int(d) for d in np.shape(x))
+    shapes = tuple(tuple(int(d) for d in np.shape(x)) for _, x in flat)
+    for leaf, (shape, s) in enumerate(zip(shapes, shardings, strict=True)):
         holders: dict[Index, list[int]] = {}
         for device, index in s.devices_indices_map(shape).items():
             if device in slot:
@@ -154,7 +186,7 @@ def mesh_plan(params: Any) -> MeshPlan | None:
         for index, slots in sorted(holders.items(), key=lambda kv: min(kv[1])):
             slots.sort()
             shards.append(LocalShard(leaf, index, slots[0], tuple(slots[1:])))
-    return MeshPlan(mesh, tuple(specs), devices, tuple(shards))
+    return MeshPlan(mesh, tuple(specs), shapes, devices, tuple(shards))
 
 
 Call = tuple[int, np.ndarray, list[Any], list[Any], list[Any]]  # count, scalars, g, p, u

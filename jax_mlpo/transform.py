@@ -113,8 +113,8 @@ def engine_of(opt_state: Any) -> Engine:
 
 
 def mesh_plan_of(state: OffloadedAdamWState) -> MeshPlan | None:
-    """The shards of an offloaded state over params on several devices of this process, or
-    None (params on one device per process)."""
+    """The shards of an offloaded state over params on a mesh (:mod:`jax_mlpo.mesh_update`),
+    or None (one device per process)."""
     slot = _SLOTS.get(_key(_unwrap(state.handle)))
     return None if slot is None else slot[0].plan
 
@@ -323,11 +323,16 @@ def adamw(
     def init_fn(params):
         _refuse_discarding_wrappers()
         ensure_platform(jax.default_backend())
-        plan = None if distributed.is_multiprocess() else mesh_plan(params)
-        if plan is not None:  # one process, params on several devices
+        plan = mesh_plan(params)
+        if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
+            plan = None  # jax_mlpo.distributed's layout, which checkpoints can hold
+        if plan is not None:  # params on a mesh: one engine over this process's shards
             flags = plan.shard_flags(resolve_mask(mask, params))
             layout = build_layout(plan.shard_structs(params), offload.subgroup_size, flags)
-            engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            config = offload
+            if distributed.is_multiprocess():
+                config = distributed.process_config(offload, jax.process_index())
+            engine = Engine(layout, config, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
             handle = plan.handle_array(_register_mesh(engine, plan))
             mesh_plans[plan_key(handle, jax.tree.leaves(params))] = plan
             return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)

@@ -3,6 +3,10 @@ optax (spawned by tests/test_mesh.py, since the test process itself has one devi
 
 Usage: mesh_worker.py MESH DTYPE MODE CLIP TIER_ROOT | mesh_worker.py refusals TIER_ROOT
 
+As one of several processes: ``MESH_WORKER_PROCESSES`` and ``MESH_WORKER_PORT`` in the
+environment, ``JAX_NUM_CPU_DEVICES`` the devices of each (the mesh takes every device of the
+job), and the process index as a sixth argument.
+
 - MESH "data4": a (4,) mesh ``data``; "fsdp2x2": a (2, 2) mesh ``fsdp`` x ``tensor``. Each leaf
   gets a spec of :data:`SPECS`: split on the first or a later dimension, over one axis or both,
   replicated, or replicated over one axis only.
@@ -28,13 +32,22 @@ import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["JAX_NUM_CPU_DEVICES"] = "4"
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")  # 2 in each of 2 processes
 
 import jax  # noqa: E402
+
+if "MESH_WORKER_PROCESSES" in os.environ:  # one of several processes
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{os.environ['MESH_WORKER_PORT']}",
+        num_processes=int(os.environ["MESH_WORKER_PROCESSES"]),
+        process_id=int(sys.argv[6]),
+        initialization_timeout=120,
+    )
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -78,7 +91,13 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
     else:
         tx = jax_mlpo.adamw(tt.SCHEDULE, weight_decay=0.1, mask=tt.no_decay_on_vectors,
                             offload=config, max_grad_norm=1.0)  # fmt: skip
-    params = jax.device_put(tt.make_params(dtype), shardings)
+    params = {
+        k: jax.make_array_from_callback(np.shape(x), shardings[k], lambda i, x=x: np.asarray(x)[i])
+        for k, x in tt.make_params(dtype).items()
+    }
+    # what this process holds of each leaf, once per distinct shard (from jax's own shards)
+    held = {k: {str(s.index): s.data.size for s in x.addressable_shards} for k, x in params.items()}
+    distinct = sum(sum(sizes.values()) for sizes in held.values())
     out_shardings = None
     if mode == "nnx":
         model = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
@@ -112,15 +131,20 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
         engine = jax_mlpo.engine_of(state)
         state_bytes = engine.layout.state_bytes
         jax_mlpo.close(state)
-    blobs = list(Path(tier_root).glob("state-*.blob"))
-    held = sum(struct.unpack_from("<8sQ", p.read_bytes(), -4096)[1] for p in blobs)
+    tiers = Path(tier_root)
+    if jax.process_count() > 1:
+        tiers = tiers / f"proc{jax.process_index()}"
+    blobs = list(tiers.glob("state-*.blob"))
+    on_tier = sum(struct.unpack_from("<8sQ", p.read_bytes(), -4096)[1] for p in blobs)
     kept = {k: params[k].sharding.is_equivalent_to(shardings[k], params[k].ndim) for k in tt.SHAPES}
-    got = {k: np.asarray(v) for k, v in params.items()}
+    gather = multihost_utils.process_allgather
+    got = {k: np.asarray(gather(v, tiled=True)) for k, v in params.items()}
     tt.assert_matches_reference(got, dtype, clip_in_float32=clip == "inside")
     print(json.dumps({
-        "state_bytes": state_bytes, "distinct_params": tt.NUM_PARAMS, "per_elem": per_elem,
-        "tier_bytes": held, "params_keep_shardings": kept, "updates_keep_shardings": out_shardings,
-        "devices": len(mesh.devices.flat),
+        "state_bytes": state_bytes, "distinct_params": distinct, "per_elem": per_elem,
+        "tier_bytes": on_tier, "params_keep_shardings": kept,
+        "updates_keep_shardings": out_shardings, "devices": len(mesh.devices.flat),
+        "processes": jax.process_count(), "all_params": tt.NUM_PARAMS,
     }))  # fmt: skip
 
 

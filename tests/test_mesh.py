@@ -46,6 +46,29 @@ def test_parity_on_four_devices(case, tmp_path):
         assert all(out["updates_keep_shardings"].values()), out["updates_keep_shardings"]
 
 
+@pytest.mark.parametrize("dtype,clip", [("float32", "chain"), ("bfloat16", "inside")])
+def test_parity_on_two_processes_of_two_devices(dtype, clip, tmp_path):
+    """A (2, 2) fsdp x tensor mesh over 2 processes x 2 devices: each process stores the state
+    of the distinct shards its devices hold (jax's own addressable shards, deduplicated), once."""
+    from experiments.processes import free_port, run_local
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
+           "MESH_WORKER_PROCESSES": "2", "MESH_WORKER_PORT": str(free_port())}  # fmt: skip
+    argv = [sys.executable, str(WORKER), "fsdp2x2", dtype, "jit", clip, str(tmp_path / "tier")]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    done = run_local([[*argv, "0"], [*argv, "1"]], env, logs, 300)
+    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    outs = [json.loads(text.strip().splitlines()[-1]) for text in done.logs]
+    for out in outs:
+        assert out["processes"] == 2 and out["devices"] == 4
+        # fsdp splits over the processes: each holds a part, and replicated leaves whole
+        assert out["all_params"] / 2 < out["distinct_params"] < out["all_params"]
+        assert out["state_bytes"] == out["tier_bytes"] == out["per_elem"] * out["distinct_params"]
+        assert all(out["params_keep_shardings"].values())
+        assert all(out["updates_keep_shardings"].values())
+
+
 def test_what_a_mesh_state_refuses(tmp_path):
     out = _worker("refusals", str(tmp_path / "tier"))
     assert "place every param on the same mesh" in out["two_meshes"]
@@ -70,28 +93,57 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
-def test_tiny_job_on_a_2x2_mesh_follows_the_single_device_run(tmp_path):
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory) -> tuple[Path, list[float]]:
+    """The tiny job's first 30 steps on one device (batch 8), and its data cache."""
+    root = tmp_path_factory.mktemp("one-device")
+    done = _pretrain(1, root / "run", root / "data-cache", "steps=30")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "data-cache", _losses(root / "run")
+
+
+def _assert_follows(losses: list[float], reference: list[float]) -> None:
+    assert len(losses) == len(reference) == 30 and losses[-1] < losses[0]
+    worst = max(abs(x - y) / abs(x) for x, y in zip(reference, losses, strict=True))
+    assert worst <= 1e-3, f"losses differ by {worst:.3g} relative"
+
+
+def test_tiny_job_on_a_2x2_mesh_follows_the_single_device_run(one_device_run, tmp_path):
     """The main job with its params on a (2, 2) fsdp x tensor mesh of four devices: the loss
     curve of the same run on one device, up to the order of the sharded reductions."""
-    cache = tmp_path / "data-cache"
-    one = _pretrain(1, tmp_path / "one", cache, "steps=30")
-    assert one.returncode == 0, one.stderr[-3000:]
+    cache, reference = one_device_run
     mesh = _pretrain(4, tmp_path / "mesh", cache, "steps=30", "mesh.shape=[2, 2]")
     assert mesh.returncode == 0, mesh.stderr[-3000:]
-    assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices" in mesh.stderr
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "mesh")
-    assert len(a) == len(b) == 30 and b[-1] < b[0]
-    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
-    assert worst <= 1e-3, f"losses differ by {worst:.3g} relative"
+    assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices of 1 process(es)" in mesh.stderr
+    _assert_follows(_losses(tmp_path / "mesh"), reference)
+
+
+def test_tiny_job_on_two_processes_of_two_devices(one_device_run, tmp_path):
+    """The same on 2 processes x 2 devices, batch 4 per process (the same global batch)."""
+    from experiments.processes import free_port, run_local
+
+    cache, reference = one_device_run
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+    argv = [sys.executable, str(ROOT / "experiments" / "pretrain.py"), "--config", TINY]
+    for item in (f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache}", "report.plot=false",
+                 "steps=30", "batch_size=4", "mesh.shape=[2, 2]"):  # fmt: skip
+        argv += ["--set", item]
+    argv += ["--num-processes", "2", "--coordinator", f"127.0.0.1:{free_port()}"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    done = run_local([[*argv, "--process-id", str(k)] for k in range(2)], env, logs, 600)
+    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices of 2 process(es)" in done.logs[0]
+    _assert_follows(_losses(tmp_path / "run"), reference)
 
 
 def test_tiny_job_on_a_mesh_refuses_checkpoints_and_a_wrong_shape(tmp_path):
     cache = tmp_path / "data-cache"
     done = _pretrain(4, tmp_path / "a", cache, "checkpoint.every=5")
     assert done.returncode != 0
-    assert "checkpoints of a run sharded over the 4 devices of one process" in done.stderr
+    assert "checkpoints of a run sharded over a mesh of 4 devices" in done.stderr
     done = _pretrain(4, tmp_path / "b", cache, "mesh.shape=[3, 1]")
-    assert done.returncode != 0 and "holds 3 devices, this process has 4" in done.stderr
+    assert done.returncode != 0 and "holds 3 devices, the job has 4" in done.stderr
     assert not (tmp_path / "a" / "metrics-offload.jsonl").exists()
 
 

@@ -122,8 +122,7 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
 
     Raises:
       ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
-      NotImplementedError: a target state over params sharded on several devices of this
-        process.
+      NotImplementedError: a target state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
     """
     refuse_mesh_states(target)
     wanted = {"format": FORMAT, "tree": _abstract(target)}

@@ -49,7 +49,7 @@ def check_savable(tree: Any) -> None:
     Raises:
       EngineFailedError: an update failed midway; the offloaded state is partly updated.
       StaleStateError: a state is not the one its engine was last advanced to.
-      NotImplementedError: a state over params sharded on several devices of this process.
+      NotImplementedError: a state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
     """
     refuse_mesh_states(tree)
     states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]

@@ -23,7 +23,7 @@ def is_offloaded(x: Any) -> bool:
 
 
 def refuse_mesh_states(tree: Any) -> None:
-    """Raises for an offloaded state over params sharded on several devices of one process.
+    """Raises for an offloaded state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
 
     Its engine's leaves are the distinct shards, which may be split on any dimension, while
     the streamed arrays record flat ranges of whole leaves: saving and restoring such states
@@ -35,9 +35,9 @@ def refuse_mesh_states(tree: Any) -> None:
     states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]
     if any(mesh_plan_of(s) is not None for s in states):
         raise NotImplementedError(
-            "jax_mlpo cannot checkpoint an optimizer state whose params are sharded over "
-            "several devices of one process yet: checkpoint a run with one device per process "
-            "(jax.distributed, one process per device), or save the params alone"
+            "jax_mlpo cannot checkpoint an optimizer state over params sharded on a mesh yet: "
+            "checkpoints work with the params on one device per process (one process, or "
+            "jax.distributed with one process per device and jax_mlpo.distributed.shard_params)"
         )
 
 
