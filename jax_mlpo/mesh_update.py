@@ -220,8 +220,9 @@ class DeviceCalls:
         """Hands in device ``slot``'s call of one update; returns once the update has run.
 
         Raises:
-          RuntimeError: the update failed (every device's call fails with it), the calls of
-            one round disagree, or the other devices' calls did not come within ``wait_s``.
+          Exception: the update's own error (every device's call fails with it).
+          RuntimeError: the calls of one round disagree, or the other devices' calls did not
+            come within ``wait_s``.
         """
         n = len(self._plan.devices)
         with self._cond:
@@ -249,7 +250,7 @@ class DeviceCalls:
                 )
             outcome = self._outcome[this]
         if outcome is not None:
-            raise RuntimeError(f"{type(outcome).__name__}: {outcome}") from outcome
+            raise outcome  # in every device's call: XLA fails the update with its message
 
     def _run_round(self, calls: dict[int, Call]) -> None:
         counts = {c[0] for c in calls.values()}
