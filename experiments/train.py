@@ -265,6 +265,13 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     # otherwise the config's mesh over every device of the job.
     data_parallel = nproc > 1 and jax.local_device_count() == 1
     device_mesh = None if data_parallel else build_mesh(cfg.mesh, jax.devices())
+    if device_mesh is not None and jax.default_backend() != "cpu":
+        raise ConfigError(
+            f"this process has {jax.local_device_count()} {jax.default_backend()} devices; "
+            "jax_mlpo meshes several of them per process on CPU only for now: run one process "
+            "per device (NPROCS=<devices> experiments/launch/single_node.sh), or make one "
+            "visible (CUDA_VISIBLE_DEVICES)"
+        )
     if device_mesh is not None and (cfg.checkpoint.every or resume):
         raise ConfigError(
             f"checkpoints of a run sharded over a mesh of {device_mesh.size} devices are not "

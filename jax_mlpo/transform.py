@@ -185,6 +185,13 @@ def _refuse_discarding_wrappers() -> None:
         frame = frame.f_back
 
 
+_NO_GPU_MESH = (
+    "jax_mlpo takes params on a mesh of several devices per process on CPU only for now: on "
+    "GPUs start one process per GPU (jax.distributed; experiments/launch/single_node.sh with "
+    "NPROCS=<GPUs>), each with its shards"
+)
+
+
 def _hyper(engine: Engine, scalars: np.ndarray) -> AdamWHyper:
     lr, bc1, bc2, scale = (float(x) for x in scalars)
     return AdamWHyper(
@@ -200,10 +207,7 @@ def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
     slot = _SLOTS.get(handle)
     if slot is not None:
         if stream is not None:
-            raise NotImplementedError(
-                "jax_mlpo on a GPU takes one device per process for now: start one process "
-                "per GPU (jax.distributed), each with its shards"
-            )
+            raise NotImplementedError(_NO_GPU_MESH)
         calls, k = slot
         calls.arrive(k, (count, scalars, grads, params, updates))
         return
@@ -327,6 +331,8 @@ def adamw(
         if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
             plan = None  # jax_mlpo.distributed's layout, which checkpoints can hold
         if plan is not None:  # params on a mesh: one engine over this process's shards
+            if jax.default_backend() != "cpu":
+                raise NotImplementedError(_NO_GPU_MESH)
             flags = plan.shard_flags(resolve_mask(mask, params))
             layout = build_layout(plan.shard_structs(params), offload.subgroup_size, flags)
             config = offload
