@@ -1,0 +1,117 @@
+"""The disk's limit, measured the way DeepSpeed's ``ds_nvme_tune`` does: a sweep with fio.
+
+Request size (1-32 MiB) x requests in flight (4-64) x direction (random reads, random writes,
+and 50/50 reads and writes at once), O_DIRECT with libaio, on one file laid out once in the
+given directory (a tier's file system). The best mixed figure (reads + writes) is the limit an
+update, which reads and writes at once, is compared with; the best read and write figures are
+given beside it. Every point is in the JSON, with the table printed.
+
+    python -m experiments.bench.disk_limit --dir runs/disk-limit \
+        --json experiments/results/disk_limit.json
+
+Without fio it stops with how to install it (issue 20 also asks for a C++ probe of our own
+for machines without fio; not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from typing import Any
+
+from experiments.bench.harness import write_json
+from experiments.bench.sysio import filesystem
+
+logger = logging.getLogger("bench.disk_limit")
+
+BLOCKS = ("1M", "2M", "4M", "8M", "16M", "32M")
+DEPTHS = (4, 8, 16, 32, 64)
+MODES = {"read": "randread", "write": "randwrite", "mixed": "randrw"}
+
+
+def fio_point(path: str, size: str, mode: str, block: str, depth: int, runtime_s: int) -> dict:
+    """One fio job on ``path``: GB/s read and written (``mixed_gbps``: their sum)."""
+    cmd = [
+        "fio", "--name=sweep", f"--filename={path}", f"--rw={MODES[mode]}", "--rwmixread=50",
+        f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", "--direct=1",
+        f"--size={size}", "--time_based", f"--runtime={runtime_s}", "--output-format=json",
+    ]  # fmt: skip
+    job = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    job = job["jobs"][0]
+    read, write = job["read"]["bw_bytes"] / 1e9, job["write"]["bw_bytes"] / 1e9
+    return {"mode": mode, "block": block, "depth": depth, "read_gbps": read,
+            "write_gbps": write, "total_gbps": read + write}  # fmt: skip
+
+
+def sweep(directory: str, size: str, runtime_s: int, blocks: list[str], depths: list[int],
+          modes: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Every point of ``blocks x depths x modes`` and the best of each mode."""
+    if shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (apt-get install fio): the sweep needs it")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "disk-limit.dat")
+    points = []
+    try:
+        for mode in modes:
+            for block in blocks:
+                for depth in depths:
+                    p = fio_point(path, size, mode, block, depth, runtime_s)
+                    logger.info("%-5s %4s x %2d: %.2f GB/s", mode, block, depth, p["total_gbps"])
+                    points.append(p)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    best = {m: max((p for p in points if p["mode"] == m), key=lambda p: p["total_gbps"])
+            for m in modes}  # fmt: skip
+    return {"filesystem": filesystem(directory), "file_size": size, "runtime_s": runtime_s,
+            "points": points, "best": best,
+            "limit_gbps": best["mixed"]["total_gbps"] if "mixed" in best else None}  # fmt: skip
+
+
+def table(result: dict[str, Any], modes: list[str], blocks: list[str], depths: list[int]) -> str:
+    """GB/s per request size (rows) and depth (columns), one table per mode."""
+    lines = []
+    for mode in modes:
+        lines += [f"{mode} (GB/s, reads + writes)", "",
+                  "| request | " + " | ".join(f"QD{d}" for d in depths) + " |",
+                  "|---|" + "---:|" * len(depths)]  # fmt: skip
+        for block in blocks:
+            got = {p["depth"]: p["total_gbps"] for p in result["points"]
+                   if p["mode"] == mode and p["block"] == block}  # fmt: skip
+            lines.append(f"| {block} | " + " | ".join(f"{got[d]:.2f}" for d in depths) + " |")
+        b = result["best"][mode]
+        lines += ["", f"best {mode}: {b['total_gbps']:.2f} GB/s at {b['block']} x QD{b['depth']}",
+                  ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="runs/disk-limit", help="on the tier's file system")
+    parser.add_argument("--size", default="4GiB", help="the file fio reads and writes")
+    parser.add_argument("--runtime", type=int, default=5, help="seconds per point")
+    parser.add_argument("--blocks", default=",".join(BLOCKS))
+    parser.add_argument("--depths", default=",".join(str(d) for d in DEPTHS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
+    blocks, modes = args.blocks.split(","), args.modes.split(",")
+    depths = [int(d) for d in args.depths.split(",")]
+    t0 = time.perf_counter()
+    result = sweep(args.dir, args.size, args.runtime, blocks, depths, modes)
+    result["wall_s"] = time.perf_counter() - t0
+    print(table(result, modes, blocks, depths))
+    if result["limit_gbps"] is not None:
+        print(f"limit (best mixed): {result['limit_gbps']:.2f} GB/s")
+    if args.json:
+        write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
