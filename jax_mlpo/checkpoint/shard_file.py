@@ -24,6 +24,7 @@ from jax_mlpo.tiers.posix import ALIGN, _pread_full, _pwrite_full
 logger = logging.getLogger(__name__)
 
 DATA_FILE = os.path.join("c", "0")  # zarr3's default chunk key of chunk (0,)
+PAGE_ELEMS = ALIGN // 4  # float32 per page: O_DIRECT moves whole pages
 
 
 def array_spec(path: str, size: int) -> dict[str, Any]:
@@ -52,8 +53,17 @@ def _open(path: str, flags: int) -> int:
         return os.open(path, flags, 0o600)
 
 
-def _padded(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def whole_pages(elems: int) -> int:
+    """``elems`` float32 rounded up to whole pages (what O_DIRECT moves)."""
+    return -(-elems // PAGE_ELEMS) * PAGE_ELEMS
+
+
+def _page_view(buffer: np.ndarray, count: int) -> np.ndarray:
+    """The bytes of ``buffer`` that ``count`` elements take in whole pages."""
+    need = 4 * whole_pages(count)
+    if buffer.nbytes < need:
+        raise ValueError(f"a buffer of {buffer.nbytes} bytes cannot take {need}")
+    return buffer.view(np.uint8)[:need]
 
 
 class ShardWriter:
@@ -75,7 +85,7 @@ class ShardWriter:
         self._fd = _open(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             if size:
-                os.posix_fallocate(self._fd, 0, _padded(4 * size))  # a full disk fails here
+                os.posix_fallocate(self._fd, 0, 4 * whole_pages(size))  # a full disk fails here
         except BaseException:
             os.close(self._fd)
             raise
@@ -88,9 +98,7 @@ class ShardWriter:
         :meth:`finish`.
         """
         n = 4 * count
-        if buffer.nbytes < _padded(n):
-            raise ValueError(f"a buffer of {buffer.nbytes} bytes cannot take {_padded(n)}")
-        raw = buffer.view(np.uint8)[: _padded(n)]
+        raw = _page_view(buffer, count)
         raw[n:] = 0
         if _pwrite_full(self._fd, raw, 4 * start) < raw.nbytes:
             raise OSError(errno.ENOSPC, f"{self.path}: short write at element {start}")
@@ -117,21 +125,31 @@ def check_array(path: str, size: int) -> None:
     ts.open(array_spec(path, size), open=True).result()
 
 
-def read_piece(path: str, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
-    """Reads elements ``[start, start + count)`` of a shard's data file into ``buffer`` (page-
-    aligned float32 with room up to the page after ``count``); returns ``buffer[:count]``.
+class ShardReader:
+    """A shard's data file, open for reading pieces (``pread``: from any thread at once).
+
+    Args:
+      path: the array's directory.
 
     Raises:
-      OSError: the file is missing or short (truncated).
+      OSError: the file is missing.
     """
-    n = 4 * count
-    if buffer.nbytes < _padded(n):
-        raise ValueError(f"a buffer of {buffer.nbytes} bytes cannot take {_padded(n)}")
-    fd = _open(os.path.join(path, DATA_FILE), os.O_RDONLY)
-    try:
-        got = _pread_full(fd, buffer.view(np.uint8)[: _padded(n)], 4 * start)
-    finally:
-        os.close(fd)
-    if got < n:
-        raise OSError(errno.EIO, f"{path}: short read at element {start} (a truncated file)")
-    return buffer[:count]
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = _open(os.path.join(path, DATA_FILE), os.O_RDONLY)
+
+    def read(self, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
+        """Reads elements ``[start, start + count)`` into ``buffer`` (page-aligned float32 with
+        room up to the page after ``count``); returns ``buffer[:count]``.
+
+        Raises:
+          OSError: the file is short (truncated).
+        """
+        got = _pread_full(self._fd, _page_view(buffer, count), 4 * start)
+        if got < 4 * count:
+            raise OSError(errno.EIO, f"{self.path}: short read at element {start} (truncated)")
+        return buffer[:count]
+
+    def close(self) -> None:
+        os.close(self._fd)

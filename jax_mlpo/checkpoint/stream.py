@@ -30,21 +30,21 @@ import jax
 import numpy as np
 
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
-from jax_mlpo.checkpoint.shard_file import ShardWriter, check_array, read_piece
+from jax_mlpo.checkpoint.shard_file import (
+    PAGE_ELEMS,
+    ShardReader,
+    ShardWriter,
+    check_array,
+    whole_pages,
+)
 from jax_mlpo.layout import Layout, Subgroup
-from jax_mlpo.tiers.posix import ALIGN, aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 from jax_mlpo.types import F32
 
 QUANTITIES = ("mu", "nu", "master")
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best
 MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory they hold)
 IO_THREADS = 4  # each moves one piece at a time and digests it
-PAGE_ELEMS = ALIGN // 4  # float32 per page: pieces start on pages
-
-
-def _whole_pages(elems: int) -> int:
-    """``elems`` rounded up to whole pages of float32 (O_DIRECT moves whole pages)."""
-    return -(-elems // PAGE_ELEMS) * PAGE_ELEMS
 
 
 def _sha256(data: np.ndarray) -> str:
@@ -163,7 +163,7 @@ class StateWriter:
         done = 0
         while done < data.size:
             if array.buffer is None:  # page-aligned, with room for O_DIRECT's last page
-                whole = _whole_pages(self._chunk)
+                whole = whole_pages(self._chunk)
                 array.buffer = self._spare.pop() if self._spare else aligned_empty(whole)
             at = array.filled % array.chunk
             take = min(array.chunk - at, data.size - done)
@@ -193,7 +193,7 @@ class StateWriter:
     def _settle(self) -> None:
         future, array, buffer = self._in_flight.popleft()
         future.result()
-        self._spare.append(buffer)  # every buffer is _whole_pages(chunk_elems) long
+        self._spare.append(buffer)  # every buffer is whole_pages(chunk_elems) long
         array.pending -= 1
         if array.complete and not array.pending:
             self._unfinished.remove(array)
@@ -229,7 +229,7 @@ class StateReader:
         self._starts = starts
         after = [*subgroups[1:], None]
         self._next = {sg.index: nxt for sg, nxt in zip(subgroups, after, strict=True)}
-        self._checked_arrays: set[str] = set()
+        self._files: dict[str, ShardReader] = {}  # each array's data file, checked and open
         # (array, piece) -> (its buffer, the read's future or the verified data)
         self._reads: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}
         self._spare: list[np.ndarray] = []  # buffers of pieces no longer needed, reused
@@ -258,7 +258,7 @@ class StateReader:
         keep = {(record["array"], k) for _, _, record, k, _, _ in later}
         for key in [key for key in self._reads if key not in keep]:
             buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
-            if buffer.size == _whole_pages(CHUNK_ELEMS):
+            if buffer.size == whole_pages(CHUNK_ELEMS):
                 self._spare.append(buffer)
 
     def _pieces(self, sg: Subgroup) -> list[tuple[str, int, dict[str, Any], int, int, int]]:
@@ -289,8 +289,8 @@ class StateReader:
             key = (record["array"], k)
             if key not in self._reads:
                 self._check(record)
-                size = _whole_pages(record["chunk"])
-                spare = size == _whole_pages(CHUNK_ELEMS) and self._spare
+                size = whole_pages(record["chunk"])
+                spare = size == whole_pages(CHUNK_ELEMS) and self._spare
                 buffer = self._spare.pop() if spare else aligned_empty(size)
                 self._reads[key] = (buffer, self._io.submit(self._read, record, k, buffer))
 
@@ -309,7 +309,7 @@ class StateReader:
         chunk = record["chunk"]
         count = min(chunk, record["size"] - k * chunk)
         try:
-            data = read_piece(where, k * chunk, buffer, count)
+            data = self._files[record["array"]].read(k * chunk, buffer, count)
         except OSError as e:
             raise CorruptCheckpointError(f"{where}: piece {k} cannot be read ({e})") from e
         if k >= len(record["sha256"]) or _sha256(data) != record["sha256"][k]:
@@ -321,21 +321,24 @@ class StateReader:
 
     def _check(self, record: dict[str, Any]) -> None:
         path = record["array"]
-        if path in self._checked_arrays:
+        if path in self._files:
             return
         where = os.path.join(self._directory, path)
         try:
             check_array(where, record["size"])
-        except ValueError as e:
+            self._files[path] = ShardReader(where)
+        except (ValueError, OSError) as e:
             raise CorruptCheckpointError(
                 f"{where} cannot be opened as the manifest describes it ({e}): the "
                 "checkpoint is incomplete or corrupt. Restore another step."
             ) from e
-        self._checked_arrays.add(path)
 
     def close(self) -> None:
-        """Waits for the reads in flight and stops the reading threads."""
+        """Waits for the reads in flight, stops the reading threads and closes the files."""
         self._io.shutdown(wait=True, cancel_futures=True)
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
 
 STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>
