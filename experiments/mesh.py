@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.run_config import ConfigError, MeshConfig
+from jax_mlpo import distributed
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh | None:
@@ -57,13 +58,8 @@ def leaf_spec(mesh: Mesh, shape: Sequence[int]) -> P:
 def shard(tree: Any, mesh: Mesh) -> Any:
     """``tree``'s arrays (the same values in every process) placed on ``mesh`` by
     :func:`leaf_spec`; each process keeps its devices' shards."""
-
-    def put(x: Any) -> jax.Array:
-        value = np.asarray(x)
-        sharding = NamedSharding(mesh, leaf_spec(mesh, value.shape))
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    return jax.tree.map(put, tree)
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(mesh, np.shape(x))), tree)
+    return distributed.place(tree, shardings)
 
 
 def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:

@@ -94,13 +94,18 @@ def shard_params(params: Any, mesh: Mesh | None = None) -> Any:
     Each process keeps only its shard of every split leaf.
     """
     mesh = data_parallel_mesh() if mesh is None else mesh
-    shardings = param_shardings(params, mesh)
+    return place(params, param_shardings(params, mesh))
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Global arrays of ``tree``'s values (the same host values in every process) with
+    ``shardings`` (a tree of the same structure): each process keeps its devices' shards."""
 
     def put(x, sharding):
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-    return jax.tree.map(put, params, shardings)
+    return jax.tree.map(put, tree, shardings)
 
 
 def batch_sharding(mesh: Mesh | None = None) -> NamedSharding:

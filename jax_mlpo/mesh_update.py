@@ -122,18 +122,11 @@ class MeshPlan:
             return False
         n = mesh.size
         return all(
-            spec_equal(spec, leaf_spec(shape, n), len(shape))
+            NamedSharding(mesh, spec).is_equivalent_to(
+                NamedSharding(mesh, leaf_spec(shape, n)), len(shape)
+            )
             for spec, shape in zip(self.specs, self.shapes, strict=True)
         )
-
-
-def spec_equal(a: P, b: P, ndim: int) -> bool:
-    """Whether two partitions of an ``ndim``-D leaf are the same (``P()`` is ``P(None)``)."""
-
-    def padded(spec: P) -> tuple[Any, ...]:
-        return tuple(spec) + (None,) * (ndim - len(spec))
-
-    return padded(a) == padded(b)
 
 
 def _normalised(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
