@@ -14,9 +14,9 @@ processes is stored by both, as replicated leaves are in :mod:`jax_mlpo.distribu
 One engine per process rather than one per device, so that the host cache, the tiers'
 directories and permits, the metrics and the checkpoints stay per process (as with one device
 per process), and a replicated shard's update costs a copy, not a collective. The devices'
-calls meet in :class:`DeviceCalls`: XLA runs them at the same time, on a thread per device
-(measured on CPU devices), and the last to arrive runs the engine over all of them while the
-others wait.
+calls meet in :class:`DeviceCalls`: the last to arrive runs the engine over all of them, and
+the others are left pending in XLA meanwhile (asynchronous FFI calls), not waiting on a
+thread.
 
 Example (one process, four CPU devices: ``JAX_NUM_CPU_DEVICES=4``)::
 
@@ -184,66 +184,100 @@ def mesh_plan(params: Any) -> MeshPlan | None:
 
 Call = tuple[int, np.ndarray, list[Any], list[Any], list[Any]]  # count, scalars, g, p, u
 Run = Callable[[int, np.ndarray, list[Any], list[Any], list[Any]], None]
+Complete = Callable[[BaseException | None], None]  # native.host_update.Completion
 
 
 class DeviceCalls:
-    """Where the update calls of a process's devices meet: the last to arrive runs the engine
-    over every distinct shard (the owners' buffers), then copies each update to the shard's
-    replicas, and every call returns (or fails) with the same outcome.
+    """Where the update calls of a process's devices meet.
+
+    Every call but the last of a step hands its buffers in and returns at once, its XLA call
+    left pending; the last runs the engine over every distinct shard (the owners' buffers),
+    copies each update to the shard's replicas, returns, and completes the pending calls with
+    the same outcome. No XLA thread waits for another device: XLA sizes its thread pools to
+    the devices one collective needs, and a thread held in a wait of ours could starve a
+    collective another device is in (a job with a step's loss reduced beside the update does
+    that). Each pending call completes on a thread of its own, since XLA goes on with that
+    device's program on the completing thread.
 
     Args:
       plan: the shards.
       run: ``run(count, scalars, grads, params, updates)`` over the distinct shards (the
         engine's leaves).
-      wait_s: how long a call waits for the others.
+      wait_s: how long the first call of a step waits for the last before the step fails.
     """
 
     def __init__(self, plan: MeshPlan, run: Run, wait_s: float = WAIT_S) -> None:
         self._plan, self._run, self._wait_s = plan, run, wait_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._calls: dict[int, Call] = {}
+        self._pending: dict[int, Complete] = {}
+        self._timer: threading.Timer | None = None
         self._round = 0
-        self._outcome: dict[int, BaseException | None] = {}
 
     @property
     def plan(self) -> MeshPlan:
         return self._plan
 
-    def arrive(self, slot: int, call: Call) -> None:
-        """Hands in device ``slot``'s call of one update; returns once the update has run.
+    def arrive(self, slot: int, call: Call, complete: Complete) -> bool:
+        """Hands in device ``slot``'s call of one update.
+
+        Returns:
+          True when the call is left pending (``complete`` will be called with the step's
+          outcome); False when this was the step's last call and the update has run.
 
         Raises:
-          Exception: the update's own error (every device's call fails with it).
-          RuntimeError: the calls of one round disagree, or the other devices' calls did not
-            come within ``wait_s``.
+          Exception: in the last call, the update's own error (every pending call of the step
+            fails with it too).
+          RuntimeError: the slot called twice in one step.
         """
-        n = len(self._plan.devices)
-        with self._cond:
-            this = self._round
+        with self._lock:
             if slot in self._calls:
                 raise RuntimeError(f"device slot {slot} called the update twice in one step")
             self._calls[slot] = call
-            if len(self._calls) == n:
-                calls, self._calls = self._calls, {}
-                try:
-                    self._run_round(calls)
-                    outcome = None
-                except BaseException as e:  # noqa: BLE001 - handed to every call of the round
-                    outcome = e
-                self._outcome[this] = outcome
-                self._outcome.pop(this - 2, None)  # a round's waiters have woken by then
-                self._round += 1
-                self._cond.notify_all()
-            elif not self._cond.wait_for(lambda: self._round > this, self._wait_s):
-                self._calls.pop(slot, None)
-                raise RuntimeError(
-                    f"jax_mlpo: {len(self._calls) + 1} of this process's {n} devices ran the "
-                    f"update within {self._wait_s:.0f} s: every device of the params' mesh must "
-                    "run it (one jitted update over the whole mesh)"
-                )
-            outcome = self._outcome[this]
-        if outcome is not None:
-            raise outcome  # in every device's call: XLA fails the update with its message
+            if len(self._calls) < len(self._plan.devices):
+                self._pending[slot] = complete
+                if self._timer is None:
+                    self._timer = threading.Timer(self._wait_s, self._expire, (self._round,))
+                    self._timer.daemon = True
+                    self._timer.start()
+                return True
+            calls, pending = self._take_round()
+        try:
+            self._run_round(calls)
+            error = None
+        except BaseException as e:  # noqa: BLE001 - handed to every call of the round
+            error = e
+        self._complete(pending, error)
+        if error is not None:
+            raise error  # in every device's call: XLA fails the update with its message
+        return False
+
+    def _take_round(self) -> tuple[dict[int, Call], dict[int, Complete]]:
+        calls, pending = self._calls, self._pending
+        self._calls, self._pending = {}, {}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._round += 1
+        return calls, pending
+
+    def _expire(self, round_: int) -> None:
+        with self._lock:
+            if round_ != self._round or not self._calls:
+                return
+            arrived = len(self._calls)
+            _, pending = self._take_round()
+        self._complete(pending, RuntimeError(
+            f"jax_mlpo: {arrived} of this process's {len(self._plan.devices)} devices ran the "
+            f"update within {self._wait_s:.0f} s: every device of the params' mesh must run it "
+            "(one jitted update over the whole mesh)"
+        ))  # fmt: skip
+
+    @staticmethod
+    def _complete(pending: dict[int, Complete], error: BaseException | None) -> None:
+        for complete in pending.values():
+            threading.Thread(target=complete, args=(error,), daemon=True,
+                             name="jax_mlpo-update-complete").start()  # fmt: skip
 
     def _run_round(self, calls: dict[int, Call]) -> None:
         counts = {c[0] for c in calls.values()}

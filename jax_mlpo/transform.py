@@ -31,7 +31,12 @@ from jax_mlpo.layout import build_layout, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.mesh_update import DeviceCalls, MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
-from jax_mlpo.native.host_update import ensure_platform, host_update_call, set_host_update
+from jax_mlpo.native.host_update import (
+    DEFERRED,
+    ensure_platform,
+    host_update_call,
+    set_host_update,
+)
 
 
 class OffloadedAdamWState(NamedTuple):
@@ -200,17 +205,18 @@ def _hyper(engine: Engine, scalars: np.ndarray) -> AdamWHyper:
     )  # fmt: skip
 
 
-def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
+def _run_update(handle, count, scalars, grads, params, updates, stream, completion):
     """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
     XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
-    with params on a mesh, each device's call meets the others' (:mod:`jax_mlpo.mesh_update`)."""
+    with params on a mesh, each device's call meets the others' and all but the last are
+    deferred (:mod:`jax_mlpo.mesh_update`)."""
     slot = _SLOTS.get(handle)
     if slot is not None:
         if stream is not None:
             raise NotImplementedError(_NO_GPU_MESH)
         calls, k = slot
-        calls.arrive(k, (count, scalars, grads, params, updates))
-        return
+        deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
+        return DEFERRED if deferred else None
     engine = _engine(handle)
     hyper = _hyper(engine, scalars)
     if stream is None:
@@ -219,6 +225,7 @@ def _run_update(handle, count, scalars, grads, params, updates, stream) -> None:
         staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
         leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
     engine.step_leaves(count, hyper, leaves)
+    return None
 
 
 set_host_update(_run_update)

@@ -117,14 +117,18 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
     else:
         state = tx.init(params)
 
+        # The step returns its loss, as train steps do: the loss's reduction over the mesh is
+        # a collective no input of the update needs, which XLA may run on one device before
+        # the update and on another after it.
         @jax.jit
         def step(params, state, i):
-            grads = jax.grad(tt.loss_fn)(params, i)
+            loss, grads = jax.value_and_grad(tt.loss_fn)(params, i)
             updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, updates
+            return optax.apply_updates(params, updates), state, updates, loss
 
         for i in range(tt.STEPS):
-            params, state, updates = step(params, state, i)
+            params, state, updates, loss = step(params, state, i)
+        assert np.isfinite(float(loss))
         out_shardings = {
             k: u.sharding.is_equivalent_to(shardings[k], u.ndim) for k, u in updates.items()
         }

@@ -12,9 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from jax_mlpo.mesh_update import DeviceCalls, LocalShard, MeshPlan
 
 WORKER = Path(__file__).parent / "mesh_worker.py"
 CASES = [
@@ -74,6 +78,104 @@ def test_what_a_mesh_state_refuses(tmp_path):
     assert "place every param on the same mesh" in out["two_meshes"]
     assert "needs every leaf placed with a NamedSharding on one mesh" in out["one_device_leaf"]
     assert "one device per process" in out["checkpoint"]
+
+
+class _Completions:
+    """The completions handed to DeviceCalls: each records its outcome and its thread."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[int, BaseException | None] = {}
+        self.threads: dict[int, threading.Thread] = {}
+        self._done = threading.Condition()
+
+    def of(self, slot: int):
+        def complete(error: BaseException | None) -> None:
+            with self._done:
+                self.outcomes[slot] = error
+                self.threads[slot] = threading.current_thread()
+                self._done.notify_all()
+
+        return complete
+
+    def wait(self, count: int) -> None:
+        with self._done:
+            assert self._done.wait_for(lambda: len(self.outcomes) == count, 30)
+
+
+def _plan() -> MeshPlan:
+    """Two leaves on four device slots: leaf 0 split in two (slots 0, 1 hold one half, 2, 3 the
+    other), leaf 1 replicated on every slot."""
+    shards = (LocalShard(0, ((0, 2),), 0, (1,)), LocalShard(0, ((2, 4),), 2, (3,)),
+              LocalShard(1, ((0, 3),), 0, (1, 2, 3)))  # fmt: skip
+    return MeshPlan(None, (), ((4,), (3,)), (None,) * 4, shards)
+
+
+def _call(slot: int, count: int = 5) -> tuple:
+    grads = [np.full(2, slot, np.float32), np.full(3, 10 + slot, np.float32)]
+    params = [np.zeros(2, np.float32), np.zeros(3, np.float32)]
+    updates = [np.full(2, -1, np.float32), np.full(3, -1, np.float32)]
+    return count, np.ones(4, np.float32), grads, params, updates
+
+
+def test_device_calls_leave_every_call_but_the_last_pending():
+    """The devices' calls of one step, made one after another from a single thread: none waits
+    for the others (each returns pending), and the last runs the engine once over the owners'
+    buffers, copies each update to its replicas, and completes the others, each on a thread of
+    its own (XLA goes on with that device's program there)."""
+    ran = []
+
+    def run(count, scalars, grads, params, updates):
+        ran.append((count, [g.copy() for g in grads]))
+        for g, u in zip(grads, updates, strict=True):
+            np.negative(g, out=u)
+
+    done = _Completions()
+    device_calls = DeviceCalls(_plan(), run)
+    calls = [_call(k) for k in range(4)]
+    assert [device_calls.arrive(k, calls[k], done.of(k)) for k in (1, 3, 0)] == [True] * 3
+    assert not ran and not done.outcomes
+    assert device_calls.arrive(2, calls[2], done.of(2)) is False
+    assert len(ran) == 1 and ran[0][0] == 5
+    # the engine saw the owners' shards: slot 0's half of leaf 0, slot 2's, slot 0's leaf 1
+    np.testing.assert_array_equal(np.concatenate(ran[0][1]), [0, 0, 2, 2, 10, 10, 10])
+    for k in range(4):
+        owner_of_half = 0 if k < 2 else 2
+        np.testing.assert_array_equal(calls[k][4][0], [-owner_of_half] * 2)
+        np.testing.assert_array_equal(calls[k][4][1], [-10] * 3)
+    done.wait(3)
+    assert done.outcomes == {0: None, 1: None, 3: None}
+    assert len({*done.threads.values(), threading.current_thread()}) == 4
+    # the next step is a round of its own
+    assert device_calls.arrive(0, _call(0, 6), done.of(0)) is True
+
+
+def test_device_calls_hand_the_update_error_to_every_call():
+    def run(*args):
+        raise OSError("tier gone")
+
+    done = _Completions()
+    device_calls = DeviceCalls(_plan(), run)
+    for k in range(3):
+        assert device_calls.arrive(k, _call(k), done.of(k)) is True
+    with pytest.raises(OSError, match="tier gone"):
+        device_calls.arrive(3, _call(3), done.of(3))
+    done.wait(3)
+    assert all(isinstance(e, OSError) and "tier gone" in str(e) for e in done.outcomes.values())
+    with pytest.raises(RuntimeError, match="slot 0 called the update twice"):
+        device_calls.arrive(0, _call(0), done.of(0))
+        device_calls.arrive(0, _call(0), done.of(0))
+
+
+def test_device_calls_fail_a_step_whose_devices_do_not_all_come():
+    done = _Completions()
+    device_calls = DeviceCalls(_plan(), lambda *args: None, wait_s=0.2)
+    for k in (0, 1):
+        assert device_calls.arrive(k, _call(k), done.of(k)) is True
+    done.wait(2)
+    for k in (0, 1):
+        assert "2 of this process's 4 devices ran the update within 0 s" in str(done.outcomes[k])
+    # a late call starts a new step instead of joining the failed one
+    assert device_calls.arrive(2, _call(2), done.of(2)) is True
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,11 +23,18 @@ struct BufferView {
 
 // The engine's side of one update. stream is XLA's cudaStream_t on a GPU (the callback copies
 // each subgroup through pinned buffers on it) and null on CPU (the views are host memory).
-// Returns 0, or non-zero after writing a NUL-terminated message of at most error_capacity bytes.
+// Returns kUpdateDone, or kUpdateFailed after writing a NUL-terminated message of at most
+// error_capacity bytes, or (only where pending is not null) kUpdatePending: the update
+// completes later, on another thread, by jax_mlpo_host_update_complete(pending, ...), and the
+// buffers stay XLA's until then.
 using HostUpdateFn = int (*)(int32_t handle, int32_t count, const float* scalars, int64_t leaves,
                              const BufferView* grads, const BufferView* params,
                              const BufferView* updates, void* stream, char* error,
-                             int64_t error_capacity);
+                             int64_t error_capacity, void* pending);
+
+constexpr int kUpdateDone = 0;
+constexpr int kUpdateFailed = 1;
+constexpr int kUpdatePending = 2;
 
 constexpr int64_t kHostUpdateErrorCapacity = 8192;
 
@@ -61,10 +68,13 @@ inline xla::ffi::Error CollectViews(xla::ffi::RemainingArgs leaves,
 
 // One call's work on either platform: the engine's callback on the call's buffers. On success
 // *next is the count after this update (optax.safe_increment's: it stops at the largest int32).
+// With pending (CPU) the callback may defer the update: then *deferred is set, and the count
+// is written all the same (the result is XLA's to read once the update completes).
 inline xla::ffi::Error RunHostUpdate(HostUpdateFn fn, int32_t handle, int32_t count,
                                      const float* scalars, xla::ffi::RemainingArgs leaves,
                                      xla::ffi::RemainingRets updates, void* stream,
-                                     int32_t* next) {
+                                     int32_t* next, void* pending = nullptr,
+                                     bool* deferred = nullptr) {
   namespace ffi = xla::ffi;
   if (fn == nullptr) {
     return ffi::Error::Internal(
@@ -74,13 +84,17 @@ inline xla::ffi::Error RunHostUpdate(HostUpdateFn fn, int32_t handle, int32_t co
   if (auto err = CollectViews(leaves, updates, &views); !err.success()) return err;
   const size_t n = updates.size();
   std::string error(kHostUpdateErrorCapacity, '\0');
+  *next = count == INT32_MAX ? count : count + 1;
   const int rc = fn(handle, count, scalars, int64_t(n), views.data(), views.data() + n,
-                    views.data() + 2 * n, stream, error.data(), kHostUpdateErrorCapacity);
-  if (rc != 0) {
+                    views.data() + 2 * n, stream, error.data(), kHostUpdateErrorCapacity, pending);
+  if (rc == kUpdatePending && pending != nullptr) {
+    *deferred = true;
+    return ffi::Error::Success();
+  }
+  if (rc != kUpdateDone) {
     error.resize(error.find('\0'));
     return ffi::Error::Internal(error.empty() ? "jax_mlpo host update failed" : error);
   }
-  *next = count == INT32_MAX ? count : count + 1;
   return ffi::Error::Success();
 }
 

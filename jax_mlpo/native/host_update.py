@@ -12,6 +12,12 @@ Ordering: the call also returns the next step count, which becomes the optimizer
 count, so every later update depends on it through its data. XLA never drops the call (it has
 a side effect) and runs it once per executed update; ``lax.cond`` (``optax.apply_if_finite``)
 runs it only on the branch taken.
+
+Deferred updates: the handler is asynchronous on CPU. A runner may keep a call's buffers and
+return :data:`DEFERRED`; the call then stays pending in XLA (its thread free for other work)
+until the :class:`Completion` it was handed is called, from another thread. Params on a mesh
+use this: each device's call hands its buffers in, and the last one runs the engine over all
+of them (:mod:`jax_mlpo.mesh_update`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import numpy as np
 from jax_mlpo.native.copies import cuda_lib
 from jax_mlpo.native.library import LIB
 
-__all__ = ["DeviceBuffer", "ensure_platform", "host_update_call", "set_host_update"]
+__all__ = [
+    "DEFERRED", "Completion", "DeviceBuffer", "ensure_platform", "host_update_call",
+    "set_host_update",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +63,14 @@ _DTYPES = {
 _Views = ctypes.POINTER(_BufferView)
 _CALLBACK = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int64,
-    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
 )  # fmt: skip
 LIB.jax_mlpo_set_host_update.argtypes = [_CALLBACK]
 LIB.jax_mlpo_set_host_update.restype = None
+LIB.jax_mlpo_host_update_complete.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+LIB.jax_mlpo_host_update_complete.restype = None
+# The handler's return codes (host_update.h).
+_DONE, _FAILED, _PENDING = 0, 1, 2
 jax.ffi.register_ffi_target(
     "jax_mlpo_host_update", jax.ffi.pycapsule(LIB.JaxMlpoHostUpdate), platform="cpu"
 )
@@ -75,8 +88,31 @@ class DeviceBuffer(NamedTuple):
         return self.nbytes // self.dtype.itemsize
 
 
+class Completion:
+    """Completes one deferred call: ``completion(None)`` succeeds it, ``completion(error)``
+    fails it with the error's message. Call it once, from a thread that may go on to run the
+    device's next work (XLA continues the device's program on the completing thread)."""
+
+    def __init__(self, pending: int) -> None:
+        self._pending: int | None = pending
+
+    def __call__(self, error: BaseException | None) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("a deferred jax_mlpo update was completed twice")
+        message = None if error is None else f"{type(error).__name__}: {error}".encode(
+            errors="replace")  # fmt: skip
+        LIB.jax_mlpo_host_update_complete(pending, message)  # ctypes releases the GIL
+
+
+# What a runner returns when it keeps the call's buffers and completes it later.
+DEFERRED = "deferred"
+
 Leaf = np.ndarray | DeviceBuffer
-HostUpdate = Callable[[int, int, np.ndarray, list[Leaf], list[Leaf], list[Leaf], int | None], None]
+HostUpdate = Callable[
+    [int, int, np.ndarray, list[Leaf], list[Leaf], list[Leaf], int | None, Completion | None],
+    str | None,
+]
 _runner: HostUpdate | None = None
 
 
@@ -104,7 +140,7 @@ def _device(view: _BufferView, *, writable: bool) -> DeviceBuffer:
 
 
 def _handler(handle, count, scalars, leaves, grads, params, updates, stream, error,
-             capacity) -> int:  # fmt: skip
+             capacity, pending) -> int:  # fmt: skip
     # Runs on an XLA thread, with the GIL (ctypes takes it). Every exception becomes the
     # message of the ffi::Error the custom call fails with: none may escape into C.
     try:
@@ -112,17 +148,22 @@ def _handler(handle, count, scalars, leaves, grads, params, updates, stream, err
             raise RuntimeError("no jax_mlpo host update runner is registered")
         n = int(leaves)
         leaf = _array if stream is None else _device
-        _runner(
+        completion = Completion(pending) if pending else None
+        outcome = _runner(
             int(handle), int(count), np.ctypeslib.as_array(scalars, (4,)).copy(),
             [leaf(grads[k], writable=False) for k in range(n)],
             [leaf(params[k], writable=False) for k in range(n)],
-            [leaf(updates[k], writable=True) for k in range(n)], stream,
+            [leaf(updates[k], writable=True) for k in range(n)], stream, completion,
         )  # fmt: skip
-        return 0
+        if outcome == DEFERRED:
+            if completion is None:
+                raise RuntimeError("a jax_mlpo update on a GPU cannot be deferred")
+            return _PENDING
+        return _DONE
     except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
         message = f"{type(e).__name__}: {e}".encode(errors="replace")[: int(capacity) - 1]
         ctypes.memmove(error, message + b"\0", len(message) + 1)
-        return 1
+        return _FAILED
 
 
 _CALLBACK_REF = _CALLBACK(_handler)  # kept alive: C holds its address for the process's life
@@ -133,12 +174,14 @@ def set_host_update(runner: HostUpdate) -> None:
     """Sets the function every ``jax_mlpo_host_update`` call runs.
 
     Args:
-      runner: ``runner(handle, count, scalars, grads, params, updates, stream)``: ``scalars``
-        is ``float32[4]`` (lr, bc1, bc2, grad scale); the three lists hold XLA's buffers per
-        leaf, valid only until it returns (``updates[k]`` may share ``grads[k]``'s memory):
-        flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer` s on a GPU (``stream``
-        is XLA's ``cudaStream_t``; copy through it and synchronize before returning). It
-        raises to fail the call.
+      runner: ``runner(handle, count, scalars, grads, params, updates, stream, completion)``:
+        ``scalars`` is ``float32[4]`` (lr, bc1, bc2, grad scale); the three lists hold XLA's
+        buffers per leaf, valid until the call completes (``updates[k]`` may share
+        ``grads[k]``'s memory): flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer`
+        s on a GPU (``stream`` is XLA's ``cudaStream_t``; copy through it and synchronize before
+        returning). It raises to fail the call. On CPU ``completion`` is a :class:`Completion`:
+        returning :data:`DEFERRED` leaves the call pending until it is called; otherwise the
+        call completes when the runner returns.
     """
     global _runner
     _runner = runner
