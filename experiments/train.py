@@ -261,8 +261,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 ": it could not be held in memory even with nothing else there"
                 if plan.state_bytes >= total else "",
             )  # fmt: skip
-    # One device per process: jax_mlpo.distributed's data-parallel layout (it checkpoints);
-    # otherwise the config's mesh over every device of the job.
+    # One device per process: jax_mlpo.distributed's data-parallel layout; otherwise the
+    # config's mesh over every device of the job.
     data_parallel = nproc > 1 and jax.local_device_count() == 1
     device_mesh = None if data_parallel else build_mesh(cfg.mesh, jax.devices())
     if device_mesh is not None and jax.default_backend() != "cpu":
@@ -271,12 +271,6 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
             "jax_mlpo meshes several of them per process on CPU only for now: run one process "
             "per device (NPROCS=<devices> experiments/launch/single_node.sh), or make one "
             "visible (CUDA_VISIBLE_DEVICES)"
-        )
-    if device_mesh is not None and (cfg.checkpoint.every or resume):
-        raise ConfigError(
-            f"checkpoints of a run sharded over a mesh of {device_mesh.size} devices are not "
-            "supported yet: set checkpoint.every=0, or run one process per device "
-            "(--num-processes, experiments/launch/)"
         )
     mngr = open_checkpoints(cfg, name, resume)  # first: a refused run stops before any work
     model_cfg = resolve_model(cfg)

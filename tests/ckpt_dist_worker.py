@@ -172,7 +172,7 @@ def main() -> None:
         chunks = stream.StateReader._issue
 
         def recording_chunks(self, pieces):
-            arrays.extend(record["array"] for _, _, record, _, _, _ in pieces)
+            arrays.extend(record["array"] for _, record, _, _, _ in pieces)
             return chunks(self, pieces)
 
         restore_plan.read_sharding = recording

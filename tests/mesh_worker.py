@@ -153,8 +153,7 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
 
 
 def refusals(tier_root: str) -> None:
-    """Prints the errors for params on two meshes, a leaf on one device beside a mesh, and a
-    checkpoint of a mesh state."""
+    """Prints the errors for params on two meshes and a leaf on one device beside a mesh."""
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices())
     pair = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     config = jax_mlpo.OffloadConfig(host_cache="1MiB", tiers=[jax_mlpo.FileTier(tier_root)])
@@ -169,16 +168,6 @@ def refusals(tier_root: str) -> None:
             tx.init({"a": w, "b": other})
         except ValueError as e:
             out[name] = str(e)
-    params = {"a": w}
-    state = tx.init(params)
-    manager = jax_mlpo.checkpoint.manager(Path(tier_root).parent / "ckpt")
-    try:
-        jax_mlpo.checkpoint.save(manager, 1, params, state)
-    except NotImplementedError as e:
-        out["checkpoint"] = str(e)
-    finally:
-        manager.close()
-        jax_mlpo.close(state)
     print(json.dumps(out))
 
 

@@ -9,6 +9,7 @@ chunks straddle subgroups and leaves.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -33,7 +34,8 @@ from test_checkpoint import (
 import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import stream
-from jax_mlpo.layout import build_layout, gather_state
+from jax_mlpo.checkpoint.blocks import Region, full, volume
+from jax_mlpo.layout import build_layout, gather_state, scatter_state
 
 
 def test_a_state_8x_the_host_cache_restores_exactly(tmp_path, monkeypatch):
@@ -168,14 +170,16 @@ def test_arrays_of_any_size_round_trip_through_pieces(tmp_path, chunk):
     saved = build_layout(params, 3001)
     rng = np.random.default_rng(0)
     blobs = [rng.standard_normal(sg.state_elems).astype(np.float32) for sg in saved.subgroups]
-    writer = stream.StateWriter(tmp_path, "s", saved, [0] * len(params), chunk_elems=chunk)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    flat = [Region(j, full(shape), 0, math.prod(shape)) for j, shape in enumerate(shapes)]
+    writer = stream.StateWriter(tmp_path, "s", saved, flat, chunk_elems=chunk)
     shards = writer.write(zip(saved.subgroups, blobs, strict=True))
     assert sorted(shards) == sorted(
         [(q, leaf) for leaf in range(len(params)) for q in ("mu", "nu")] + [("master", 7)]
     )
     restoring = build_layout(params, 1777)
     records = {key: [record] for key, record in shards.items()}
-    reader = stream.StateReader(tmp_path, records, [0] * len(params), restoring.subgroups)
+    reader = stream.StateReader(tmp_path, records, shapes, flat, restoring.subgroups)
     got = [np.zeros(sg.state_elems, np.float32) for sg in restoring.subgroups]
     for sg, blob in zip(restoring.subgroups, got, strict=True):
         reader.fill(sg, blob)
@@ -190,3 +194,75 @@ def test_arrays_of_any_size_round_trip_through_pieces(tmp_path, chunk):
         for a, b in zip(state[q], again[q], strict=True):
             np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(state["master"][7], again["master"][7])
+
+
+# Two leaves cut three ways: blocks of a (2, 2) mesh (split on a later dimension, over both
+# axes, replicated over one), blocks of a (4,) mesh, flat ranges (one device per process).
+SHAPES = [(64, 96), (8, 24, 20)]
+CUTS = {
+    "mesh2x2": [[((0, 32), (0, 48)), ((0, 32), (48, 96)), ((32, 64), (0, 48)),
+                 ((32, 64), (48, 96))], [((0, 8), (0, 12), (0, 20)), ((0, 8), (12, 24), (0, 20))]],
+    "mesh4": [[((0, 64), (24 * k, 24 * k + 24)) for k in range(4)],
+              [((2 * k, 2 * k + 2), (0, 24), (0, 20)) for k in range(4)]],
+    "flat": [[(0, 2048), (2048, 6144)], [(0, 3840)]],
+}  # fmt: skip
+
+
+def _regions(cut: str) -> list[Region]:
+    regions = []
+    for leaf, (shape, parts) in enumerate(zip(SHAPES, CUTS[cut], strict=True)):
+        for part in parts:
+            if cut == "flat":
+                regions.append(Region(leaf, full(shape), part[0], part[1] - part[0]))
+            else:
+                regions.append(Region(leaf, part, 0, volume(part)))
+    return regions
+
+
+def _engine_params(regions: list[Region]) -> list[jax.ShapeDtypeStruct]:
+    dtypes = [np.float32, jax.numpy.bfloat16]  # the second leaf has a master copy
+    return [jax.ShapeDtypeStruct((r.size,), dtypes[r.leaf]) for r in regions]
+
+
+def _values(state: dict[str, np.ndarray], r: Region) -> np.ndarray:
+    block = state[r.leaf][tuple(slice(a, b) for a, b in r.box)].reshape(-1)
+    return block[r.start : r.start + r.size]
+
+
+@pytest.mark.parametrize(
+    "saved_cut,restored_cut",
+    [("mesh2x2", "mesh4"), ("mesh2x2", "flat"), ("flat", "mesh2x2"), ("mesh4", "mesh4")],
+)
+def test_shards_cut_into_other_blocks_restore_each_element(tmp_path, saved_cut, restored_cut):
+    """A state saved in one set of blocks (or flat ranges) comes back in another, element for
+    element, through pieces smaller than the blocks and subgroups that straddle them."""
+    rng = np.random.default_rng(3)
+    state = {q: [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+             for q in ("mu", "nu", "master")}  # fmt: skip
+    saved_regions = _regions(saved_cut)
+    saved = build_layout(_engine_params(saved_regions), 1500)
+    per_leaf = {q: [_values(state[q], r) for r in saved_regions] for q in state}
+    blobs = []
+    for sg in saved.subgroups:
+        blobs.append(np.zeros(sg.state_elems, np.float32))
+        scatter_state(sg, per_leaf, blobs[-1])
+    writer = stream.StateWriter(tmp_path, "s", saved, saved_regions, chunk_elems=1024)
+    shards = writer.write(zip(saved.subgroups, blobs, strict=True))
+    records: dict = {}
+    for (q, j), record in shards.items():
+        records.setdefault((q, saved_regions[j].leaf), []).append(record)
+    for (q, leaf), leaf_records in records.items():
+        assert checkpoint.blocks.covers(SHAPES[leaf], leaf_records), (q, leaf)
+    restored_regions = _regions(restored_cut)
+    restoring = build_layout(_engine_params(restored_regions), 1100)
+    reader = stream.StateReader(tmp_path, records, SHAPES, restored_regions, restoring.subgroups)
+    got = {q: [np.zeros(r.size, np.float32) for r in restored_regions] for q in state}
+    for sg in restoring.subgroups:
+        blob = np.full(sg.state_elems, np.nan, np.float32)
+        reader.fill(sg, blob)
+        gather_state(sg, blob, got)
+    reader.close()
+    for q in state:
+        for j, r in enumerate(restored_regions):
+            if q != "master" or r.leaf == 1:
+                np.testing.assert_array_equal(got[q][j], _values(state[q], r), err_msg=f"{q} {j}")

@@ -77,7 +77,41 @@ def test_what_a_mesh_state_refuses(tmp_path):
     out = _worker("refusals", str(tmp_path / "tier"))
     assert "place every param on the same mesh" in out["two_meshes"]
     assert "needs every leaf placed with a NamedSharding on one mesh" in out["one_device_leaf"]
-    assert "one device per process" in out["checkpoint"]
+
+
+CHECKPOINTS = Path(__file__).parent / "mesh_checkpoint_worker.py"
+
+
+def _checkpoint_worker(root: Path, devices: int, processes: int, *args: str) -> list[dict]:
+    """tests/mesh_checkpoint_worker.py on ``processes`` processes of ``devices`` each."""
+    from experiments.processes import free_port, run_local
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
+    argv = [sys.executable, str(CHECKPOINTS), *args, str(root)]
+    if processes > 1:
+        env |= {"CKPT_WORKER_PROCESSES": str(processes), "CKPT_WORKER_PORT": str(free_port())}
+        commands = [[*argv, str(k)] for k in range(processes)]
+    else:
+        commands = [argv]
+    logs = root / f"logs-{'-'.join(args)}-{processes}"
+    logs.mkdir()
+    done = run_local(commands, env, logs, 300)
+    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    return [json.loads(text.strip().splitlines()[-1]) for text in done.logs]
+
+
+@pytest.mark.parametrize("saved_on", [1, 2])
+def test_a_mesh_checkpoint_restores_on_other_meshes_and_process_counts(saved_on, tmp_path):
+    """Saved with bfloat16 params on a (2, 2) fsdp x tensor mesh of four devices (1 process,
+    or 2 of 2 devices), restored on the same mesh over 2 processes of 2 devices, on one device,
+    and on a (4,) mesh splitting other dimensions, into optimizers with other subgroups and host
+    caches: the next update's params equal the uninterrupted run's bit for bit."""
+    _checkpoint_worker(tmp_path, 4 // saved_on, saved_on, "save")
+    restores = {1: [(2, 2, "fsdp2x2"), (1, 1, "none")], 2: [(4, 1, "data4")]}[saved_on]
+    for devices, processes, mesh in restores:
+        for out in _checkpoint_worker(tmp_path, devices, processes, "restore", mesh):
+            assert out["step"] == 3 and out["processes"] == processes
+            assert not any(out["differing_elements"].values()), (mesh, out)
 
 
 class _Completions:
@@ -186,7 +220,7 @@ def _pretrain(devices: int, run_dir: Path, cache: Path, *sets: str) -> subproces
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
     argv = [sys.executable, str(ROOT / "experiments" / "pretrain.py"), "--config", TINY]
     for item in (f"run_dir={run_dir}", f"data.cache_dir={cache}", "report.plot=false", *sets):
-        argv += ["--set", item]
+        argv += [item] if item.startswith("--") else ["--set", item]
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 
@@ -212,11 +246,17 @@ def _assert_follows(losses: list[float], reference: list[float]) -> None:
 
 def test_tiny_job_on_a_2x2_mesh_follows_the_single_device_run(one_device_run, tmp_path):
     """The main job with its params on a (2, 2) fsdp x tensor mesh of four devices: the loss
-    curve of the same run on one device, up to the order of the sharded reductions."""
+    curve of the same run on one device, up to the order of the sharded reductions. It
+    checkpoints at step 20, and its last 10 steps are a resume of that on one device."""
     cache, reference = one_device_run
-    mesh = _pretrain(4, tmp_path / "mesh", cache, "steps=30", "mesh.shape=[2, 2]")
+    mesh = _pretrain(4, tmp_path / "mesh", cache, "steps=30", "mesh.shape=[2, 2]",
+                     "checkpoint.every=20", "checkpoint.final=false")  # fmt: skip
     assert mesh.returncode == 0, mesh.stderr[-3000:]
     assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices of 1 process(es)" in mesh.stderr
+    _assert_follows(_losses(tmp_path / "mesh"), reference)
+    resumed = _pretrain(1, tmp_path / "mesh", cache, "steps=30", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 20" in resumed.stderr and "mesh {" not in resumed.stderr
     _assert_follows(_losses(tmp_path / "mesh"), reference)
 
 
@@ -239,14 +279,10 @@ def test_tiny_job_on_two_processes_of_two_devices(one_device_run, tmp_path):
     _assert_follows(_losses(tmp_path / "run"), reference)
 
 
-def test_tiny_job_on_a_mesh_refuses_checkpoints_and_a_wrong_shape(tmp_path):
-    cache = tmp_path / "data-cache"
-    done = _pretrain(4, tmp_path / "a", cache, "checkpoint.every=5")
-    assert done.returncode != 0
-    assert "checkpoints of a run sharded over a mesh of 4 devices" in done.stderr
-    done = _pretrain(4, tmp_path / "b", cache, "mesh.shape=[3, 1]")
+def test_tiny_job_on_a_mesh_refuses_a_wrong_shape(tmp_path):
+    done = _pretrain(4, tmp_path / "b", tmp_path / "data-cache", "mesh.shape=[3, 1]")
     assert done.returncode != 0 and "holds 3 devices, the job has 4" in done.stderr
-    assert not (tmp_path / "a" / "metrics-offload.jsonl").exists()
+    assert not (tmp_path / "b" / "metrics-offload.jsonl").exists()
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,11 @@ checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
 *streamed* beside it (``jax_mlpo_state/``) in the *logical* layout:
 
 - ``mu`` and ``nu`` of every parameter leaf, and ``master`` (the fp32 master copy) of every
-  bfloat16 leaf, each a 1-D float32 zarr3 array of the leaf's flattened elements (each process
-  writes its shard: ``jax_mlpo_state/<state>/process_<k>/<quantity>.<leaf>``; readable with
-  ``ts.open``);
+  bfloat16 leaf, each shard a 1-D float32 zarr3 array of its elements (each process writes its
+  shards: ``jax_mlpo_state/<state>/process_<k>/<quantity>.<engine leaf>``; readable with
+  ``ts.open``), recorded as a block of the leaf (``box``) and a range of that block's
+  flattening: a range of the whole leaf with one device per process, a whole block with params
+  on a mesh;
 - the save reads the state from the host cache and the tiers subgroup by subgroup
   (:mod:`jax_mlpo.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a sha256 per
   piece; host memory beyond ``host_cache``: two read-ahead blobs and at most 8 pieces in flight,
@@ -18,8 +20,9 @@ checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
 
 Subgroups, tiers, host cache and process count are not part of a checkpoint, so it restores
 into an optimizer with another ``subgroup_size``, tier list or ``host_cache``, and onto any
-number of processes: the restore streams the arrays into the new engine subgroup by subgroup,
-each process reading only the pieces that overlap its shards.
+number of processes, and params on another mesh (or none): the restore streams the arrays
+into the new engine subgroup by subgroup, each process reading only the pieces that overlap
+its shards, whatever blocks they were saved in.
 
 **Asynchronous saves without a copy of the state.** With an async manager, :func:`save`
 returns once the params are copied to host memory and the retained subgroups are written to

@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
+from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
 
@@ -54,6 +56,52 @@ def contains(outer: Index, inner: Index) -> bool:
 def relative(outer: Index, inner: Index) -> tuple[slice, ...]:
     """The slices of ``inner`` in an array holding the block ``outer``."""
     return tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, inner, strict=True))
+
+
+def intersection(x: Index, y: Index) -> Index | None:
+    """The block both ``x`` and ``y`` hold, or None when they share no element."""
+    both = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(x, y, strict=True))
+    return both if all(a < b for a, b in both) else None
+
+
+def shifted(index: Index, by: Index) -> Index:
+    """``index`` moved by the starts of ``by`` (a block of a block, in the outer array)."""
+    return tuple((a + s, b + s) for (a, b), (s, _) in zip(index, by, strict=True))
+
+
+def flat_blocks(shape: tuple[int, ...], begin: int, end: int) -> list[tuple[int, Index]]:
+    """The elements ``[begin, end)`` of an array of ``shape``, in row-major order, as blocks.
+
+    Each block is contiguous in the flattening (rows of a partial first row, whole rows, a
+    partial last row, recursively): at most ``2 * len(shape) - 1`` of them.
+
+    Returns:
+      ``(offset, block)`` pairs, ``offset`` the block's first element in the flattening.
+    """
+    if begin >= end:
+        return []
+    if len(shape) <= 1:
+        return [(begin, ((begin, end),))] if shape else [(0, ())]
+    inner = math.prod(shape[1:])
+    first, last = begin // inner, (end - 1) // inner
+    rest = full(shape[1:])
+
+    def within(row: int, a: int, b: int) -> list[tuple[int, Index]]:
+        return [(row * inner + o, ((row, row + 1), *blk))
+                for o, blk in flat_blocks(shape[1:], a, b)]  # fmt: skip
+
+    if first == last:
+        return within(first, begin - first * inner, end - first * inner)
+    out = []
+    whole_from = first if begin % inner == 0 else first + 1
+    if whole_from > first:
+        out += within(first, begin - first * inner, inner)
+    whole_to = end // inner  # rows [whole_from, whole_to) are whole
+    if whole_to > whole_from:
+        out.append((whole_from * inner, ((whole_from, whole_to), *rest)))
+    if end % inner:
+        out += within(whole_to, 0, end - whole_to * inner)
+    return out
 
 
 def volume(index: Index) -> int:
@@ -106,14 +154,80 @@ def shard_starts(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
     return starts, skip
 
 
-def covers(size: int, shards: list[dict[str, Any]]) -> bool:
-    """Whether the saved shards' ``[start, start + size)`` ranges tile ``[0, size)`` exactly."""
-    at = 0
-    for shard in sorted(shards, key=lambda r: r["start"]):
-        if shard["start"] != at or shard["size"] < 0:
-            return False
-        at += shard["size"]
-    return at == size
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Where the elements of one engine leaf are in its parameter leaf.
+
+    An engine leaf is a contiguous range of a block of the leaf, in the block's row-major
+    order: the whole leaf (one device), a range of the flattened leaf (one device per process,
+    :mod:`jax_mlpo.distributed`), or a whole block split on any dimensions (params on a mesh,
+    :mod:`jax_mlpo.mesh_update`). Streamed checkpoint arrays record theirs the same way.
+
+    Attributes:
+      leaf: the parameter leaf's index.
+      box: the block.
+      start: the range's first element in the block's flattening.
+      size: its number of elements.
+    """
+
+    leaf: int
+    box: Index
+    start: int
+    size: int
+
+    def record(self) -> dict[str, Any]:
+        """Its fields as a streamed array's record holds them."""
+        return {"box": [list(r) for r in self.box], "start": self.start, "size": self.size}
+
+
+def engine_regions(
+    state: OffloadedAdamWState, shapes: list[tuple[int, ...]]
+) -> tuple[list[Region], list[int]]:
+    """Each of an offloaded state's engine leaves as a :class:`Region` of the parameter leaves,
+    and the engine leaves this process does not write (a process of a lower index holds them
+    too: each shard is written once).
+
+    Args:
+      state: the offloaded state.
+      shapes: the parameter leaves' global shapes.
+    """
+    plan = mesh_plan_of(state)
+    if plan is None:
+        starts, skip = shard_starts(shapes)
+        sizes = [math.prod(s) for s in engine_of(state).layout.shapes]
+        return [Region(j, full(shapes[j]), starts[j], sizes[j]) for j in range(len(sizes))], skip
+    me, regions, skip = jax.process_index(), [], []
+    for j, shard in enumerate(plan.shards):
+        shape = plan.shapes[shard.leaf]
+        regions.append(Region(shard.leaf, shard.index, 0, volume(shard.index)))
+        held = NamedSharding(plan.mesh, plan.specs[shard.leaf]).devices_indices_map(shape)
+        if min(d.process_index for d, i in held.items() if index_of(i, shape) == shard.index) < me:
+            skip.append(j)
+    return regions, skip
+
+
+def saved_region(record: dict[str, Any], leaf: int, shape: tuple[int, ...]) -> Region:
+    """A streamed array's region (one without a ``box``, of format 3, is a flat range of the
+    whole leaf)."""
+    box = as_index(record["box"]) if "box" in record else full(shape)
+    return Region(leaf, box, int(record["start"]), int(record["size"]))
+
+
+def covers(shape: tuple[int, ...] | list[int], shards: list[dict[str, Any]]) -> bool:
+    """Whether a streamed array's saved shards cover a leaf of ``shape`` exactly once: flat
+    ranges of the whole leaf that tile it, or whole blocks that tile it."""
+    regions = [saved_region(r, 0, tuple(shape)) for r in shards]
+    whole = full(shape)
+    if all(r.box == whole for r in regions):
+        at = 0
+        for r in sorted(regions, key=lambda r: r.start):
+            if r.start != at or r.size < 0:
+                return False
+            at += r.size
+        return at == volume(whole)
+    if any(r.start != 0 or r.size != volume(r.box) for r in regions):
+        return False
+    return tiles(list(shape), [r.box for r in regions])
 
 
 @dataclasses.dataclass(frozen=True)

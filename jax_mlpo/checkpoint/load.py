@@ -48,7 +48,9 @@ def load(
             count = int(r["count"].whole())
             plan = streams[path_name(("tree", *path))]
             engine = engine_of(t)
-            reader = StateReader(directory, plan.records, plan.starts, engine.layout.subgroups)
+            reader = StateReader(
+                directory, plan.records, plan.shapes, plan.regions, engine.layout.subgroups
+            )
             try:
                 engine.load(count, reader.fill)
             finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from typing import Any
 
@@ -40,10 +39,11 @@ from jax_mlpo.checkpoint.tree import leaves
 
 CHECKSUMS_FILE = "jax_mlpo_checksums.json"
 PROCESS_CHECKSUMS_FILE = "jax_mlpo_checksums.process_{}.json"  # merged into CHECKSUMS_FILE
-# 3: offloaded states streamed as arrays of their own ("streamed", a sha256 per chunk); 2: a
-# leaf saved sharded has a sha256 per shard ("shards"); 1: one per leaf
-FORMAT = 3
-READABLE_FORMATS = (3,)
+# 4: each streamed array records its block of the leaf ("box": params on a mesh); 3: offloaded
+# states streamed as arrays of their own ("streamed", a sha256 per chunk); 2: a leaf saved
+# sharded has a sha256 per shard ("shards"); 1: one per leaf
+FORMAT = 4
+READABLE_FORMATS = (3, 4)
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -144,7 +144,7 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
                     f"{path}: the shards of leaf {name} do not cover it exactly once"
                 )
         for name, record in body["streamed"].items():
-            if not covers(math.prod(record["shape"]), record["shards"]):
+            if not covers(record["shape"], record["shards"]):
                 raise CorruptCheckpointError(
                     f"{path}: the shards of array {name} do not cover it exactly once"
                 )
@@ -300,8 +300,8 @@ def _merge(partials: list[dict[str, Any]], where: Any) -> dict[str, Any]:
             merged = streamed.setdefault(name, {**record, "shards": []})
             merged["shards"].extend(record["shards"])
     for name, record in streamed.items():
-        record["shards"].sort(key=lambda r: r["start"])
-        if not covers(math.prod(record["shape"]), record["shards"]):
+        record["shards"].sort(key=lambda r: (r.get("box", []), r["start"]))
+        if not covers(record["shape"], record["shards"]):
             raise CorruptCheckpointError(
                 f"{where}: the saved shards of array {name} do not cover it exactly once "
                 f"({[(r['start'], r['size']) for r in record['shards']][:8]})"

@@ -7,8 +7,8 @@ shards that overlap its own, whole (so that their sha256s can be checked), and w
 saved and 4 restoring each reads the saved half holding its quarter. A leaf it needs all of, or
 whose shards are not equal slices along the first dimension, is read whole. For every offloaded
 state it checks the streamed arrays against the engine (global shapes whose shards on this
-run's processes are the engine's leaves) and gives the reader the saved shards' records and
-where this process's shard of each leaf starts.
+run's processes, or on its mesh, are the engine's leaves) and gives the reader the saved
+shards' records and where each of the engine's leaves is in the parameter leaves.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
-from jax_mlpo.checkpoint.blocks import Index, full, index_of, shard_starts
+from jax_mlpo.checkpoint.blocks import Index, Region, engine_regions, full, index_of
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
 from jax_mlpo.checkpoint.stream import QUANTITIES
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name, refuse_mesh_states
-from jax_mlpo.transform import engine_of
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
+from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
 from jax_mlpo.types import F32
 
 
@@ -85,11 +85,13 @@ class StreamPlan(NamedTuple):
 
     Attributes:
       records: for each ``(quantity, leaf)``, the saved shards' records.
-      starts: where this process's shard of each leaf starts (flattened).
+      shapes: the parameter leaves' global shapes.
+      regions: where each of the restoring engine's leaves is in the parameter leaves.
     """
 
     records: dict[tuple[str, int], list[dict[str, Any]]]
-    starts: list[int]
+    shapes: list[tuple[int, ...]]
+    regions: list[Region]
 
 
 class RestorePlan(NamedTuple):
@@ -122,9 +124,7 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
 
     Raises:
       ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
-      NotImplementedError: a target state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
     """
-    refuse_mesh_states(target)
     wanted = {"format": FORMAT, "tree": _abstract(target)}
     saved = manifest["leaves"]
     arrays = _offloaded_arrays(target)
@@ -167,48 +167,66 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
     )
 
 
-def _offloaded_arrays(target: Any) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """The arrays the target's offloaded states want: name -> (state, (quantity, leaf), its
-    shape in this process's engine)."""
+def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, str, int]]:
+    """The arrays the target's offloaded states want: name -> (state, its name, quantity,
+    parameter leaf)."""
     arrays = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_offloaded)
     for path, x in flat:
         if not is_offloaded(x):
             continue
-        state, layout = path_name(("tree", *path)), engine_of(x).layout
-        for leaf, (shape, dtype) in enumerate(zip(layout.shapes, layout.dtypes, strict=True)):
+        state, layout, plan = path_name(("tree", *path)), engine_of(x).layout, mesh_plan_of(x)
+        # a mesh engine's leaves are shards: each parameter leaf's dtype is its first shard's
+        owners = [s.leaf for s in plan.shards] if plan is not None else range(len(layout.shapes))
+        dtypes = {}
+        for leaf, dtype in zip(owners, layout.dtypes, strict=True):
+            dtypes.setdefault(leaf, dtype)
+        for leaf, dtype in sorted(dtypes.items()):
             for quantity in QUANTITIES:
                 if quantity != "master" or dtype != F32:
-                    arrays[f"{state}/{quantity}/{leaf}"] = (state, (quantity, leaf), shape)
+                    arrays[f"{state}/{quantity}/{leaf}"] = (x, state, quantity, leaf)
     return arrays
 
 
 def _plan_streams(
-    arrays: dict[str, tuple[str, tuple[str, int], tuple[int, ...]]],
-    saved: dict[str, Any], directory: Any,
+    arrays: dict[str, tuple[OffloadedAdamWState, str, str, int]], saved: dict[str, Any],
+    directory: Any,
 ) -> dict[str, StreamPlan]:  # fmt: skip
     """Each offloaded state's :class:`StreamPlan`, the saved arrays checked against its engine.
 
     Raises:
-      ValueError: a saved array's shard on this run's processes is not the engine's leaf.
+      ValueError: a saved array's shard on this run's processes (or its mesh) is not the
+        engine's.
     """
     n = jax.process_count()
     shapes: dict[str, dict[int, tuple[int, ...]]] = {}
     streams: dict[str, StreamPlan] = {}
-    for name, (state, key, local) in arrays.items():
+    states: dict[str, OffloadedAdamWState] = {}
+    for name, (x, state, quantity, leaf) in arrays.items():
         record = saved[name]
         shape = tuple(int(d) for d in record["shape"])
-        if record["dtype"] != "float32" or distributed.local_shape(shape, n) != local:
+        plan = mesh_plan_of(x)
+        if plan is not None:
+            fits, want = plan.shapes[leaf] == shape, f"{list(plan.shapes[leaf])} (on its mesh)"
+        else:
+            local = engine_of(x).layout.shapes[leaf]
+            fits, want = distributed.local_shape(shape, n) == local, f"{list(local)}"
+            if not fits:
+                want += f", the shard on each of {n} processes of {list(shape)} is "
+                want += f"{list(distributed.local_shape(shape, n))}"
+        if record["dtype"] != "float32" or not fits:
             raise ValueError(
-                f"checkpoint {directory}: array {name} is {record['dtype']}{list(shape)}, whose "
-                f"shard on each of {n} processes is {list(distributed.local_shape(shape, n))}; "
-                f"the target optimizer's is float32{list(local)}"
+                f"checkpoint {directory}: array {name} is {record['dtype']}{list(shape)}; the "
+                f"target optimizer's is float32{want}"
             )
-        shapes.setdefault(state, {})[key[1]] = shape
-        streams.setdefault(state, StreamPlan({}, [])).records[key] = record["shards"]
+        shapes.setdefault(state, {})[leaf] = shape
+        states[state] = x
+        plan_of = streams.setdefault(state, StreamPlan({}, [], []))
+        plan_of.records[(quantity, leaf)] = record["shards"]
     for state, plan in streams.items():
         by_leaf = shapes[state]
-        plan.starts.extend(shard_starts([by_leaf[k] for k in range(len(by_leaf))])[0])
+        plan.shapes.extend(by_leaf[k] for k in range(len(by_leaf)))
+        plan.regions.extend(engine_regions(states[state], plan.shapes)[0])
     return streams
 
 

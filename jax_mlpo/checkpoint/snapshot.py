@@ -14,28 +14,18 @@ of every parameter leaf, each process writing its shards.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jax_mlpo import distributed
-from jax_mlpo.checkpoint.blocks import shard_starts
-from jax_mlpo.checkpoint.tree import (
-    is_key,
-    is_offloaded,
-    is_sharded,
-    path_name,
-    refuse_mesh_states,
-    unwrap,
-)
+from jax_mlpo.checkpoint.blocks import Region, engine_regions
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name, unwrap
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
 from jax_mlpo.snapshot import StateSnapshot
-from jax_mlpo.transform import engine_of
-
-if TYPE_CHECKING:
-    from jax_mlpo.engine import Engine
+from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
 
 
 def check_savable(tree: Any) -> None:
@@ -49,9 +39,7 @@ def check_savable(tree: Any) -> None:
     Raises:
       EngineFailedError: an update failed midway; the offloaded state is partly updated.
       StaleStateError: a state is not the one its engine was last advanced to.
-      NotImplementedError: a state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
     """
-    refuse_mesh_states(tree)
     states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]
     # Checked before the barrier too: the barrier re-raises a failed update less clearly.
     for _ in range(2):
@@ -78,16 +66,17 @@ class OffloadedStream:
     Attributes:
       name: the state's leaf name in the host tree (``"tree/2"``).
       snapshot: its engine's snapshot at the state's step; the writer closes it.
+      layout: its engine's layout.
       shapes: each parameter leaf's global shape.
-      starts: each leaf's first element, in the flattened global leaf, held by this process.
-      skip: leaves this process does not write (replicated over processes: process 0 does).
+      regions: where each engine leaf is in the parameter leaves.
+      skip: engine leaves this process does not write (another process writes them).
     """
 
     name: str
     snapshot: StateSnapshot
     layout: Layout
     shapes: list[tuple[int, ...]]
-    starts: list[int]
+    regions: list[Region]
     skip: list[int]
 
     @property
@@ -125,11 +114,11 @@ def snapshot(
     def convert(path: tuple[Any, ...], x: Any) -> Any:
         if is_offloaded(x):
             engine = engine_of(x)
-            shapes = _global_shapes(engine, params)
-            starts, skip = shard_starts(shapes)
+            shapes = _global_shapes(x, params)
+            regions, skip = engine_regions(x, shapes)
             name = path_name(("tree", *path))
             state = engine.snapshot(concurrent=concurrent)
-            streams.append(OffloadedStream(name, state, engine.layout, shapes, starts, skip))
+            streams.append(OffloadedStream(name, state, engine.layout, shapes, regions, skip))
             return {"count": np.array(unwrap(x.count), np.int32)}
         if is_key(x):
             x = jax.random.key_data(x)
@@ -149,8 +138,12 @@ def snapshot(
         raise
 
 
-def _global_shapes(engine: Engine, params: Any) -> list[tuple[int, ...]]:
-    """The global shape of each leaf (a multi-process engine holds local shards only)."""
+def _global_shapes(state: OffloadedAdamWState, params: Any) -> list[tuple[int, ...]]:
+    """The global shape of each leaf (a multi-process engine holds local shards only, and a
+    mesh's engine the distinct shards of its devices)."""
+    plan, engine = mesh_plan_of(state), engine_of(state)
+    if plan is not None:
+        return list(plan.shapes)
     if not distributed.is_multiprocess():
         return list(engine.layout.shapes)
     if params is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -29,6 +30,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_mlpo.checkpoint.blocks import (
+    Index,
+    Region,
+    flat_blocks,
+    intersection,
+    relative,
+    saved_region,
+    shifted,
+)
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
@@ -78,17 +88,17 @@ class StateWriter:
       directory: the checkpoint item's directory.
       prefix: where this state's arrays go, relative to ``directory``.
       layout: the engine's layout (this process's shards of the leaves).
-      starts: each leaf's shard's first element in the flattened global leaf.
-      skip: leaves this process does not write (replicated ones, written by process 0).
+      regions: where each engine leaf is in the parameter leaves.
+      skip: engine leaves this process does not write (another process writes them).
       chunk_elems: the chunk length.
     """
 
     def __init__(
-        self, directory: str | os.PathLike, prefix: str, layout: Layout, starts: list[int],
+        self, directory: str | os.PathLike, prefix: str, layout: Layout, regions: list[Region],
         skip: Iterable[int] = (), chunk_elems: int = CHUNK_ELEMS,
     ) -> None:  # fmt: skip
         self._directory, self._prefix = os.fspath(directory), prefix
-        self._layout, self._starts, self._skip = layout, starts, set(skip)
+        self._layout, self._regions, self._skip = layout, regions, set(skip)
         self._chunk = chunk_elems
         self._open: dict[tuple[str, int], _OpenArray] = {}
         self._done: dict[tuple[str, int], dict[str, Any]] = {}
@@ -110,8 +120,8 @@ class StateWriter:
           blobs: every subgroup and its blob, in subgroup order (a snapshot's ``blobs()``).
 
         Returns:
-          ``{(quantity, leaf): shard record}`` (``start``, ``size``, ``array``, ``chunk``,
-          ``sha256`` per chunk) for every array written.
+          ``{(quantity, engine leaf): shard record}`` (its region's ``box``, ``start`` and
+          ``size``, ``array``, ``chunk``, ``sha256`` per chunk) for every array written.
 
         Raises:
           ValueError: tensorstore failed to write (the message says why: a full disk...).
@@ -186,7 +196,7 @@ class StateWriter:
         if array.complete:
             del self._open[(name, leaf)]
             self._done[(name, leaf)] = {
-                "start": self._starts[leaf], "size": array.size, "chunk": array.chunk,
+                **self._regions[leaf].record(), "chunk": array.chunk,
                 "array": self.array_path(name, leaf), "sha256": array.digests,
             }  # fmt: skip
 
@@ -200,40 +210,80 @@ class StateWriter:
             array.file.finish()
 
 
+def _extent(index: Index) -> tuple[int, ...]:
+    return tuple(b - a for a, b in index)
+
+
+def _global_flat(shape: tuple[int, ...], index: Index, *, first: bool) -> int:
+    """The row-major position in the leaf of ``index``'s first (or last) element."""
+    corner = [a if first else b - 1 for a, b in index]
+    return int(np.ravel_multi_index(corner, shape)) if shape else 0
+
+
+def _flat_pieces(
+    name: str, record: dict[str, Any], saved: Region, start: int, size: int, at: int
+) -> list[Piece]:
+    """Copies from a saved shard of the same block: ranges of one flattening."""
+    stop = start + size
+    a, b = max(start, saved.start), min(stop, saved.start + saved.size)
+    chunk, pieces = record["chunk"], []
+    for k in range((a - saved.start) // chunk, (b - 1 - saved.start) // chunk + 1) if a < b else ():
+        lo = max(a, saved.start + k * chunk)
+        hi = min(b, saved.start + (k + 1) * chunk)
+        whole = (slice(None),)
+        pieces.append((name, record, k, (at + lo - start, (hi - lo,), whole),
+                       (lo - saved.start - k * chunk, (hi - lo,), whole)))  # fmt: skip
+    return pieces
+
+
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
     digest = _sha256(buffer[:count])
     file.write(start, buffer, count)
     return digest
 
 
+# One copy from a saved chunk into a subgroup: (quantity, record, chunk k, into, from), where
+# into and from are (offset, block shape, selection): the elements ``selection`` of the block
+# of ``block shape`` that starts at ``offset`` in the quantity's part of the subgroup (into),
+# or in the chunk (from).
+Copy = tuple[int, tuple[int, ...], tuple[slice, ...]]
+Piece = tuple[str, dict[str, Any], int, Copy, Copy]
+
+
 class StateReader:
     """Fills an engine's subgroups from the saved shards of one offloaded state, verified.
 
     The chunks a subgroup needs are read concurrently, and those of the next subgroup while the
-    engine writes this one to its tier (host memory: about two subgroups' chunks).
+    engine writes this one to its tier (host memory: about two subgroups' chunks). Saved and
+    restoring shards may be cut differently (flat ranges, blocks of a mesh): each element is
+    found in whichever saved shard holds it.
 
     Args:
       directory: the checkpoint item's directory.
       records: for each ``(quantity, leaf)``, the saved shards' records (every process's), as
         the manifest has them.
-      starts: each leaf's shard's first element (in the flattened global leaf) in this run.
+      shapes: the parameter leaves' global shapes.
+      regions: where each leaf of the restoring engine is in the parameter leaves.
       subgroups: the restoring engine's subgroups, in the order they are filled.
     """
 
     def __init__(
         self, directory: str | os.PathLike, records: dict[tuple[str, int], list[dict[str, Any]]],
-        starts: list[int], subgroups: Sequence[Subgroup],
+        shapes: list[tuple[int, ...]], regions: list[Region], subgroups: Sequence[Subgroup],
     ) -> None:  # fmt: skip
         self._directory = os.fspath(directory)
-        self._records = {k: sorted(v, key=lambda r: r["start"]) for k, v in records.items()}
-        self._starts = starts
+        self._saved = {
+            (name, leaf): [(r, saved_region(r, leaf, shapes[leaf])) for r in v]
+            for (name, leaf), v in records.items()
+        }
+        self._shapes, self._regions = shapes, regions
         after = [*subgroups[1:], None]
         self._next = {sg.index: nxt for sg, nxt in zip(subgroups, after, strict=True)}
         self._files: dict[str, ShardReader] = {}  # each array's data file, checked and open
         # (array, piece) -> (its buffer, the read's future or the verified data)
         self._reads: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}
         self._spare: list[np.ndarray] = []  # buffers of pieces no longer needed, reused
-        self._planned: tuple[int, list] | None = None  # the next subgroup's pieces
+        self._planned: tuple[int, list[Piece]] | None = None  # the next subgroup's pieces
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-read")
 
     def fill(self, sg: Subgroup, blob: np.ndarray) -> None:
@@ -251,41 +301,66 @@ class StateReader:
         self._planned = (upcoming.index, later) if upcoming is not None else None
         self._issue(later)  # read while this subgroup is copied and written to its tier
         parts = _split(sg, blob)
-        for name, at, record, k, lo, hi in pieces:
+        for name, record, k, (at, shape, into), (src, src_shape, sel) in pieces:
             data = self._chunk(record, k)
-            base = record["start"] + k * record["chunk"]
-            parts[name][at : at + hi - lo] = data[lo - base : hi - base]
-        keep = {(record["array"], k) for _, _, record, k, _, _ in later}
+            source = data[src : src + math.prod(src_shape)].reshape(src_shape)[sel]
+            parts[name][at : at + math.prod(shape)].reshape(shape)[into] = source
+        keep = {(piece[1]["array"], piece[2]) for piece in later}
         for key in [key for key in self._reads if key not in keep]:
             buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
             if buffer.size == whole_pages(CHUNK_ELEMS):
                 self._spare.append(buffer)
 
-    def _pieces(self, sg: Subgroup) -> list[tuple[str, int, dict[str, Any], int, int, int]]:
-        """What ``sg`` needs, as ``(quantity, at, record, k, lo, hi)``: the elements
-        ``[lo, hi)`` of the flattened global leaf, from chunk ``k`` of ``record``'s array, go
-        to ``[at, at + hi - lo)`` of the subgroup's part of ``quantity``."""
-        pieces = []
+    def _pieces(self, sg: Subgroup) -> list[Piece]:
+        """The copies that fill ``sg``, from the chunks of the saved shards that overlap it."""
+        pieces: list[Piece] = []
         for seg in sg.segments:
-            start = self._starts[seg.leaf] + seg.leaf_start
-            stop = start + seg.size
+            region = self._regions[seg.leaf]
+            start = region.start + seg.leaf_start  # the segment in its region's block
             for name in QUANTITIES:
                 if name == "master" and not seg.master:
                     continue
-                for record in self._records[(name, seg.leaf)]:
-                    a = max(start, record["start"])
-                    b = min(stop, record["start"] + record["size"])
-                    chunk, base = record["chunk"], record["start"]
-                    for k in (
-                        range((a - base) // chunk, (b - 1 - base) // chunk + 1) if a < b else ()
-                    ):
-                        lo = max(a, base + k * chunk)
-                        hi = min(b, base + (k + 1) * chunk)
-                        pieces.append((name, seg.start + lo - start, record, k, lo, hi))
+                for record, saved in self._saved[(name, region.leaf)]:
+                    if saved.box == region.box:
+                        pieces += _flat_pieces(name, record, saved, start, seg.size, seg.start)
+                    else:
+                        pieces += self._block_pieces(name, record, saved, region, start,
+                                                     seg.size, seg.start)  # fmt: skip
         return pieces
 
-    def _issue(self, pieces: list[tuple[str, int, dict[str, Any], int, int, int]]) -> None:
-        for _, _, record, k, _, _ in pieces:
+    def _block_pieces(
+        self, name: str, record: dict[str, Any], saved: Region, region: Region, start: int,
+        size: int, at: int,
+    ) -> list[Piece]:  # fmt: skip
+        """Copies between shards cut into different blocks (a mesh's, another mesh's or flat
+        ranges of the leaf): both sides as blocks, intersected."""
+        shape = self._shapes[region.leaf]
+        wanted = [(o - start, shifted(b, region.box))
+                  for o, b in flat_blocks(_extent(region.box), start, start + size)]  # fmt: skip
+        lo = _global_flat(shape, wanted[0][1], first=True)
+        hi = _global_flat(shape, wanted[-1][1], first=False)
+        chunk, pieces = record["chunk"], []
+        for k in range(-(-saved.size // chunk)):
+            begin = saved.start + k * chunk
+            end = min(begin + chunk, saved.start + saved.size)
+            have = [(o - begin, shifted(b, saved.box))
+                    for o, b in flat_blocks(_extent(saved.box), begin, end)]  # fmt: skip
+            if (_global_flat(shape, have[-1][1], first=False) < lo
+                    or _global_flat(shape, have[0][1], first=True) > hi):  # fmt: skip
+                continue  # row-major order is kept within a block: no element in common
+            for into_at, into in wanted:
+                for from_at, source in have:
+                    both = intersection(into, source)
+                    if both is not None:
+                        pieces.append((
+                            name, record, k,
+                            (at + into_at, _extent(into), relative(into, both)),
+                            (from_at, _extent(source), relative(source, both)),
+                        ))  # fmt: skip
+        return pieces
+
+    def _issue(self, pieces: list[Piece]) -> None:
+        for _, record, k, _, _ in pieces:
             key = (record["array"], k)
             if key not in self._reads:
                 self._check(record)
@@ -360,18 +435,20 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
         for k, stream in enumerate(streams):
             prefix = f"{STATE_DIR}/{k}/process_{jax.process_index()}"
             writer = StateWriter(
-                directory, prefix, stream.layout, stream.starts, stream.skip, CHUNK_ELEMS
+                directory, prefix, stream.layout, stream.regions, stream.skip, CHUNK_ELEMS
             )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
             for leaf, shape in enumerate(stream.shapes):
+                mine = [j for j, r in enumerate(stream.regions) if r.leaf == leaf]
+                if not mine:
+                    continue  # this process holds none of it
                 for name in QUANTITIES:
-                    if name == "master" and stream.layout.dtypes[leaf] == F32:
+                    if name == "master" and stream.layout.dtypes[mine[0]] == F32:
                         continue
-                    shard = shards.get((name, leaf))
                     records[f"{stream.name}/{name}/{leaf}"] = {
                         "dtype": "float32", "shape": [int(d) for d in shape],
-                        "shards": [shard] if shard is not None else [],
+                        "shards": [shards[(name, j)] for j in mine if (name, j) in shards],
                     }  # fmt: skip
     finally:
         for stream in streams:

@@ -14,31 +14,12 @@ from typing import Any
 
 import jax
 
-from jax_mlpo.transform import OffloadedAdamWState, mesh_plan_of
+from jax_mlpo.transform import OffloadedAdamWState
 
 
 def is_offloaded(x: Any) -> bool:
     """Whether ``x`` is an offloaded AdamW state (a leaf of the checkpoint's tree maps)."""
     return isinstance(x, OffloadedAdamWState)
-
-
-def refuse_mesh_states(tree: Any) -> None:
-    """Raises for an offloaded state over params on a mesh (:mod:`jax_mlpo.mesh_update`).
-
-    Its engine's leaves are the distinct shards, which may be split on any dimension, while
-    the streamed arrays record flat ranges of whole leaves: saving and restoring such states
-    is not built yet.
-
-    Raises:
-      NotImplementedError: naming what works instead.
-    """
-    states = [s for s in jax.tree.leaves(tree, is_leaf=is_offloaded) if is_offloaded(s)]
-    if any(mesh_plan_of(s) is not None for s in states):
-        raise NotImplementedError(
-            "jax_mlpo cannot checkpoint an optimizer state over params sharded on a mesh yet: "
-            "checkpoints work with the params on one device per process (one process, or "
-            "jax.distributed with one process per device and jax_mlpo.distributed.shard_params)"
-        )
 
 
 def unwrap(x: Any) -> Any:
