@@ -33,11 +33,20 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import jax
+# XLA's CPU thread pools hold max(cores, devices) threads, what one collective over every
+# device needs; a device may run two independent collectives at once, each holding a thread,
+# and starve another device (seen with 4 devices on 2 cores: 3 of them in a collective-permute
+# for XLA's 40 s). Several CPU devices per process get 4 threads each (read when jax first
+# creates its CPU client, so set here, before any array).
+_CPU_DEVICES = int(os.environ.get("JAX_NUM_CPU_DEVICES", "1") or 1)
+if _CPU_DEVICES > 1:
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 4 * _CPU_DEVICES)))
 
-from experiments.dry_run import dry_run, format_dry_run
-from experiments.run_config import ConfigError, load_config, to_yaml
-from experiments.train import init_distributed, train
+import jax  # noqa: E402
+
+from experiments.dry_run import dry_run, format_dry_run  # noqa: E402
+from experiments.run_config import ConfigError, load_config, to_yaml  # noqa: E402
+from experiments.train import init_distributed, train  # noqa: E402
 
 logger = logging.getLogger("pretrain")
 

@@ -21,12 +21,17 @@ elements on every mesh, so the update alone decides the params.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("PJRT_NPROC", str(4 * int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))))
+# A worker that hangs prints every thread's stack before the test's 300 s timeout kills it.
+faulthandler.dump_traceback_later(240, exit=True)
+sys.stdout.reconfigure(line_buffering=True)  # its result line shows even if it hangs after
 
 import jax  # noqa: E402
 

@@ -25,6 +25,7 @@ the updates have the params' shardings. A failed check exits non-zero with the a
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import struct
@@ -32,7 +33,13 @@ import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# A worker that hangs prints every thread's stack before the test's 300 s timeout kills it.
+faulthandler.dump_traceback_later(240, exit=True)
+sys.stdout.reconfigure(line_buffering=True)  # its result line shows even if it hangs after
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")  # 2 in each of 2 processes
+# 4 threads per device in XLA's pools (its default, max(cores, devices), lets a device running
+# two independent collectives starve another: experiments/pretrain.py says more)
+os.environ.setdefault("PJRT_NPROC", str(4 * int(os.environ["JAX_NUM_CPU_DEVICES"])))
 
 import jax  # noqa: E402
 

@@ -33,7 +33,7 @@ CASES = [
 def _worker(*args: str) -> dict:
     done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                           timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -62,7 +62,7 @@ def test_parity_on_two_processes_of_two_devices(dtype, clip, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     done = run_local([[*argv, "0"], [*argv, "1"]], env, logs, 300)
-    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    assert done.ok, "\n".join(text[-8000:] for text in done.logs)
     outs = [json.loads(text.strip().splitlines()[-1]) for text in done.logs]
     for out in outs:
         assert out["processes"] == 2 and out["devices"] == 4
@@ -96,7 +96,7 @@ def _checkpoint_worker(root: Path, devices: int, processes: int, *args: str) -> 
     logs = root / f"logs-{'-'.join(args)}-{processes}"
     logs.mkdir()
     done = run_local(commands, env, logs, 300)
-    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    assert done.ok, "\n".join(text[-8000:] for text in done.logs)
     return [json.loads(text.strip().splitlines()[-1]) for text in done.logs]
 
 
@@ -234,7 +234,7 @@ def one_device_run(tmp_path_factory) -> tuple[Path, list[float]]:
     """The tiny job's first 30 steps on one device (batch 8), and its data cache."""
     root = tmp_path_factory.mktemp("one-device")
     done = _pretrain(1, root / "run", root / "data-cache", "steps=30")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     return root / "data-cache", _losses(root / "run")
 
 
@@ -274,7 +274,7 @@ def test_tiny_job_on_two_processes_of_two_devices(one_device_run, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     done = run_local([[*argv, "--process-id", str(k)] for k in range(2)], env, logs, 600)
-    assert done.ok, "\n".join(text[-3000:] for text in done.logs)
+    assert done.ok, "\n".join(text[-8000:] for text in done.logs)
     assert "mesh {'fsdp': 2, 'tensor': 2} over 4 devices of 2 process(es)" in done.logs[0]
     _assert_follows(_losses(tmp_path / "run"), reference)
 

@@ -30,16 +30,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_mlpo.checkpoint.blocks import (
-    Index,
-    Region,
-    flat_blocks,
-    intersection,
-    relative,
-    saved_region,
-    shifted,
-)
+from jax_mlpo.checkpoint.blocks import Region, saved_region
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
+from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
     ShardReader,
@@ -210,44 +203,10 @@ class StateWriter:
             array.file.finish()
 
 
-def _extent(index: Index) -> tuple[int, ...]:
-    return tuple(b - a for a, b in index)
-
-
-def _global_flat(shape: tuple[int, ...], index: Index, *, first: bool) -> int:
-    """The row-major position in the leaf of ``index``'s first (or last) element."""
-    corner = [a if first else b - 1 for a, b in index]
-    return int(np.ravel_multi_index(corner, shape)) if shape else 0
-
-
-def _flat_pieces(
-    name: str, record: dict[str, Any], saved: Region, start: int, size: int, at: int
-) -> list[Piece]:
-    """Copies from a saved shard of the same block: ranges of one flattening."""
-    stop = start + size
-    a, b = max(start, saved.start), min(stop, saved.start + saved.size)
-    chunk, pieces = record["chunk"], []
-    for k in range((a - saved.start) // chunk, (b - 1 - saved.start) // chunk + 1) if a < b else ():
-        lo = max(a, saved.start + k * chunk)
-        hi = min(b, saved.start + (k + 1) * chunk)
-        whole = (slice(None),)
-        pieces.append((name, record, k, (at + lo - start, (hi - lo,), whole),
-                       (lo - saved.start - k * chunk, (hi - lo,), whole)))  # fmt: skip
-    return pieces
-
-
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
     digest = _sha256(buffer[:count])
     file.write(start, buffer, count)
     return digest
-
-
-# One copy from a saved chunk into a subgroup: (quantity, record, chunk k, into, from), where
-# into and from are (offset, block shape, selection): the elements ``selection`` of the block
-# of ``block shape`` that starts at ``offset`` in the quantity's part of the subgroup (into),
-# or in the chunk (from).
-Copy = tuple[int, tuple[int, ...], tuple[slice, ...]]
-Piece = tuple[str, dict[str, Any], int, Copy, Copy]
 
 
 class StateReader:
@@ -320,43 +279,10 @@ class StateReader:
             for name in QUANTITIES:
                 if name == "master" and not seg.master:
                     continue
+                shape = self._shapes[region.leaf]
                 for record, saved in self._saved[(name, region.leaf)]:
-                    if saved.box == region.box:
-                        pieces += _flat_pieces(name, record, saved, start, seg.size, seg.start)
-                    else:
-                        pieces += self._block_pieces(name, record, saved, region, start,
-                                                     seg.size, seg.start)  # fmt: skip
-        return pieces
-
-    def _block_pieces(
-        self, name: str, record: dict[str, Any], saved: Region, region: Region, start: int,
-        size: int, at: int,
-    ) -> list[Piece]:  # fmt: skip
-        """Copies between shards cut into different blocks (a mesh's, another mesh's or flat
-        ranges of the leaf): both sides as blocks, intersected."""
-        shape = self._shapes[region.leaf]
-        wanted = [(o - start, shifted(b, region.box))
-                  for o, b in flat_blocks(_extent(region.box), start, start + size)]  # fmt: skip
-        lo = _global_flat(shape, wanted[0][1], first=True)
-        hi = _global_flat(shape, wanted[-1][1], first=False)
-        chunk, pieces = record["chunk"], []
-        for k in range(-(-saved.size // chunk)):
-            begin = saved.start + k * chunk
-            end = min(begin + chunk, saved.start + saved.size)
-            have = [(o - begin, shifted(b, saved.box))
-                    for o, b in flat_blocks(_extent(saved.box), begin, end)]  # fmt: skip
-            if (_global_flat(shape, have[-1][1], first=False) < lo
-                    or _global_flat(shape, have[0][1], first=True) > hi):  # fmt: skip
-                continue  # row-major order is kept within a block: no element in common
-            for into_at, into in wanted:
-                for from_at, source in have:
-                    both = intersection(into, source)
-                    if both is not None:
-                        pieces.append((
-                            name, record, k,
-                            (at + into_at, _extent(into), relative(into, both)),
-                            (from_at, _extent(source), relative(source, both)),
-                        ))  # fmt: skip
+                    pieces += segment_pieces(name, record, saved, region, shape, start,
+                                             seg.size, seg.start)  # fmt: skip
         return pieces
 
     def _issue(self, pieces: list[Piece]) -> None:
