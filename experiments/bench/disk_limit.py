@@ -1,16 +1,17 @@
-"""The disk's limit, measured the way DeepSpeed's ``ds_nvme_tune`` does: a sweep with fio.
+"""The disk's limit, measured the way DeepSpeed's ``ds_nvme_tune`` does: a sweep.
 
 Request size (1-32 MiB) x requests in flight (4-64) x direction (random reads, random writes,
-and 50/50 reads and writes at once), O_DIRECT with libaio, on one file laid out once in the
-given directory (a tier's file system). The best mixed figure (reads + writes) is the limit an
+and 50/50 reads and writes at once), O_DIRECT, on one file laid out once in the given
+directory (a tier's file system). The best mixed figure (reads + writes) is the limit an
 update, which reads and writes at once, is compared with; the best read and write figures are
 given beside it. Every point is in the JSON, with the table printed.
 
     python -m experiments.bench.disk_limit --dir runs/disk-limit \
-        --json experiments/results/disk_limit.json
+        --json experiments/results/disk_limit.json [--engine fio|probe]
 
-Without fio it stops with how to install it (issue 20 also asks for a C++ probe of our own
-for machines without fio; not built yet).
+The engine: fio with libaio where it is installed, else our own probe
+(:mod:`jax_mlpo.native.disk_probe`: a thread per request in flight, blocking pread/pwrite, the
+file tiers' own submission path). ``--engine probe`` forces it (the JSON says which ran).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 
 from experiments.bench.harness import write_json
 from experiments.bench.sysio import filesystem
+from jax_mlpo.native import disk_probe
+from jax_mlpo.sizes import parse_size
 
 logger = logging.getLogger("bench.disk_limit")
 
@@ -48,19 +51,36 @@ def fio_point(path: str, size: str, mode: str, block: str, depth: int, runtime_s
             "write_gbps": write, "total_gbps": read + write}  # fmt: skip
 
 
-def sweep(directory: str, size: str, runtime_s: int, blocks: list[str], depths: list[int],
-          modes: list[str]) -> dict[str, Any]:  # fmt: skip
-    """Every point of ``blocks x depths x modes`` and the best of each mode."""
-    if shutil.which("fio") is None:
-        raise SystemExit("fio is not installed (apt-get install fio): the sweep needs it")
+def probe_point(path: str, size: str, mode: str, block: str, depth: int, runtime_s: float) -> dict:
+    """The same point with our own probe, on the file :func:`sweep` laid out."""
+    got = disk_probe.probe(path, parse_size(size, "--size"), parse_size(block + "iB", "--blocks"),
+                           depth, mode, runtime_s)  # fmt: skip
+    return {"mode": mode, "block": block, "depth": depth, "read_gbps": got.read_gbps,
+            "write_gbps": got.write_gbps, "total_gbps": got.total_gbps}  # fmt: skip
+
+
+def sweep(directory: str, size: str, runtime_s: float, blocks: list[str], depths: list[int],
+          modes: list[str], engine: str = "auto") -> dict[str, Any]:  # fmt: skip
+    """Every point of ``blocks x depths x modes`` and the best of each mode.
+
+    Args:
+      engine: ``"fio"``, ``"probe"``, or ``"auto"`` (fio where it is installed).
+    """
+    if engine == "auto":
+        engine = "fio" if shutil.which("fio") else "probe"
+    if engine == "fio" and shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (apt-get install fio), or use --engine probe")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "disk-limit.dat")
+    point = fio_point if engine == "fio" else probe_point
     points = []
     try:
+        if engine == "probe":
+            disk_probe.lay_out(path, parse_size(size, "--size"))
         for mode in modes:
             for block in blocks:
                 for depth in depths:
-                    p = fio_point(path, size, mode, block, depth, runtime_s)
+                    p = point(path, size, mode, block, depth, runtime_s)
                     logger.info("%-5s %4s x %2d: %.2f GB/s", mode, block, depth, p["total_gbps"])
                     points.append(p)
     finally:
@@ -68,8 +88,8 @@ def sweep(directory: str, size: str, runtime_s: int, blocks: list[str], depths: 
             os.remove(path)
     best = {m: max((p for p in points if p["mode"] == m), key=lambda p: p["total_gbps"])
             for m in modes}  # fmt: skip
-    return {"filesystem": filesystem(directory), "file_size": size, "runtime_s": runtime_s,
-            "points": points, "best": best,
+    return {"engine": engine, "filesystem": filesystem(directory), "file_size": size,
+            "runtime_s": runtime_s, "points": points, "best": best,
             "limit_gbps": best["mixed"]["total_gbps"] if "mixed" in best else None}  # fmt: skip
 
 
@@ -93,18 +113,19 @@ def table(result: dict[str, Any], modes: list[str], blocks: list[str], depths: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="runs/disk-limit", help="on the tier's file system")
-    parser.add_argument("--size", default="4GiB", help="the file fio reads and writes")
+    parser.add_argument("--size", default="4GiB", help="the file read and written")
     parser.add_argument("--runtime", type=int, default=5, help="seconds per point")
     parser.add_argument("--blocks", default=",".join(BLOCKS))
     parser.add_argument("--depths", default=",".join(str(d) for d in DEPTHS))
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--engine", choices=("auto", "fio", "probe"), default="auto")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     blocks, modes = args.blocks.split(","), args.modes.split(",")
     depths = [int(d) for d in args.depths.split(",")]
     t0 = time.perf_counter()
-    result = sweep(args.dir, args.size, args.runtime, blocks, depths, modes)
+    result = sweep(args.dir, args.size, args.runtime, blocks, depths, modes, args.engine)
     result["wall_s"] = time.perf_counter() - t0
     print(table(result, modes, blocks, depths))
     if result["limit_gbps"] is not None:
