@@ -78,6 +78,8 @@ Modules, one concept each:
 - :mod:`~jax_mlpo.checkpoint.snapshot`: what a save takes from the tree and the engines;
 - :mod:`~jax_mlpo.checkpoint.stream` and :mod:`~jax_mlpo.checkpoint.shard_file`: the offloaded
   state's arrays, written and read piece by piece;
+- :mod:`~jax_mlpo.checkpoint.pieces`: which saved pieces fill a restoring subgroup, across
+  shards cut into other blocks;
 - :mod:`~jax_mlpo.checkpoint.space`: the free space a save needs;
 - :mod:`~jax_mlpo.checkpoint.manifest`: the sha256 manifest, written and verified;
 - :mod:`~jax_mlpo.checkpoint.restore_plan`: what each process reads of every leaf;
