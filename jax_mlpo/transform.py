@@ -64,7 +64,7 @@ def _register_mesh(engine: Engine, plan: MeshPlan) -> list[int]:
     """One handle per device of ``plan`` (its slot), all naming ``engine``."""
 
     def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
-        engine.step_leaves(count, _hyper(engine, scalars), HostLeaves(grads, params, updates))
+        _step(engine, count, scalars, grads, params, updates, None)
 
     calls = DeviceCalls(plan, run)
     with _REGISTRY_LOCK:
@@ -217,15 +217,19 @@ def _run_update(handle, count, scalars, grads, params, updates, stream, completi
         calls, k = slot
         deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
         return DEFERRED if deferred else None
-    engine = _engine(handle)
-    hyper = _hyper(engine, scalars)
+    _step(_engine(handle), count, scalars, grads, params, updates, stream)
+    return None
+
+
+def _step(engine, count, scalars, grads, params, updates, stream) -> None:
+    """One update of ``engine`` on XLA's buffers: in place on CPU (``stream`` None), staged a
+    subgroup at a time through XLA's stream on a GPU."""
     if stream is None:
         leaves = HostLeaves(grads, params, updates)
     else:
         staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
         leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
-    engine.step_leaves(count, hyper, leaves)
-    return None
+    engine.step_leaves(count, _hyper(engine, scalars), leaves)
 
 
 set_host_update(_run_update)

@@ -21,17 +21,12 @@ elements on every mesh, so the update alone decides the params.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("PJRT_NPROC", str(4 * int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))))
-# A worker that hangs prints every thread's stack before the test's 300 s timeout kills it.
-faulthandler.dump_traceback_later(240, exit=True)
-sys.stdout.reconfigure(line_buffering=True)  # its result line shows even if it hangs after
 
 import jax  # noqa: E402
 
@@ -50,7 +45,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mesh_worker as mw  # noqa: E402  (its leaf shapes and specs)
+# its leaf shapes and specs; importing it also arms the hang watchdog, line-buffers stdout and
+# sizes XLA's CPU pools (before the first array)
+import mesh_worker as mw  # noqa: E402
 import test_transform as tt  # noqa: E402
 
 import jax_mlpo  # noqa: E402
@@ -64,13 +61,9 @@ def place(mesh_name: str, tree: dict) -> dict:
         return {k: jax.device_put(v, jax.devices()[0]) for k, v in tree.items()}
     shape, axes = mw.MESHES[mesh_name]
     mesh = jax.make_mesh(shape, axes, devices=jax.devices())
-    return {
-        k: jax.make_array_from_callback(
-            np.shape(v), NamedSharding(mesh, mw.SPECS[mesh_name][k]),
-            lambda i, v=v: np.asarray(v)[i],
-        )
-        for k, v in tree.items()
-    }  # fmt: skip
+    return jax_mlpo.distributed.place(
+        tree, {k: NamedSharding(mesh, mw.SPECS[mesh_name][k]) for k in tree}
+    )
 
 
 def grads_of(step: int) -> dict:

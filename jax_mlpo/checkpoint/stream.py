@@ -365,8 +365,11 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
             )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
+            held: dict[int, list[int]] = {}  # each leaf's engine leaves in this process
+            for j, region in enumerate(stream.regions):
+                held.setdefault(region.leaf, []).append(j)
             for leaf, shape in enumerate(stream.shapes):
-                mine = [j for j, r in enumerate(stream.regions) if r.leaf == leaf]
+                mine = held.get(leaf)
                 if not mine:
                     continue  # this process holds none of it
                 for name in QUANTITIES:
