@@ -310,9 +310,13 @@ def test_spec_is_json():
 
 
 def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, tmp_path):
-    """As for two file tiers (test_policies): the object tier becomes 10x slower than its
+    """As for two file tiers (test_policies): the object tier becomes 40x slower than its
     given bandwidth; after 3 steps off the model its subgroups migrate on their write-backs,
-    and the blobs they left are never read again (their new homes are)."""
+    and the blobs they left are never read again (their new homes are).
+
+    40x, not 10x: the disk tier's own first steps run up to ~5x its model (files created and
+    preallocated, a loaded CI machine), and at 10x the rescaled split then left 4 of 6
+    subgroups on the object tier (CI, stop 25)."""
     given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB")
     tiers = [
         jax_mlpo.FileTier(str(tmp_path / "disk"), sync=False, **given),
@@ -328,7 +332,7 @@ def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, t
     state = tx.init(params)
     engine = jax_mlpo.engine_of(state)
     assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
-    engine.tiers[1]._bucket.rate = 4e6
+    engine.tiers[1]._bucket.rate = 1e6
     update = jax.jit(tx.update)
     for _ in range(6):
         updates, state = update({"w": jnp.full(n * sub, 0.1)}, state, params)
