@@ -18,7 +18,7 @@ import numpy as np
 from jax_mlpo import native
 from jax_mlpo.layout import Subgroup
 from jax_mlpo.leaves import Leaves
-from jax_mlpo.types import BF16, F32, AdamWHyper
+from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
 
 __all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
 
@@ -38,8 +38,8 @@ def adamw_step_reference(
     """One AdamW step over a segment, in numpy (the reference the native kernel must match).
 
     Args:
-      m: float32 first moment, updated in place.
-      v: float32 second moment, updated in place.
+      m: float32 or bfloat16 first moment, updated in place.
+      v: float32 or bfloat16 second moment, updated in place.
       grad: float32 or bfloat16 gradient; bfloat16 is converted to float32 here (delayed
         conversion), never stored.
       param: float32 parameters. Read for weight decay; when ``update_param`` the new value
@@ -61,11 +61,14 @@ def adamw_step_reference(
     # jitted optax.adamw update): (1 - b) * x + b * t contracts to fma((1 - b), x, b * t),
     # division by the scalar bias correction becomes multiplication by its float32
     # reciprocal, and u + wd * p contracts to fma(wd, p, u).
-    m[...] = _fma(f32(1.0 - hyper.b1), g, f32(hyper.b1) * m)
-    v[...] = _fma(f32(1.0 - hyper.b2), g * g, f32(hyper.b2) * v)
+    # A bfloat16 moment is widened here and rounded (to nearest even) when stored; the update
+    # uses the float32 values, as optax does with mu_dtype (types.moment_decay: the decay).
+    m32 = _fma(f32(1.0 - hyper.b1), g, f32(moment_decay(hyper.b1, m.dtype)) * m.astype(F32))
+    v32 = _fma(f32(1.0 - hyper.b2), g * g, f32(hyper.b2) * v.astype(F32))
+    m[...], v[...] = m32, v32
     inv_bc1 = f32(1.0) / f32(hyper.bc1)
     inv_bc2 = f32(1.0) / f32(hyper.bc2)
-    u = (m * inv_bc1) / (np.sqrt(v * inv_bc2) + f32(hyper.eps))
+    u = (m32 * inv_bc1) / (np.sqrt(v32 * inv_bc2) + f32(hyper.eps))
     if hyper.weight_decay != 0.0:
         u = _fma(f32(hyper.weight_decay), param, u)
     u = u * f32(-hyper.lr)

@@ -5,8 +5,10 @@ space, which is cut into subgroups of ``subgroup_size`` elements; a leaf may spa
 subgroup is a list of segments, a segment being the part of one leaf that falls in the subgroup,
 so it has one dtype and one weight-decay flag.
 
-A subgroup's blob is ``[p | m | v]`` float32 when it holds any bfloat16 leaf (``p`` is the fp32
-master copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves).
+A subgroup's blob is ``[p | m | v]`` when it holds any bfloat16 leaf (``p`` is the fp32 master
+copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves). The blob is a
+float32 buffer; ``m`` and ``v`` are float32 or bfloat16 (``mu_dtype``, ``nu_dtype``), each
+padded to whole float32 words, so a bfloat16 moment halves its part of every read and write.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ import numpy as np
 from jax_mlpo.types import BF16, F32
 
 SUPPORTED_PARAM_DTYPES = (F32, BF16)
+SUPPORTED_MOMENT_DTYPES = (F32, BF16)
+
+
+def _words(n: int, dtype: np.dtype) -> int:
+    """float32 words that hold ``n`` elements of ``dtype``."""
+    return -(-n * dtype.itemsize // 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +59,28 @@ class Subgroup:
     size: int
     segments: tuple[Segment, ...]
     has_master: bool
+    moment_dtypes: tuple[np.dtype, np.dtype] = (F32, F32)  # m's and v's
 
     @property
     def state_elems(self) -> int:
-        """float32 elements of this subgroup's blob: 3 (p, m, v) or 2 (m, v) per element."""
-        return self.size * (3 if self.has_master else 2)
+        """float32 words of this subgroup's blob: p (if any), m and v."""
+        mu, nu = self.moment_dtypes
+        return (self.size if self.has_master else 0) + _words(self.size, mu) + _words(self.size, nu)
 
     @property
     def state_bytes(self) -> int:
         return 4 * self.state_elems
 
     def split(self, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """Views of this subgroup's blob: the fp32 master p (or None), m and v."""
+        """Views of this subgroup's blob: the fp32 master p (or None), m and v (their dtypes)."""
         n = self.size
-        if self.has_master:
-            return blob[:n], blob[n : 2 * n], blob[2 * n : 3 * n]
-        return None, blob[:n], blob[n : 2 * n]
+        mu, nu = self.moment_dtypes
+        at = n if self.has_master else 0
+        p = blob[:n] if self.has_master else None
+        m_end = at + _words(n, mu)
+        m = blob[at:m_end].view(mu)[:n]
+        v = blob[m_end : m_end + _words(n, nu)].view(nu)[:n]
+        return p, m, v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +92,7 @@ class Layout:
     dtypes: tuple[np.dtype, ...]
     subgroups: tuple[Subgroup, ...]
     subgroup_size: int
+    moment_dtypes: tuple[np.dtype, np.dtype] = (F32, F32)  # m's and v's
 
     @property
     def num_params(self) -> int:
@@ -162,9 +177,25 @@ def resolve_mask(mask: Any, params: Any) -> list[bool]:
     return out
 
 
+def check_moment_dtypes(moment_dtypes: Sequence[Any]) -> tuple[np.dtype, np.dtype]:
+    """``(mu_dtype, nu_dtype)`` as numpy dtypes.
+
+    Raises:
+      ValueError: for a dtype other than float32 and bfloat16.
+    """
+    moments = tuple(np.dtype(d) for d in moment_dtypes)
+    for name, dt in zip(("mu_dtype", "nu_dtype"), moments, strict=True):
+        if dt not in SUPPORTED_MOMENT_DTYPES:
+            raise ValueError(
+                f"{name}={dt}: jax_mlpo stores moments in float32 or bfloat16 (jnp.bfloat16)"
+            )
+    return moments[0], moments[1]
+
+
 def build_layout(
-    params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None
-) -> Layout:
+    params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None,
+    moment_dtypes: tuple[Any, Any] = (F32, F32),
+) -> Layout:  # fmt: skip
     """Cuts the params pytree into subgroups.
 
     Args:
@@ -172,13 +203,16 @@ def build_layout(
         so this works on tracers too).
       subgroup_size: elements per subgroup.
       decay_flags: per-leaf weight-decay flags (default: all True).
+      moment_dtypes: the dtypes m and v are stored in (float32 or bfloat16).
 
     Returns:
       The layout.
 
     Raises:
-      ValueError: for a parameter dtype other than float32 or bfloat16.
+      ValueError: for a parameter dtype other than float32 or bfloat16, or a moment dtype
+        other than those.
     """
+    moments = check_moment_dtypes(moment_dtypes)
     leaves, treedef = jax.tree.flatten(params)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(np.dtype(x.dtype) for x in leaves)
@@ -200,7 +234,7 @@ def build_layout(
         nonlocal segments, filled
         if filled:
             has_master = any(s.master for s in segments)
-            subgroups.append(Subgroup(len(subgroups), filled, tuple(segments), has_master))
+            subgroups.append(Subgroup(len(subgroups), filled, tuple(segments), has_master, moments))
         segments, filled = [], 0
 
     for i, shape in enumerate(shapes):
@@ -214,11 +248,11 @@ def build_layout(
             if filled == subgroup_size:
                 close()
     close()
-    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size)
+    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments)
 
 
 def gather_state(sg: Subgroup, blob: np.ndarray, state: dict[str, list[np.ndarray | None]]) -> None:
-    """Copies a subgroup's blob into per-leaf ``{"mu", "nu", "master"}`` arrays (float32)."""
+    """Copies a subgroup's blob into per-leaf ``{"mu", "nu", "master"}`` arrays (converting)."""
     p, m, v = sg.split(blob)
     for seg in sg.segments:
         state["mu"][seg.leaf].reshape(-1)[seg.leaf_span] = m[seg.span]

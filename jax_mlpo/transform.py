@@ -27,7 +27,7 @@ from jax_mlpo import distributed
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
-from jax_mlpo.layout import build_layout, resolve_mask
+from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.mesh_update import DeviceCalls, MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
@@ -246,6 +246,8 @@ def adamw(
     offload: OffloadConfig,
     max_grad_norm: float | None = None,
     update_dtype: Any = None,
+    mu_dtype: Any = None,
+    nu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     r"""AdamW with its state (fp32 master params, m, v) offloaded to host memory and files.
 
@@ -297,6 +299,14 @@ def adamw(
         the chain to rounding.
       update_dtype: None (the params' dtype, the default) or ``jnp.float32``: the update's dtype
         for bfloat16 params (float32 params always get a float32 update).
+      mu_dtype: None (float32) or ``jnp.bfloat16``: the dtype the first moment is stored in on
+        the tiers, with optax's meaning: the moment is advanced and the update computed in
+        float32 (the decay rounded to bfloat16, as optax's weak-typed ``b1 * mu`` does), then
+        stored rounded to nearest even; so ``optax.adamw(mu_dtype=jnp.bfloat16)``'s m bit for
+        bit.
+      nu_dtype: None (float32) or ``jnp.bfloat16``: the same for the second moment (optax has
+        no such option); its decay stays float32. Both bfloat16 cut the state from 12 (bfloat16
+        params) or 8 (float32) bytes per param to 8 or 4.
 
     Returns:
       An optax ``GradientTransformation`` whose ``update`` requires ``params``.
@@ -304,8 +314,9 @@ def adamw(
     Raises:
       ConfigError: at construction, for a tier path that is missing or not writable; at init,
         for a host cache too small for the pipeline.
-      ValueError: at construction, for a ``max_grad_norm`` that is not positive or an
-        ``update_dtype`` other than None and float32.
+      ValueError: at construction, for a ``max_grad_norm`` that is not positive, an
+        ``update_dtype`` other than None and float32, or a ``mu_dtype``/``nu_dtype`` other than
+        None, float32 and bfloat16.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_mlpo
@@ -320,6 +331,8 @@ def adamw(
         raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
     offload.validate()
     b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+    moments = tuple(np.dtype(jnp.float32 if d is None else d) for d in (mu_dtype, nu_dtype))
+    check_moment_dtypes(moments)
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
@@ -345,7 +358,7 @@ def adamw(
             if jax.default_backend() != "cpu":
                 raise NotImplementedError(_NO_GPU_MESH)
             flags = plan.shard_flags(resolve_mask(mask, params))
-            layout = build_layout(plan.shard_structs(params), offload.subgroup_size, flags)
+            layout = build_layout(plan.shard_structs(params), offload.subgroup_size, flags, moments)
             config = offload
             if distributed.is_multiprocess():
                 config = distributed.process_config(offload, jax.process_index())
@@ -358,14 +371,14 @@ def adamw(
             # of its own shards, in per-process tier directories.
             mesh = distributed.data_parallel_mesh()
             local = distributed.local_params(params, jax.process_count())
-            layout = build_layout(local, offload.subgroup_size, resolve_mask(mask, params))
+            layout = build_layout(local, offload.subgroup_size, resolve_mask(mask, params), moments)
             config = distributed.process_config(offload, jax.process_index())
             engine = Engine(layout, config, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
             return OffloadedAdamWState(
                 count=distributed.replicated(np.int32(0), mesh),
                 handle=distributed.global_handle(_register(engine), mesh),
             )
-        layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params))
+        layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params), moments)
         engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
         return OffloadedAdamWState(
             count=jnp.zeros([], jnp.int32), handle=jnp.asarray(_register(engine), jnp.int32)

@@ -104,20 +104,21 @@ def offloaded_adamw(config, **kwargs):
     )
 
 
-def run_reference(dtype, clip_in_float32: bool = False):
+def run_reference(dtype, clip_in_float32: bool = False, mu_dtype=None):
     """optax.adamw on an fp32 master copy; bf16 params are the master rounded to bf16.
 
     ``clip_in_float32``: the gradients are cast to float32 before clipping (the same for fp32).
 
     Returns:
-      The params, and the magnitude of the last step's fp32 update per element.
+      The params, the magnitude of the last step's fp32 update per element, and optax's first
+      moment (in ``mu_dtype``).
     """
     master = jax.tree.map(lambda x: x.astype(jnp.float32), make_params(dtype))
-    clip, adam = (
+    clipping, adam = (
         optax.clip_by_global_norm(1.0),
-        optax.adamw(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors),
+        optax.adamw(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors, mu_dtype=mu_dtype),
     )
-    clip_state, adam_state = clip.init(master), adam.init(master)
+    clip_state, adam_state = clipping.init(master), adam.init(master)
 
     @jax.jit
     def step(master, clip_state, adam_state, i):
@@ -125,7 +126,7 @@ def run_reference(dtype, clip_in_float32: bool = False):
         grads = jax.grad(loss_fn)(params, i)  # in the params' dtype, as the model gives them
         if clip_in_float32:
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grads, clip_state = clip.update(grads, clip_state)
+        grads, clip_state = clipping.update(grads, clip_state)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, adam_state = adam.update(grads, adam_state, master)
         return updates, clip_state, adam_state
@@ -137,20 +138,22 @@ def run_reference(dtype, clip_in_float32: bool = False):
     for i in range(STEPS):
         updates, clip_state, adam_state = step(master, clip_state, adam_state, i)
         master = apply(master, updates)
-    return jax.tree.map(lambda x: x.astype(dtype), master), jax.tree.map(jnp.abs, updates)
+    params = jax.tree.map(lambda x: x.astype(dtype), master)
+    return params, jax.tree.map(jnp.abs, updates), adam_state[0].mu
 
 
 _REFERENCE_CACHE: dict = {}
 
 
-def reference(dtype, clip_in_float32: bool = False):
-    key = (jnp.dtype(dtype).name, clip_in_float32)
+def reference(dtype, clip_in_float32: bool = False, mu_dtype=None):
+    key = (jnp.dtype(dtype).name, clip_in_float32, None if mu_dtype is None else str(mu_dtype))
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = jax.device_get(run_reference(dtype, clip_in_float32))
+        _REFERENCE_CACHE[key] = jax.device_get(run_reference(dtype, clip_in_float32, mu_dtype))
     return _REFERENCE_CACHE[key]
 
 
-def run_offloaded(tx, dtype, mode):
+def run_offloaded(tx, dtype, mode, before_close=None):
+    """Trains STEPS steps; ``before_close(opt_state)`` sees the state before it is closed."""
     params = make_params(dtype)
     if mode == "nnx":
         model = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
@@ -166,6 +169,8 @@ def run_offloaded(tx, dtype, mode):
 
         for i in range(STEPS):
             nnx_step(model, optimizer, i)
+        if before_close is not None:
+            before_close(optimizer.opt_state)
         jax_mlpo.close(optimizer.opt_state)
         return {k: model[k][...] for k in SHAPES}
 
@@ -180,6 +185,8 @@ def run_offloaded(tx, dtype, mode):
         step = jax.jit(step)
     for i in range(STEPS):
         params, state = step(params, state, i)
+    if before_close is not None:
+        before_close(state)
     jax_mlpo.close(state)
     return params
 
@@ -189,13 +196,15 @@ def bf16_ulp(x):
     return np.exp2(np.floor(np.log2(np.maximum(np.abs(x), 1e-30))) - 7)
 
 
-def assert_matches_reference(params, dtype, clip_in_float32: bool = False, update_bf16=None):
+def assert_matches_reference(
+    params, dtype, clip_in_float32: bool = False, update_bf16=None, mu_dtype=None
+):
     """Parity with optax; ``update_bf16``: the update was returned in bfloat16 (the default for
     bfloat16 params), which is rounded once, so ``apply_updates`` may land up to one bfloat16
     ulp of the last step's size away from bf16(master) where Sterbenz does not make it exact
     (a value crossing zero, or changing by more than 2x)."""
     update_bf16 = dtype == jnp.bfloat16 if update_bf16 is None else update_bf16
-    ref, last_step = reference(dtype, clip_in_float32)
+    ref, last_step, _ = reference(dtype, clip_in_float32, mu_dtype)
     for k in SHAPES:
         got, want = np.asarray(params[k]), np.asarray(ref[k])
         assert got.dtype == want.dtype, k
@@ -307,10 +316,24 @@ def test_max_grad_norm_must_be_positive(bad, tmp_path):
         jax_mlpo.adamw(1e-3, offload=config, max_grad_norm=bad)
 
 
-@pytest.mark.parametrize("dtype,per_param", [(jnp.float32, 8), (jnp.bfloat16, 12)])
-def test_state_is_off_the_accelerator(dtype, per_param, tmp_path):
+@pytest.mark.parametrize(
+    "dtype,moments,per_param",
+    [
+        (jnp.float32, (None, None), 8),
+        (jnp.bfloat16, (None, None), 12),
+        (jnp.float32, (jnp.bfloat16, None), 6),
+        (jnp.float32, (jnp.bfloat16, jnp.bfloat16), 4),
+        (jnp.bfloat16, (jnp.bfloat16, jnp.bfloat16), 8),
+    ],
+    ids=["fp32", "bf16", "fp32-mu_bf16", "fp32-moments_bf16", "bf16-moments_bf16"],
+)
+def test_state_is_off_the_accelerator(dtype, moments, per_param, tmp_path):
+    """The tiers hold p (bf16 params' master), m and v at their widths: 4 + 4 + 4 bytes per
+    param at most, 2 for a bfloat16 moment."""
     config = offload_config(Case("x", 131_072, 2, "none"), dtype, tmp_path)
-    state = offloaded_adamw(config).init(make_params(dtype))
+    config = dataclasses.replace(config, host_cache=6 * per_param * 131_072)  # the pipeline's
+    tx = offloaded_adamw(config, mu_dtype=moments[0], nu_dtype=moments[1])
+    state = tx.init(make_params(dtype))
     assert sum(x.nbytes for x in jax.tree.leaves(state)) < 1024
     blobs = list(tmp_path.glob("tier*/state-*.blob"))
     # each blob file's trailer records the bytes of state it holds (then padding, checksums)

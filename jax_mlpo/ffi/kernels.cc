@@ -233,7 +233,8 @@ void AdamW(const AdamWArgs& args, size_t n) {
                   : args.delta_base != nullptr ? kOutDelta
                                                : kOutUpdate;
   const AdamWRangeFn fn = Kernels().adamw[AdamWIndex(
-      args.grad_bf16, args.has_wd, args.update_param, args.param_bf16_out != nullptr, out)];
+      args.grad_bf16, args.has_wd, args.update_param, args.param_bf16_out != nullptr, out,
+      args.mu_bf16, args.nu_bf16)];
   ParallelFor(n, kMinParallelElems, kChunkAlignElems,
               [&](size_t b, size_t e) { fn(args, b, e); });
 }
@@ -319,9 +320,10 @@ int jax_mlpo_set_num_threads(int n) {
 // jax_mlpo.native exactly as the numpy reference computes them). update_out is float32, or
 // bfloat16 when update_bf16 (which needs delta_base); it may be the gradient's own buffer (same
 // address and width: the update then overwrites the gradient it is computed from), but no other
-// written array may overlap anything. Returns 0 or an error code.
-int jax_mlpo_adamw_step(float* m, float* v, const void* grad, int grad_bf16, float* param,
-                        int update_param, void* update_out, int update_bf16,
+// written array may overlap anything. moments_bf16: bit 0, m is bfloat16; bit 1, v is.
+// Returns 0 or an error code.
+int jax_mlpo_adamw_step(void* m, void* v, int moments_bf16, const void* grad, int grad_bf16,
+                        float* param, int update_param, void* update_out, int update_bf16,
                         const uint16_t* delta_base, uint16_t* param_bf16_out, int64_t n,
                         const float* scalars, int has_wd) {
   if (n < 0) return kErrSize;
@@ -331,9 +333,10 @@ int jax_mlpo_adamw_step(float* m, float* v, const void* grad, int grad_bf16, flo
   if (update_bf16 && !delta_base) return kErrBf16WithoutDelta;
   const size_t f = size_t(n) * 4, h = size_t(n) * 2;
   const bool in_place = update_out == grad && (grad_bf16 != 0) == (update_bf16 != 0);
+  const bool mu_bf16 = (moments_bf16 & 1) != 0, nu_bf16 = (moments_bf16 & 2) != 0;
   const Range ranges[] = {
-      {reinterpret_cast<const char*>(m), f, true},
-      {reinterpret_cast<const char*>(v), f, true},
+      {static_cast<const char*>(m), mu_bf16 ? h : f, true},
+      {static_cast<const char*>(v), nu_bf16 ? h : f, true},
       {static_cast<const char*>(grad), grad_bf16 ? h : f, false},
       {reinterpret_cast<const char*>(param), f, update_param != 0},
       {static_cast<const char*>(update_out), update_bf16 ? h : f, true},
@@ -370,6 +373,8 @@ int jax_mlpo_adamw_step(float* m, float* v, const void* grad, int grad_bf16, flo
   a.neg_lr = scalars[8];
   a.grad_scale = scalars[9];
   a.grad_bf16 = grad_bf16 != 0;
+  a.mu_bf16 = mu_bf16;
+  a.nu_bf16 = nu_bf16;
   a.has_wd = has_wd != 0;
   a.update_param = update_param != 0;
   jax_mlpo::AdamW(a, size_t(n));

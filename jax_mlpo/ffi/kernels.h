@@ -14,8 +14,8 @@ namespace jax_mlpo {
 // One AdamW step over n contiguous elements. Unused optional pointers are null. The scalars are
 // float32 values prepared exactly as the numpy reference does (jax_mlpo/kernels.py).
 struct AdamWArgs {
-  float* m;                        // in/out
-  float* v;                        // in/out
+  void* m;                         // in/out: float32, or bfloat16 (mu_bf16)
+  void* v;                         // in/out: float32, or bfloat16 (nu_bf16)
   const void* grad;                // float32 or bfloat16 (grad_bf16)
   float* param;                    // read; written when update_param
   float* update_out;               // optional
@@ -27,6 +27,8 @@ struct AdamWArgs {
   float eps, wd, neg_lr;
   float grad_scale;                // 1 when the reference skips the scaling (same bits)
   bool grad_bf16;
+  bool mu_bf16;                    // m is stored in bfloat16: read widened, written rounded
+  bool nu_bf16;                    // the same for v
   bool has_wd;                     // weight_decay != 0 (adding 0 * p is not a no-op for -0, inf)
   bool update_param;
 };
@@ -40,15 +42,16 @@ using AdamWRangeFn = void (*)(const AdamWArgs&, size_t begin, size_t end);
 // The loops of one instruction set. adamw is indexed by AdamWIndex().
 struct KernelTable {
   const char* isa;
-  AdamWRangeFn adamw[64];
+  AdamWRangeFn adamw[256];
   void (*bf16_to_f32)(const uint16_t* src, float* dst, size_t n);
   void (*f32_to_bf16)(const float* src, uint16_t* dst, size_t n);
   void (*triad)(float* a, const float* b, const float* c, float s, size_t n);
 };
 
-constexpr int AdamWIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out) {
+constexpr int AdamWIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
+                         bool mu_bf16, bool nu_bf16) {
   return int(grad_bf16) | int(has_wd) << 1 | int(update_param) << 2 | int(bf16_out) << 3 |
-         out << 4;
+         out << 4 | int(mu_bf16) << 6 | int(nu_bf16) << 7;
 }
 
 namespace isa_base { const KernelTable& Table(); }

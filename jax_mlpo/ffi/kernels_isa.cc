@@ -41,8 +41,11 @@ struct Scalars {
   float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale;
 };
 
-inline float LoadGrad(const float* g, size_t i) { return g[i]; }
-inline float LoadGrad(const uint16_t* g, size_t i) { return Bf16ToF32Elem(g[i]); }
+// Gradients and moments are float32 or bfloat16 (uint16_t bits); all arithmetic is float32.
+inline float Load(const float* x, size_t i) { return x[i]; }
+inline float Load(const uint16_t* x, size_t i) { return Bf16ToF32Elem(x[i]); }
+inline void Store(float* x, size_t i, float f) { x[i] = f; }
+inline void Store(uint16_t* x, size_t i, float f) { x[i] = F32ToBf16Elem(f); }
 
 // float32 a * x + y as the reference computes it: the product is exact in float64, the sum is
 // rounded to float64 and then to float32 (XLA:CPU uses a float32 fma here; the two differ only
@@ -53,19 +56,22 @@ inline float Fma64(float a, float x, float y) {
 
 // The loop proper. The pointers are __restrict function parameters: GCC ignores restrict on
 // locals here and would fall back to run-time alias checks (or scalar code).
-template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
-__attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, float* __restrict m,
-                                         float* __restrict v, const GradT* __restrict grad,
+// A bfloat16 moment is widened on load and rounded (to nearest even) on store; the update uses
+// the float32 values before that rounding, as optax's mu_dtype does.
+template <typename GradT, typename MuT, typename NuT, bool kWd, bool kUpdateParam, bool kBf16Out,
+          int kOut>
+__attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restrict m,
+                                         NuT* __restrict v, const GradT* __restrict grad,
                                          float* __restrict p, float* __restrict out,
                                          const uint16_t* __restrict base,
                                          uint16_t* __restrict pb, uint16_t* __restrict ub) {
   for (size_t i = 0; i < n; ++i) {
-    const float g = LoadGrad(grad, i) * s.scale;
+    const float g = Load(grad, i) * s.scale;
     // optax's update_moment(_per_elem_norm) as XLA:CPU compiles it (see jax_mlpo/kernels.py).
-    const float mi = Fma64(s.c1, g, s.b1 * m[i]);
-    const float vi = Fma64(s.c2, g * g, s.b2 * v[i]);
-    m[i] = mi;
-    v[i] = vi;
+    const float mi = Fma64(s.c1, g, s.b1 * Load(m, i));
+    const float vi = Fma64(s.c2, g * g, s.b2 * Load(v, i));
+    Store(m, i, mi);
+    Store(v, i, vi);
     float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
     if constexpr (kWd) u = Fma64(s.wd, p[i], u);
     u = u * s.neg_lr;
@@ -89,9 +95,12 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, float* __res
 // Elements per block when the update is written over the gradient it is computed from.
 constexpr size_t kAliasBlock = 1024;
 
-template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
+template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kMuBf16,
+          bool kNuBf16>
 void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
+  using MuT = std::conditional_t<kMuBf16, uint16_t, float>;
+  using NuT = std::conditional_t<kNuBf16, uint16_t, float>;
   // Division by the bias corrections is multiplication by their float32 reciprocals (IEEE
   // division, no approximation), as in XLA:CPU and the reference.
   const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
@@ -102,8 +111,8 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   // Optional pointers are offset only when this variant uses them (they are null otherwise).
   // (Streaming stores for u and bf16(p) through an L1 block were tried: ~10% slower here.)
   auto run = [&](size_t lo, size_t hi, const GradT* g) {
-    AdamWLoop<GradT, kWd, kUpdateParam, kBf16Out, kOut>(
-        hi - lo, s, a.m + lo, a.v + lo, g, a.param + lo,
+    AdamWLoop<GradT, MuT, NuT, kWd, kUpdateParam, kBf16Out, kOut>(
+        hi - lo, s, static_cast<MuT*>(a.m) + lo, static_cast<NuT*>(a.v) + lo, g, a.param + lo,
         kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
         kOut >= kOutDelta ? a.delta_base + lo : nullptr,
         kBf16Out ? a.param_bf16_out + lo : nullptr,
@@ -138,7 +147,8 @@ void TriadLoop(float* __restrict a, const float* __restrict b, const float* __re
 
 template <size_t I>
 constexpr AdamWRangeFn AdamWEntry() {
-  return &AdamWRange<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0, int(I >> 4)>;
+  return &AdamWRange<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0, int(I >> 4 & 3),
+                     (I & 64) != 0, (I & 128) != 0>;
 }
 
 template <size_t... I>
@@ -148,8 +158,9 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>) {
                      &F32ToBf16Loop, &TriadLoop};
 }
 
-constexpr KernelTable kTable = MakeTable(std::make_index_sequence<64>());
-static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16) == 63, "table layout");
+constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>());
+static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16, true, true) == 255,
+              "table layout");
 
 }  // namespace
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
-from jax_mlpo.types import BF16, F32, AdamWHyper
+from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
 
 __all__ = ["adamw_step", "adamw_update"]
 
@@ -48,8 +48,8 @@ _ADAMW_ERRORS = {
 declare(
     LIB,
     [
-        ("jax_mlpo_adamw_step", [P, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P, P,
-                                 I64, _SCALARS, ctypes.c_int], ctypes.c_int),
+        ("jax_mlpo_adamw_step", [P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P,
+                                 ctypes.c_int, P, P, I64, _SCALARS, ctypes.c_int], ctypes.c_int),
     ],
 )  # fmt: skip
 jax.ffi.register_ffi_target("jax_mlpo_adamw", jax.ffi.pycapsule(LIB.JaxMlpoAdamW), platform="cpu")
@@ -76,8 +76,8 @@ def adamw_step(
     overwrites the gradient it is computed from; no other written array may overlap another.
 
     Args:
-      m: float32 first moment, updated in place.
-      v: float32 second moment, updated in place.
+      m: float32 or bfloat16 first moment, updated in place.
+      v: float32 or bfloat16 second moment, updated in place.
       grad: float32 or bfloat16 gradient (bfloat16 is converted on the fly).
       param: float32 parameters; read for weight decay, updated in place when ``update_param``.
       update_out: float32 output for the update, or None; with ``delta_base`` it receives
@@ -92,9 +92,9 @@ def adamw_step(
       ValueError: on a wrong dtype, a non-contiguous or read-only output, a size mismatch,
         overlapping outputs, or ``delta_base`` without ``update_out``.
     """
-    m = checked_array("m", m, (F32,), None, writable=True)
+    m = checked_array("m", m, (F32, BF16), None, writable=True)
     n = m.size
-    v = checked_array("v", v, (F32,), n, writable=True)
+    v = checked_array("v", v, (F32, BF16), n, writable=True)
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
     ptr = {}
@@ -114,12 +114,15 @@ def adamw_step(
     # once to float32 (ctypes' double -> float conversion rounds to nearest even, like numpy).
     scale = hyper.grad_scale != 1.0
     scalars = _SCALARS(
-        float(1.0 - hyper.b1), float(hyper.b1), float(1.0 - hyper.b2), float(hyper.b2),
+        float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype), float(1.0 - hyper.b2),
+        float(hyper.b2),
         float(hyper.bc1), float(hyper.bc2), float(hyper.eps), float(hyper.weight_decay),
         float(-hyper.lr), float(hyper.grad_scale) if scale else 1.0,
     )  # fmt: skip
+    moments_bf16 = int(m.dtype == BF16) | int(v.dtype == BF16) << 1
     rc = LIB.jax_mlpo_adamw_step(
-        address(m), address(v), address(grad), int(grad.dtype == BF16), address(param),
+        address(m), address(v), moments_bf16, address(grad), int(grad.dtype == BF16),
+        address(param),
         int(update_param), ptr["update_out"], int(update_bf16), ptr["delta_base"],
         ptr["param_bf16_out"], n,
         scalars, int(hyper.weight_decay != 0.0),
