@@ -29,8 +29,8 @@ class MemoryPlan:
       param_dtype: the model's parameter dtype.
       processes: processes sharing the state.
       params_per_process: parameters whose state one process holds.
-      state_bytes_per_param: 12 (fp32 master, m, v for bf16 params) or 8 (m, v: fp32 params
-        are their own master copy).
+      state_bytes_per_param: the fp32 master (4, bf16 params only: fp32 params are their own
+        master copy) and m and v at their dtypes (4 or 2 each): 12 or 8 with float32 moments.
       subgroup_elems: parameters per subgroup (the last one may be smaller).
       num_subgroups: subgroups per process.
       host: the engine's host buffer plan.
@@ -73,7 +73,10 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
     model = resolve_model(cfg)
     off = cfg.offload
     n = param_count(model)
-    per_param = 12 if model.param_dtype == "bfloat16" else 8
+    moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)
+    per_param = (4 if model.param_dtype == "bfloat16" else 0) + sum(
+        2 if dtype == "bfloat16" else 4 for dtype in moments
+    )
     per_proc = math.ceil(n / processes)
     size = min(off.subgroup_size, per_proc)
     n_sg = math.ceil(per_proc / size)

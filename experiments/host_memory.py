@@ -92,7 +92,10 @@ def training_memory(
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:
-        device["optax.adamw m and v (params' dtype)"] = 2 * n * pbytes
+        if cfg.optimizer.mu_dtype == "bfloat16":
+            device["optax.adamw m (bfloat16) and v (params' dtype)"] = n * (2 + pbytes)
+        else:
+            device["optax.adamw m and v (params' dtype)"] = 2 * n * pbytes
         device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
         return TrainingMemory(device, host, on_cpu, 2 * n * pbytes)
     host["jax_mlpo host cache (engine)"] = engine.host.host_bytes

@@ -57,6 +57,10 @@ class OptimizerConfig:
     """Decoupled weight decay (times the learning rate, as optax); not on 1-D params."""
     clip_norm: float = 1.0
     """Global gradient norm clipping."""
+    mu_dtype: str = "float32"
+    """The first moment's dtype: float32, or bfloat16 (optax's mu_dtype): 2 bytes per param."""
+    nu_dtype: str = "float32"
+    """The second moment's dtype: float32, or bfloat16 (jax_mlpo only, not in optax)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +378,9 @@ def _check(cfg: RunConfig) -> None:
     for key in ("b1", "b2"):
         if not 0 <= getattr(cfg.optimizer, key) < 1:
             raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")
+    for key in ("mu_dtype", "nu_dtype"):
+        if getattr(cfg.optimizer, key) not in ("float32", "bfloat16"):
+            raise ConfigError(f"config key 'optimizer.{key}' must be 'float32' or 'bfloat16'")
     d = cfg.data
     if d.source not in ("default", "text", "tokens"):
         raise ConfigError(

@@ -141,9 +141,16 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
     def decay_mask(params):  # no weight decay on norms' scales (1-D leaves)
         return jax.tree.map(lambda x: x.ndim > 1, params)
 
-    kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
+                  mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
     if use_optax:
+        if o.nu_dtype != "float32":
+            raise ConfigError(
+                "optimizer.nu_dtype=bfloat16 is jax_mlpo's; optax.adamw keeps nu in the params' "
+                "dtype: drop --optimizer optax or set optimizer.nu_dtype=float32"
+            )
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(schedule, **kwargs))
+    kwargs["nu_dtype"] = None if o.nu_dtype == "float32" else o.nu_dtype
     for tier in cfg.offload.tiers:
         if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
             Path(tier.path).parent.mkdir(parents=True, exist_ok=True)

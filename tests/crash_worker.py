@@ -77,12 +77,15 @@ def offload_config(spec: dict[str, Any]) -> jax_mlpo.OffloadConfig:
     )
 
 
-def make_tx(config: jax_mlpo.OffloadConfig) -> optax.GradientTransformation:
+def make_tx(config: jax_mlpo.OffloadConfig, **adamw_kwargs: Any) -> optax.GradientTransformation:
+    """``adamw_kwargs``: more of jax_mlpo.adamw's arguments (mu_dtype, nu_dtype)."""
     mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.add_noise(1e-4, 0.55, key=0),  # state: a count and a PRNG key, both checkpointed
-        jax_mlpo.adamw(SCHEDULE, b2=0.95, weight_decay=0.1, mask=mask, offload=config),
+        jax_mlpo.adamw(
+            SCHEDULE, b2=0.95, weight_decay=0.1, mask=mask, offload=config, **adamw_kwargs
+        ),
     )
 
 

@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import pretrain, report, run_config, train
+import jax_mlpo
+from experiments import host_memory, pretrain, report, run_config, train
 from experiments.dry_run import dry_run, memory_plan
 from experiments.processes import free_port
 from models import get_preset, param_count
@@ -448,8 +450,28 @@ def test_dry_run_fp32_state_and_problems():
     assert "pipeline needs 6" in plan["problem"]
 
 
+def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
+    """optimizer.mu_dtype/nu_dtype: 2 bytes each in the plan and on the tiers; optax gets
+    mu_dtype and refuses nu_dtype (it has none); other dtypes are refused at load."""
+    sets = ["optimizer.mu_dtype=bfloat16", "optimizer.nu_dtype=bfloat16", "offload.host_cache=1MiB",
+            f"run_dir={tmp_path}"]  # fmt: skip
+    cfg = run_config.load_config(TINY, sets)
+    n = param_count(get_preset("tiny"))
+    assert dry_run(cfg, 1)["state_bytes_per_process"] == 4 * n  # fp32 params: m and v only
+    state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
+    assert jax_mlpo.engine_of(state).layout.state_bytes == 4 * 64_000
+    jax_mlpo.close(state)
+    with pytest.raises(run_config.ConfigError, match="nu_dtype=bfloat16 is jax_mlpo's"):
+        train.build_optimizer(cfg, use_optax=True)
+    with pytest.raises(run_config.ConfigError, match="'optimizer.mu_dtype' must be"):
+        run_config.load_config(TINY, ["optimizer.mu_dtype=float16"])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_every_config_loads_and_validates(path):
+def test_every_config_loads_and_validates(path, monkeypatch):
+    # Not XLA's count of the pass's temporaries (compiling a 2B model's step takes 15-25 s;
+    # test_dry_run_prints_the_training_plan_and_refusals compiles beyond-ram.yaml's).
+    monkeypatch.setattr(host_memory, "grad_step_temp_bytes", lambda cfg: 0)
     cfg = run_config.load_config(str(path))
     model = run_config.resolve_model(cfg)
     assert model.max_seq_len == cfg.seq_len

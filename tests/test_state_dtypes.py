@@ -4,6 +4,8 @@ moment bit for bit) across layouts, tiers and modes, and checkpoints restored ac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +160,59 @@ def test_moment_dtypes_other_than_float32_and_bfloat16_are_refused(tmp_path):
     config = tt.offload_config(tt.CASES[0], jnp.float32, tmp_path)
     with pytest.raises(ValueError, match="nu_dtype=float16: jax_mlpo stores moments in float32"):
         jax_mlpo.adamw(1e-3, offload=config, nu_dtype=jnp.float16)
+
+
+def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_path):
+    """A checkpoint of bfloat16 moments resumes bit for bit; restored into float32 moments
+    they are widened exactly, and float32 moments restored into bfloat16 ones are rounded to
+    nearest even. The manifest says which dtype the engine kept each array in."""
+    import crash_worker as job
+    from test_checkpoint import assert_states_equal, logical_state, spec_for
+
+    from jax_mlpo import checkpoint
+
+    bf16 = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+
+    def start(root, **kwargs):
+        spec = spec_for(tmp_path / root, "bfloat16", 1, "none", True, subgroup_size=20_011)
+        tx = job.make_tx(job.offload_config(spec), **kwargs)
+        params = job.make_params(jnp.bfloat16)
+        return spec, job.make_update(tx), params, tx.init(params)
+
+    spec, update, params, opt_state = start("a", **bf16)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    mngr = checkpoint.manager(spec["ckpt"], async_save=False)
+    checkpoint.save(mngr, 2, params, opt_state, {"step": 2})
+    saved = logical_state(opt_state)
+    want, opt_state, _ = job.train(update, params, opt_state, 2, 4)
+    jax_mlpo.close(opt_state)
+    item = Path(spec["ckpt"]) / "2" / "opt_state"
+    records = checkpoint.OffloadCheckpointHandler().metadata(item)
+    stored = {k: r["state_dtype"] for k, r in records.items() if "state_dtype" in r}
+    assert {v for k, v in stored.items() if "/mu/" in k or "/nu/" in k} == {"bfloat16"}
+    assert {v for k, v in stored.items() if "/master/" in k} == {"float32"}
+
+    _, update, fresh, opt_state = start("b", **bf16)
+    _, got, opt_state, _ = checkpoint.restore(mngr, fresh, opt_state)
+    assert_states_equal(logical_state(opt_state), saved)
+    got, opt_state, _ = job.train(update, got, opt_state, 2, 4)
+    for name, bits in job.as_bits(want).items():
+        assert_bits_equal(job.as_bits(got)[name], bits, f"resumed {name}")
+    jax_mlpo.close(opt_state)
+
+    _, _, fresh, opt_state = start("c")  # float32 moments: the same values, widened
+    _, got, opt_state, _ = checkpoint.restore(mngr, fresh, opt_state)
+    assert_states_equal(logical_state(opt_state), saved)
+    checkpoint.save(mngr, 3, got, opt_state, {"step": 3})
+    wide = logical_state(opt_state)
+    jax_mlpo.close(opt_state)
+
+    _, _, fresh, opt_state = start("d", **bf16)  # and back: float32 rounded to bfloat16
+    mngr.reload()
+    _, _, opt_state, _ = checkpoint.restore(mngr, fresh, opt_state, step=3)
+    narrow = logical_state(opt_state)
+    for name in ("mu", "nu"):
+        for a, b in zip(narrow[name], wide[name], strict=True):
+            np.testing.assert_array_equal(a, b.astype(BF16).astype(F32))
+    jax_mlpo.close(opt_state)
+    mngr.close()

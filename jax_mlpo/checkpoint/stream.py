@@ -354,7 +354,9 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
 
     Returns:
       The manifest's ``streamed`` records of this process: for each array leaf name
-      (``"tree/2/mu/3"``), its dtype, global shape and the shards this process wrote.
+      (``"tree/2/mu/3"``), its dtype (float32: the files hold a bfloat16 moment widened,
+      exactly, so that a restore may go to either width), the dtype the engine kept it in
+      (``state_dtype``), its global shape and the shards this process wrote.
     """
     records: dict[str, dict[str, Any]] = {}
     try:
@@ -368,6 +370,7 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
             held: dict[int, list[int]] = {}  # each leaf's engine leaves in this process
             for j, region in enumerate(stream.regions):
                 held.setdefault(region.leaf, []).append(j)
+            kept = dict(zip(("mu", "nu"), stream.layout.moment_dtypes, strict=True), master=F32)
             for leaf, shape in enumerate(stream.shapes):
                 mine = held.get(leaf)
                 if not mine:
@@ -376,7 +379,8 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
                     if name == "master" and stream.layout.dtypes[mine[0]] == F32:
                         continue
                     records[f"{stream.name}/{name}/{leaf}"] = {
-                        "dtype": "float32", "shape": [int(d) for d in shape],
+                        "dtype": "float32", "state_dtype": kept[name].name,
+                        "shape": [int(d) for d in shape],
                         "shards": [shards[(name, j)] for j in mine if (name, j) in shards],
                     }  # fmt: skip
     finally:
