@@ -15,7 +15,9 @@ same subgroup size, same pinned host memory budget, same disk directory for both
 - ``jax_mlpo all (2 dirs)``: all principles, two tier directories on the same disk (DeepSpeed has
   one ``nvme_path``; two directories on one disk give the placement nothing to exploit, but it is
   the configuration all principles are built for); ``jax_mlpo all (1 dir)``: all principles on
-  the single directory DeepSpeed uses.
+  the single directory DeepSpeed uses; ``jax_mlpo all (1 dir), bf16 m and v``: the same with
+  ``mu_dtype`` and ``nu_dtype`` bfloat16 (8 of the 12 bytes per param on the disk, the same
+  host budget).
 
 Host memory budget: DeepSpeed pipelined needs ``buffer_count`` = 3 subgroups x 4 tensors (p, m,
 v, gradient) = 12 buffers of one subgroup each, 48 bytes per subgroup element; every system gets
@@ -68,13 +70,17 @@ from experiments.bench.sysio import drop_page_cache, filesystem, fio_bandwidth, 
 logger = logging.getLogger("bench.deepspeed_peer")
 
 MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
-SYSTEMS = ("ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir")
+SYSTEMS = (
+    "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
+    "jax-bf16-moments",
+)  # fmt: skip
 LABELS = {
     "ds-partitioned": "deepspeed partitioned",
     "ds-pipelined": "deepspeed pipelined",
     "jax-baseline": "jax_mlpo baseline",
     "jax-all-2dirs": "jax_mlpo all (2 dirs)",
     "jax-all-1dir": "jax_mlpo all (1 dir)",
+    "jax-bf16-moments": "jax_mlpo all (1 dir), bf16 m and v",
 }
 
 
@@ -109,7 +115,10 @@ def jax_worker(args) -> dict:
     if args.worker == "jax-baseline":
         config = config.baseline()
     t0 = time.perf_counter()
-    tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+    moments = {}
+    if args.worker == "jax-bf16-moments":
+        moments = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+    tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config, **moments)
     # The gradients donated, as they are intermediates inside a train step: the update is then
     # written over their buffer (a fresh copy each step, made outside the timing).
     update = jax.jit(tx.update, donate_argnums=(0,))
@@ -371,6 +380,11 @@ def main() -> None:
             rows[system]["tier_efficiency"] = spread(per_round)
 
     ratios = {}
+    if "jax-bf16-moments" in runs and "jax-all-1dir" in runs:  # the same system, narrower state
+        ratios["bf16_moments_speedup_full"] = ratio_spread(
+            [a["update_s"] for a in runs["jax-all-1dir"]],
+            [b["update_s"] for b in runs["jax-bf16-moments"]],
+        )
 
     def ratio(name: str, num: str, num_key: str, den: str, den_key: str, add_grad=False):
         if num not in runs or den not in runs:

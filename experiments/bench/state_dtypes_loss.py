@@ -1,0 +1,111 @@
+"""Training with narrower optimizer state: the same run with float32, bfloat16 m and v, and
+bfloat16 m only, side by side: the loss curves in one plot and the final losses' ratios.
+
+Each variant is ``pretrain.py`` on the same config, seed and batches (a subprocess each, its own
+run directory), with ``optimizer.mu_dtype`` / ``optimizer.nu_dtype`` set by ``--set``. The final
+loss is the mean of the last ``--tail`` steps; the ratio is against the float32 state's.
+
+    python -m experiments.bench.state_dtypes_loss --config experiments/configs/e2e-125m.yaml \\
+        --steps 300 --json experiments/results/state_dtypes_loss.json \\
+        --plot docs/state_dtypes_loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments.bench.harness import write_json
+
+logger = logging.getLogger("bench.state_dtypes_loss")
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {  # name: (mu_dtype, nu_dtype)
+    "fp32": ("float32", "float32"),
+    "bf16-m-v": ("bfloat16", "bfloat16"),
+    "bf16-m": ("bfloat16", "float32"),
+}
+
+
+def run_variant(args, name: str, mu: str, nu: str, run_dir: Path) -> list[float]:
+    """One pretrain.py run; its per-step losses from the metrics JSONL."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [f"run_dir={run_dir}", f"steps={args.steps}", f"log_every={args.log_every}",
+            f"optimizer.mu_dtype={mu}", f"optimizer.nu_dtype={nu}", "report.plot=false",
+            "checkpoint.every=0"]  # fmt: skip
+    if args.tier:  # a config's explicit tier (e2e-125m.yaml's): one per variant, under run_dir
+        sets.append(f"offload.tiers=[{{path: {run_dir / 'tier'}}}]")
+    cmd = [sys.executable, "experiments/pretrain.py", "--config", args.config]
+    for item in sets:
+        cmd += ["--set", item]
+    logger.info("%s: %s", name, " ".join(cmd))
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    with open(run_dir / "metrics-offload.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    losses = [r["loss"] for r in records if "loss" in r]
+    shutil.rmtree(run_dir, ignore_errors=True)  # tiers and checkpoints; the losses are kept
+    return losses
+
+
+def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="experiments/configs/e2e-125m.yaml")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--tail", type=int, default=20, help="steps the final loss averages")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dir", default="runs/state_dtypes")
+    parser.add_argument("--tier", action="store_true", help="give each run its own tier path")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    curves = {}
+    for k, name in enumerate(args.variants.split(",")):
+        mu, nu = VARIANTS[name]
+        curves[name] = run_variant(args, name, mu, nu, Path(args.dir).resolve() / f"v{k}")
+    final = {name: statistics.fmean(losses[-args.tail :]) for name, losses in curves.items()}
+    base = final.get("fp32")
+    result = {
+        "config": args.config,
+        "steps": args.steps,
+        "tail": args.tail,
+        "final_loss": final,
+        "ratio_to_float32": {k: v / base for k, v in final.items()} if base else None,
+        "losses": curves,
+    }
+    for name, value in final.items():
+        logger.info("%s: final loss %.4f%s", name, value,
+                    f" ({value / base:.4f}x float32)" if base else "")  # fmt: skip
+    if args.plot:
+        plot(curves, args.plot, f"{Path(args.config).name}, {args.steps} steps, same seed")
+    if args.json:
+        write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
