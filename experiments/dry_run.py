@@ -139,6 +139,11 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "params": plan.params,
         "params_per_process": per_proc,
         "state_bytes_per_param": per_param,
+        "state_parts": ", ".join(
+            ([] if plan.param_dtype != "bfloat16" else ["fp32 master"])
+            + [f"{name} {cfg.optimizer.mu_dtype if name == 'm' else cfg.optimizer.nu_dtype}"
+               for name in ("m", "v")]
+        ),  # fmt: skip
         "state_bytes": plan.params * per_param,
         "state_bytes_per_process": state,
         "subgroups_per_process": plan.num_subgroups,
@@ -197,7 +202,7 @@ def format_dry_run(d: dict[str, Any]) -> str:
         ("parameters", f"{d['params']:,}"),
         ("processes", f"{d['processes']}"),
         ("parameters per process", f"{d['params_per_process']:,}"),
-        ("optimizer state per parameter", f"{d['state_bytes_per_param']} B"),
+        ("optimizer state per parameter", f"{d['state_bytes_per_param']} B ({d['state_parts']})"),
         ("optimizer state, all processes", _gb(d["state_bytes"])),
         ("optimizer state per process", _gb(d["state_bytes_per_process"])),
         (

@@ -457,7 +457,9 @@ def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
             f"run_dir={tmp_path}"]  # fmt: skip
     cfg = run_config.load_config(TINY, sets)
     n = param_count(get_preset("tiny"))
-    assert dry_run(cfg, 1)["state_bytes_per_process"] == 4 * n  # fp32 params: m and v only
+    plan = dry_run(cfg, 1)
+    assert plan["state_bytes_per_process"] == 4 * n  # fp32 params: m and v only
+    assert plan["state_parts"] == "m bfloat16, v bfloat16"
     state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
     assert jax_mlpo.engine_of(state).layout.state_bytes == 4 * 64_000
     jax_mlpo.close(state)
