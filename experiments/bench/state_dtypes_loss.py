@@ -52,20 +52,34 @@ def run_variant(args, name: str, mu: str, nu: str, run_dir: Path) -> list[float]
     return losses
 
 
-def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+def plot(curves: dict[str, list[float]], path: str, title: str, window: int = 20) -> None:
+    """The loss curves, and below them each variant's loss minus the float32 state's (a
+    running mean over ``window`` steps: the curves themselves overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
+    base = np.asarray(curves.get("fp32", []))
     for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
+        steps = np.arange(1, len(losses) + 1)
+        (line,) = top.plot(steps, losses, label=name, linewidth=1)
+        if base.size == len(losses) and name != "fp32":
+            diff = np.convolve(np.asarray(losses) - base, np.ones(window) / window, "valid")
+            bottom.plot(steps[window - 1 :], diff, label=f"{name} - fp32", linewidth=1,
+                        color=line.get_color())  # fmt: skip
+    top.set_ylabel("training loss")
+    top.set_title(title)
+    top.legend()
+    bottom.axhline(0.0, color="gray", linewidth=0.5)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"difference ({window}-step mean)")
+    bottom.legend()
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -81,8 +95,15 @@ def main() -> None:
     parser.add_argument("--tier", action="store_true", help="give each run its own tier path")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--replot", default=None, help="plot a --json result again; no runs")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        title = f"{Path(saved['config']).name}, {saved['steps']} steps, same seed"
+        plot(saved["losses"], args.plot, title)
+        return
 
     curves = {}
     for k, name in enumerate(args.variants.split(",")):
