@@ -396,6 +396,7 @@ def main() -> None:
         ("jax-all-2dirs", ""),
         ("jax-all-1dir", "_1dir"),
         ("jax-baseline", "_baseline"),
+        ("jax-bf16-moments", "_bf16_moments"),
     ):
         ratio(
             f"speedup_vs_deepspeed_pipelined{tag}_host",
