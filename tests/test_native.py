@@ -451,7 +451,7 @@ def _err_cases():
     m = np.zeros(n, F32)
     return [
         ("dtype", lambda: native.adamw_step(f.astype(np.float64), f.copy(), f, f, None, hyper),
-         "m must be float32, got float64"),
+         "m must be float32 or bfloat16, got float64"),
         ("grad dtype", lambda: native.adamw_step(f.copy(), f.copy(), f.astype(np.float16), f,
                                                  None, hyper), "grad must be float32 or bfloat16"),
         ("strided", lambda: native.adamw_step(np.zeros(2 * n, F32)[::2], f.copy(), f, f, None,

@@ -25,7 +25,7 @@ IDS = ["mu_bf16", "nu_bf16", "both_bf16"]
 
 @pytest.mark.parametrize("moments", MOMENTS, ids=IDS)
 @pytest.mark.parametrize("grad_bf16", [False, True], ids=["g_f32", "g_bf16"])
-@pytest.mark.parametrize("n", [7, 1000, 1048577])
+@pytest.mark.parametrize("n", [7, 70_001])  # 70_001: split over the kernel's threads
 def test_native_equals_the_reference_on_every_isa(n, grad_bf16, moments):
     p0, grads = _problem(n, grad_bf16)
     want_m, want_v = view(n, moments[0]), view(n, moments[1])
@@ -118,10 +118,13 @@ def _check_mu_parity(case, dtype, mode, tmp_path):
 PARITY_CASES = [tt.CASES[0], tt.CASES[2], tt.CASES[5]]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", PARITY_CASES, ids=[c.name for c in PARITY_CASES])
-def test_mu_bf16_matches_optax(case, dtype, tmp_path):
-    _check_mu_parity(case, dtype, "jit", tmp_path)
+def test_mu_bf16_matches_optax(case, tmp_path):
+    _check_mu_parity(case, jnp.float32, "jit", tmp_path)
+
+
+def test_mu_bf16_matches_optax_with_bf16_params(tmp_path):
+    _check_mu_parity(tt.CASES[2], jnp.bfloat16, "jit", tmp_path)
 
 
 def test_mu_bf16_matches_optax_through_nnx(tmp_path):
