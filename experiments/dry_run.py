@@ -16,6 +16,7 @@ from typing import Any
 from experiments.host_memory import meminfo, training_memory
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import placement
+from jax_mlpo.layout import state_bytes_per_param
 from jax_mlpo.plan import HostPlan, TierSplit, host_plan, tier_split
 from models import param_count
 
@@ -73,10 +74,8 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
     model = resolve_model(cfg)
     off = cfg.offload
     n = param_count(model)
-    moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)
-    per_param = (4 if model.param_dtype == "bfloat16" else 0) + sum(
-        2 if dtype == "bfloat16" else 4 for dtype in moments
-    )
+    moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)  # dtype names numpy knows
+    per_param = state_bytes_per_param(model.param_dtype == "bfloat16", moments)
     per_proc = math.ceil(n / processes)
     size = min(off.subgroup_size, per_proc)
     n_sg = math.ceil(per_proc / size)
@@ -140,10 +139,9 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "params_per_process": per_proc,
         "state_bytes_per_param": per_param,
         "state_parts": ", ".join(
-            ([] if plan.param_dtype != "bfloat16" else ["fp32 master"])
-            + [f"{name} {cfg.optimizer.mu_dtype if name == 'm' else cfg.optimizer.nu_dtype}"
-               for name in ("m", "v")]
-        ),  # fmt: skip
+            (["fp32 master"] if plan.param_dtype == "bfloat16" else [])
+            + [f"m {cfg.optimizer.mu_dtype}", f"v {cfg.optimizer.nu_dtype}"]
+        ),
         "state_bytes": plan.params * per_param,
         "state_bytes_per_process": state,
         "subgroups_per_process": plan.num_subgroups,

@@ -31,6 +31,12 @@ def _words(n: int, dtype: np.dtype) -> int:
     return -(-n * dtype.itemsize // 4)
 
 
+def state_bytes_per_param(has_master: bool, moment_dtypes: Sequence[Any]) -> int:
+    """Bytes of state per parameter: the fp32 master (bfloat16 params only), m and v at their
+    widths (a subgroup pads each of m and v to whole float32 words)."""
+    return (4 if has_master else 0) + sum(np.dtype(d).itemsize for d in moment_dtypes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """The part of one leaf inside one subgroup."""

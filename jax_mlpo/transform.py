@@ -331,8 +331,7 @@ def adamw(
         raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
     offload.validate()
     b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
-    moments = tuple(np.dtype(jnp.float32 if d is None else d) for d in (mu_dtype, nu_dtype))
-    check_moment_dtypes(moments)
+    moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:

@@ -55,9 +55,10 @@ def run_worker(specs, env) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def start_job(spec: dict):
-    """tx, update function, params and a fresh opt_state for ``spec``."""
-    tx = job.make_tx(job.offload_config(spec))
+def start_job(spec: dict, **adamw_kwargs):
+    """tx, update function, params and a fresh opt_state for ``spec`` (``adamw_kwargs``: more of
+    jax_mlpo.adamw's arguments)."""
+    tx = job.make_tx(job.offload_config(spec), **adamw_kwargs)
     params = job.make_params(jnp.dtype(spec["dtype"]))
     return tx, job.make_update(tx), params, tx.init(params)
 

@@ -170,7 +170,7 @@ def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_p
     they are widened exactly, and float32 moments restored into bfloat16 ones are rounded to
     nearest even. The manifest says which dtype the engine kept each array in."""
     import crash_worker as job
-    from test_checkpoint import assert_states_equal, logical_state, spec_for
+    from test_checkpoint import assert_states_equal, logical_state, spec_for, start_job
 
     from jax_mlpo import checkpoint
 
@@ -178,9 +178,7 @@ def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_p
 
     def start(root, **kwargs):
         spec = spec_for(tmp_path / root, "bfloat16", 1, "none", True, subgroup_size=20_011)
-        tx = job.make_tx(job.offload_config(spec), **kwargs)
-        params = job.make_params(jnp.bfloat16)
-        return spec, job.make_update(tx), params, tx.init(params)
+        return spec, *start_job(spec, **kwargs)[1:]
 
     spec, update, params, opt_state = start("a", **bf16)
     params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
