@@ -50,6 +50,7 @@ class Engine:
       layout: the subgroups of the params.
       config: the offload configuration (already validated).
       b1, b2, eps, weight_decay: AdamW hyper-parameters fixed for the run.
+      stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
 
     Raises:
       ConfigError: if the host cache cannot hold the pipeline's buffers, or the state does not
@@ -58,10 +59,11 @@ class Engine:
 
     def __init__(
         self, layout: Layout, config: OffloadConfig, *, b1: float, b2: float, eps: float,
-        weight_decay: float,
+        weight_decay: float, stochastic_rounding: bool = False,
     ) -> None:  # fmt: skip
         self.layout, self.config = layout, config
         self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
+        self.stochastic_rounding = bool(stochastic_rounding)  # of q8 moments
         self._weight_decay = float(weight_decay)
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
@@ -241,7 +243,8 @@ class Engine:
                 grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                 blob = pool.blob(i, resident.slot)
                 kernels.adamw_subgroup(
-                    self._kernel, sgs[i], blob, leaves, grad_blob, hypers, init_master=count == 0
+                    self._kernel, sgs[i], blob, leaves, grad_blob, hypers, init_master=count == 0,
+                    count=count, stochastic=self.stochastic_rounding,
                 )
                 leaves.store(sgs[i])
                 metrics.compute_s += time.monotonic() - t0

@@ -7,23 +7,31 @@ so it has one dtype and one weight-decay flag.
 
 A subgroup's blob is ``[p | m | v]`` when it holds any bfloat16 leaf (``p`` is the fp32 master
 copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves). The blob is a
-float32 buffer; ``m`` and ``v`` are float32 or bfloat16 (``mu_dtype``, ``nu_dtype``), each
-padded to whole float32 words, so a bfloat16 moment halves its part of every read and write.
+float32 buffer; ``m`` and ``v`` are float32, bfloat16 or q8 (``mu_dtype``, ``nu_dtype``), each
+padded to whole float32 words, so a bfloat16 moment halves its part of every read and write and
+a q8 one (:mod:`jax_mlpo.quantize`: a byte per element) quarters it. A q8 moment's block scales
+follow the codes: ``[p | m | v | m scales | v scales]``, one scale per 256 elements of each
+segment (blocks start at segment starts, where the kernel's calls start).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jax_mlpo.native.quantize import q8_decode, q8_encode
+from jax_mlpo.quantize import BLOCK, Q8, Quantized, moment_dtype, num_blocks
 from jax_mlpo.types import BF16, F32
 
 SUPPORTED_PARAM_DTYPES = (F32, BF16)
-SUPPORTED_MOMENT_DTYPES = (F32, BF16)
+SUPPORTED_MOMENT_DTYPES = (F32, BF16, Q8)
+
+Moment = np.ndarray | Quantized  # a moment's view: float32/bfloat16 elements, or q8 codes
 
 
 def _words(n: int, dtype: np.dtype) -> int:
@@ -31,10 +39,12 @@ def _words(n: int, dtype: np.dtype) -> int:
     return -(-n * dtype.itemsize // 4)
 
 
-def state_bytes_per_param(has_master: bool, moment_dtypes: Sequence[Any]) -> int:
+def state_bytes_per_param(has_master: bool, moment_dtypes: Sequence[Any]) -> float:
     """Bytes of state per parameter: the fp32 master (bfloat16 params only), m and v at their
-    widths (a subgroup pads each of m and v to whole float32 words)."""
-    return (4 if has_master else 0) + sum(np.dtype(d).itemsize for d in moment_dtypes)
+    widths (a q8 moment: 1 + 4/256 with its scales; a subgroup pads each part to whole float32
+    words, and a q8 segment's last block to a whole scale)."""
+    moments = [moment_dtype(d) for d in moment_dtypes]
+    return (4 if has_master else 0) + sum(1 + 4 / BLOCK if d == Q8 else d.itemsize for d in moments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,26 +77,50 @@ class Subgroup:
     has_master: bool
     moment_dtypes: tuple[np.dtype, np.dtype] = (F32, F32)  # m's and v's
 
+    @functools.cached_property
+    def block_starts(self) -> dict[int, int]:
+        """Each segment's first q8 scale, by the segment's start; the scales in all at ``size``."""
+        starts, at = {}, 0
+        for seg in self.segments:
+            starts[seg.start] = at
+            at += num_blocks(seg.size)
+        starts[self.size] = at
+        return starts
+
     @property
     def state_elems(self) -> int:
-        """float32 words of this subgroup's blob: p (if any), m and v."""
-        mu, nu = self.moment_dtypes
-        return (self.size if self.has_master else 0) + _words(self.size, mu) + _words(self.size, nu)
+        """float32 words of this subgroup's blob: p (if any), m and v (and q8 scales)."""
+        scales = sum(self.block_starts[self.size] for d in self.moment_dtypes if d == Q8)
+        words = sum(_words(self.size, d) for d in self.moment_dtypes)
+        return (self.size if self.has_master else 0) + words + scales
 
     @property
     def state_bytes(self) -> int:
         return 4 * self.state_elems
 
-    def split(self, blob: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """Views of this subgroup's blob: the fp32 master p (or None), m and v (their dtypes)."""
-        n = self.size
-        mu, nu = self.moment_dtypes
+    def split(self, blob: np.ndarray) -> tuple[np.ndarray | None, Moment, Moment]:
+        """Views of this subgroup's blob: the fp32 master p (or None), m and v (arrays of their
+        dtypes, or :class:`~jax_mlpo.quantize.Quantized` codes and scales)."""
+        n, blocks = self.size, self.block_starts[self.size]
         at = n if self.has_master else 0
         p = blob[:n] if self.has_master else None
-        m_end = at + _words(n, mu)
-        m = blob[at:m_end].view(mu)[:n]
-        v = blob[m_end : m_end + _words(n, nu)].view(nu)[:n]
-        return p, m, v
+        views = []
+        for dt in self.moment_dtypes:
+            views.append(blob[at : at + _words(n, dt)].view(dt)[:n])
+            at += _words(n, dt)
+        for k, dt in enumerate(self.moment_dtypes):
+            if dt == Q8:
+                views[k] = Quantized(views[k], blob[at : at + blocks])
+                at += blocks
+        return p, views[0], views[1]
+
+    def segment(self, moment: Moment, seg: Segment) -> Moment:
+        """The part of a moment view (:meth:`split`) that holds segment ``seg``."""
+        if isinstance(moment, Quantized):
+            first = self.block_starts[seg.start]
+            end = first + num_blocks(seg.size)
+            return Quantized(moment.codes[seg.span], moment.scales[first:end])
+        return moment[seg.span]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,17 +218,27 @@ def resolve_mask(mask: Any, params: Any) -> list[bool]:
 
 
 def check_moment_dtypes(moment_dtypes: Sequence[Any]) -> tuple[np.dtype, np.dtype]:
-    """``(mu_dtype, nu_dtype)`` as numpy dtypes.
+    """``(mu_dtype, nu_dtype)`` as a layout keeps them (numpy dtypes; q8 is
+    :data:`jax_mlpo.quantize.Q8`).
 
     Raises:
-      ValueError: for a dtype other than float32 and bfloat16.
+      ValueError: for a dtype other than float32, bfloat16 and "q8".
     """
-    moments = tuple(np.dtype(d) for d in moment_dtypes)
-    for name, dt in zip(("mu_dtype", "nu_dtype"), moments, strict=True):
-        if dt not in SUPPORTED_MOMENT_DTYPES:
+    moments = []
+    for name, spec in zip(("mu_dtype", "nu_dtype"), moment_dtypes, strict=True):
+        try:
+            dt = moment_dtype(spec)
+        except TypeError:
+            dt = None
+        # np.uint8 itself is refused: it names q8 inside a layout, but a user's uint8 would
+        # mean an integer moment
+        if dt not in SUPPORTED_MOMENT_DTYPES or (dt == Q8 and spec is not Q8 and spec != "q8"):
+            label = spec if dt is None or isinstance(spec, str) else dt.name
             raise ValueError(
-                f"{name}={dt}: jax_mlpo stores moments in float32 or bfloat16 (jnp.bfloat16)"
+                f"{name}={label}: jax_mlpo stores moments in float32, bfloat16 (jnp.bfloat16) "
+                'or "q8" (8-bit blockwise)'
             )
+        moments.append(dt)
     return moments[0], moments[1]
 
 
@@ -209,7 +253,7 @@ def build_layout(
         so this works on tracers too).
       subgroup_size: elements per subgroup.
       decay_flags: per-leaf weight-decay flags (default: all True).
-      moment_dtypes: the dtypes m and v are stored in (float32 or bfloat16).
+      moment_dtypes: the dtypes m and v are stored in (float32, bfloat16 or "q8").
 
     Returns:
       The layout.
@@ -257,12 +301,31 @@ def build_layout(
     return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments)
 
 
+def moment_f32(moment: Moment, *, signed: bool) -> np.ndarray:
+    """A moment view's values in float32: a q8 one decoded (a new array), others as they are
+    (numpy widens a bfloat16 view where it is assigned)."""
+    if isinstance(moment, Quantized):
+        return q8_decode(moment, signed=signed)
+    return moment
+
+
+def store_f32(moment: Moment, values: np.ndarray, *, signed: bool) -> None:
+    """Writes float32 ``values`` into a moment view: rounded to nearest for bfloat16 and q8
+    (a value a q8 code decoded to is stored as that code again)."""
+    if isinstance(moment, Quantized):
+        q8_encode(np.ascontiguousarray(values, F32), moment, signed=signed)
+    else:
+        moment[...] = values
+
+
 def gather_state(sg: Subgroup, blob: np.ndarray, state: dict[str, list[np.ndarray | None]]) -> None:
     """Copies a subgroup's blob into per-leaf ``{"mu", "nu", "master"}`` arrays (converting)."""
     p, m, v = sg.split(blob)
     for seg in sg.segments:
-        state["mu"][seg.leaf].reshape(-1)[seg.leaf_span] = m[seg.span]
-        state["nu"][seg.leaf].reshape(-1)[seg.leaf_span] = v[seg.span]
+        mu = moment_f32(sg.segment(m, seg), signed=True)
+        state["mu"][seg.leaf].reshape(-1)[seg.leaf_span] = mu
+        state["nu"][seg.leaf].reshape(-1)[seg.leaf_span] = moment_f32(sg.segment(v, seg),
+                                                                      signed=False)  # fmt: skip
         if seg.master:
             state["master"][seg.leaf].reshape(-1)[seg.leaf_span] = p[seg.span]
 
@@ -277,8 +340,9 @@ def scatter_state(
     """
     p, m, v = sg.split(blob)
     for seg in sg.segments:
-        m[seg.span] = np.asarray(state["mu"][seg.leaf], F32).reshape(-1)[seg.leaf_span]
-        v[seg.span] = np.asarray(state["nu"][seg.leaf], F32).reshape(-1)[seg.leaf_span]
+        for name, moment, signed in (("mu", m, True), ("nu", v, False)):
+            values = np.asarray(state[name][seg.leaf], F32).reshape(-1)[seg.leaf_span]
+            store_f32(sg.segment(moment, seg), values, signed=signed)
         if seg.master:
             master = state["master"][seg.leaf]
             if master is None:

@@ -248,6 +248,7 @@ def adamw(
     update_dtype: Any = None,
     mu_dtype: Any = None,
     nu_dtype: Any = None,
+    q8_rounding: str = "nearest",
 ) -> optax.GradientTransformation:
     r"""AdamW with its state (fp32 master params, m, v) offloaded to host memory and files.
 
@@ -307,6 +308,14 @@ def adamw(
       nu_dtype: None (float32) or ``jnp.bfloat16``: the same for the second moment (optax has
         no such option); its decay stays float32. Both bfloat16 cut the state from 12 (bfloat16
         params) or 8 (float32) bytes per param to 8 or 4.
+        Either may also be ``"q8"``: 8-bit blockwise (:mod:`jax_mlpo.quantize`: a byte per
+        element with 3 mantissa bits, a power-of-two scale per 256 elements), decoded to
+        float32 inside the update and encoded again; both q8 make the state 6.03 bytes per
+        param with bfloat16 params (2.03 with float32 ones). Not exact to optax: the moments
+        carry a rounding error of at most 1/16 (nearest) each step.
+      q8_rounding: how q8 moments are rounded: ``"nearest"`` or ``"stochastic"`` (unbiased;
+        its random bits are a hash of the step, the subgroup and the element, so a resumed
+        run draws the same ones).
 
     Returns:
       An optax ``GradientTransformation`` whose ``update`` requires ``params``.
@@ -315,8 +324,8 @@ def adamw(
       ConfigError: at construction, for a tier path that is missing or not writable; at init,
         for a host cache too small for the pipeline.
       ValueError: at construction, for a ``max_grad_norm`` that is not positive, an
-        ``update_dtype`` other than None and float32, or a ``mu_dtype``/``nu_dtype`` other than
-        None, float32 and bfloat16.
+        ``update_dtype`` other than None and float32, a ``mu_dtype``/``nu_dtype`` other than
+        None, float32, bfloat16 and "q8", or a ``q8_rounding`` other than those two.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_mlpo
@@ -332,6 +341,10 @@ def adamw(
     offload.validate()
     b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
     moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
+    if q8_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f'q8_rounding must be "nearest" or "stochastic", got {q8_rounding!r}')
+    hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                 stochastic_rounding=q8_rounding == "stochastic")  # fmt: skip
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
@@ -361,7 +374,7 @@ def adamw(
             config = offload
             if distributed.is_multiprocess():
                 config = distributed.process_config(offload, jax.process_index())
-            engine = Engine(layout, config, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            engine = Engine(layout, config, **hyper)
             handle = plan.handle_array(_register_mesh(engine, plan))
             mesh_plans[plan_key(handle, jax.tree.leaves(params))] = plan
             return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)
@@ -372,13 +385,13 @@ def adamw(
             local = distributed.local_params(params, jax.process_count())
             layout = build_layout(local, offload.subgroup_size, resolve_mask(mask, params), moments)
             config = distributed.process_config(offload, jax.process_index())
-            engine = Engine(layout, config, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            engine = Engine(layout, config, **hyper)
             return OffloadedAdamWState(
                 count=distributed.replicated(np.int32(0), mesh),
                 handle=distributed.global_handle(_register(engine), mesh),
             )
         layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params), moments)
-        engine = Engine(layout, offload, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        engine = Engine(layout, offload, **hyper)
         return OffloadedAdamWState(
             count=jnp.zeros([], jnp.int32), handle=jnp.asarray(_register(engine), jnp.int32)
         )

@@ -40,7 +40,8 @@ from jax_mlpo.checkpoint.shard_file import (
     check_array,
     whole_pages,
 )
-from jax_mlpo.layout import Layout, Subgroup
+from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32, store_f32
+from jax_mlpo.quantize import Quantized, moment_dtype_name
 from jax_mlpo.tiers.posix import aligned_empty
 from jax_mlpo.types import F32
 
@@ -54,9 +55,17 @@ def _sha256(data: np.ndarray) -> str:
     return hashlib.sha256(data.view(np.uint8)).hexdigest()  # releases the GIL on large data
 
 
-def _split(sg: Subgroup, blob: np.ndarray) -> dict[str, np.ndarray | None]:
+def _split(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
     p, m, v = sg.split(blob)
     return {"mu": m, "nu": v, "master": p}
+
+
+def _segment_f32(sg: Subgroup, parts: dict[str, Moment | None], name: str, seg: Segment):
+    """A segment's values of one quantity, as the files hold them: float32 (a q8 moment decoded
+    into a new array of the segment's size; a bfloat16 one widened where it is copied)."""
+    if name == "master":
+        return parts[name][seg.span]
+    return moment_f32(sg.segment(parts[name], seg), signed=name == "mu")
 
 
 class _OpenArray:
@@ -127,7 +136,8 @@ class StateWriter:
                         continue
                     for name in QUANTITIES:
                         if name != "master" or seg.master:
-                            self._append(name, seg.leaf, seg.leaf_start, parts[name][seg.span])
+                            data = _segment_f32(sg, parts, name, seg)
+                            self._append(name, seg.leaf, seg.leaf_start, data)
             if self._open:
                 raise AssertionError(f"arrays {sorted(self._open)[:4]} were not completed")
             while self._in_flight:
@@ -242,6 +252,7 @@ class StateReader:
         # (array, piece) -> (its buffer, the read's future or the verified data)
         self._reads: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}
         self._spare: list[np.ndarray] = []  # buffers of pieces no longer needed, reused
+        self._scratch: dict[str, np.ndarray] = {}  # q8 moments' float32, before encoding
         self._planned: tuple[int, list[Piece]] | None = None  # the next subgroup's pieces
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-read")
 
@@ -260,10 +271,20 @@ class StateReader:
         self._planned = (upcoming.index, later) if upcoming is not None else None
         self._issue(later)  # read while this subgroup is copied and written to its tier
         parts = _split(sg, blob)
+        # A q8 moment is filled in float32 first and encoded segment by segment (its blocks
+        # start at segments): host memory of one subgroup's float32 per q8 moment, reused.
+        coded = {k: x for k, x in parts.items() if isinstance(x, Quantized)}
+        for name in coded:
+            if self._scratch.get(name) is None or self._scratch[name].size < sg.size:
+                self._scratch[name] = np.empty(sg.size, F32)
+            parts[name] = self._scratch[name][: sg.size]
         for name, record, k, (at, shape, into), (src, src_shape, sel) in pieces:
             data = self._chunk(record, k)
             source = data[src : src + math.prod(src_shape)].reshape(src_shape)[sel]
             parts[name][at : at + math.prod(shape)].reshape(shape)[into] = source
+        for name, moment in coded.items():
+            for seg in sg.segments:
+                store_f32(sg.segment(moment, seg), parts[name][seg.span], signed=name == "mu")
         keep = {(piece[1]["array"], piece[2]) for piece in later}
         for key in [key for key in self._reads if key not in keep]:
             buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
@@ -379,7 +400,7 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
                     if name == "master" and stream.layout.dtypes[mine[0]] == F32:
                         continue
                     records[f"{stream.name}/{name}/{leaf}"] = {
-                        "dtype": "float32", "state_dtype": kept[name].name,
+                        "dtype": "float32", "state_dtype": moment_dtype_name(kept[name]),
                         "shape": [int(d) for d in shape],
                         "shards": [shards[(name, j)] for j in mine if (name, j) in shards],
                     }  # fmt: skip

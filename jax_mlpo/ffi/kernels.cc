@@ -232,11 +232,30 @@ void AdamW(const AdamWArgs& args, size_t n) {
                   : args.update_out == nullptr ? kOutNone
                   : args.delta_base != nullptr ? kOutDelta
                                                : kOutUpdate;
-  const AdamWRangeFn fn = Kernels().adamw[AdamWIndex(
-      args.grad_bf16, args.has_wd, args.update_param, args.param_bf16_out != nullptr, out,
-      args.mu_bf16, args.nu_bf16)];
+  const int index = AdamWIndex(args.grad_bf16, args.has_wd, args.update_param,
+                               args.param_bf16_out != nullptr, out, args.mu_bf16, args.nu_bf16);
+  const KernelTable& table = Kernels();
+  const AdamWRangeFn fn = args.mu_q8 && args.nu_q8 ? table.adamw_q8[(index & 63) | (args.stochastic ? 64 : 0)]
+                          : args.mu_q8 || args.nu_q8 ? table.adamw_blocked[index & 63]
+                                                     : table.adamw[index];
+  static_assert(kChunkAlignElems % kQ8Block == 0, "chunks must start on a q8 block");
   ParallelFor(n, kMinParallelElems, kChunkAlignElems,
               [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
+void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,
+              bool stochastic, uint32_t seed) {
+  auto fn = Kernels().q8_encode;
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems, [&](size_t b, size_t e) {
+    fn(x + b, e - b, codes + b, scales + b / kQ8Block, is_signed, stochastic, seed, b);
+  });
+}
+
+void Q8Decode(const uint8_t* codes, const float* scales, size_t n, float* out, bool is_signed) {
+  auto fn = Kernels().q8_decode;
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems, [&](size_t b, size_t e) {
+    fn(codes + b, scales + b / kQ8Block, e - b, out + b, is_signed);
+  });
 }
 
 void Bf16ToF32(const uint16_t* src, float* dst, size_t n) {
@@ -320,10 +339,12 @@ int jax_mlpo_set_num_threads(int n) {
 // jax_mlpo.native exactly as the numpy reference computes them). update_out is float32, or
 // bfloat16 when update_bf16 (which needs delta_base); it may be the gradient's own buffer (same
 // address and width: the update then overwrites the gradient it is computed from), but no other
-// written array may overlap anything. moments_bf16: bit 0, m is bfloat16; bit 1, v is.
-// Returns 0 or an error code.
-int jax_mlpo_adamw_step(void* m, void* v, int moments_bf16, const void* grad, int grad_bf16,
-                        float* param, int update_param, void* update_out, int update_bf16,
+// written array may overlap anything. moments: bits 0 and 1, m and v are bfloat16; bits 2 and 3,
+// m and v are q8 (codes, with m_scale / v_scale: one float32 per 256 elements); bit 4, q8 codes
+// are rounded stochastically with `seed` (else to nearest). Returns 0 or an error code.
+int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_scale,
+                        uint32_t seed, const void* grad, int grad_bf16, float* param,
+                        int update_param, void* update_out, int update_bf16,
                         const uint16_t* delta_base, uint16_t* param_bf16_out, int64_t n,
                         const float* scalars, int has_wd) {
   if (n < 0) return kErrSize;
@@ -331,17 +352,22 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments_bf16, const void* grad, in
   if (!m || !v || !grad || !param || !scalars) return kErrNull;
   if (delta_base && !update_out) return kErrDeltaWithoutOut;
   if (update_bf16 && !delta_base) return kErrBf16WithoutDelta;
-  const size_t f = size_t(n) * 4, h = size_t(n) * 2;
+  const size_t f = size_t(n) * 4, h = size_t(n) * 2, q = size_t(n);
+  const size_t scales = (size_t(n) + jax_mlpo::kQ8Block - 1) / jax_mlpo::kQ8Block * 4;
   const bool in_place = update_out == grad && (grad_bf16 != 0) == (update_bf16 != 0);
-  const bool mu_bf16 = (moments_bf16 & 1) != 0, nu_bf16 = (moments_bf16 & 2) != 0;
+  const bool mu_bf16 = (moments & 1) != 0, nu_bf16 = (moments & 2) != 0;
+  const bool mu_q8 = (moments & 4) != 0, nu_q8 = (moments & 8) != 0;
+  if ((mu_q8 && (mu_bf16 || !m_scale)) || (nu_q8 && (nu_bf16 || !v_scale))) return kErrNull;
   const Range ranges[] = {
-      {static_cast<const char*>(m), mu_bf16 ? h : f, true},
-      {static_cast<const char*>(v), nu_bf16 ? h : f, true},
+      {static_cast<const char*>(m), mu_q8 ? q : mu_bf16 ? h : f, true},
+      {static_cast<const char*>(v), nu_q8 ? q : nu_bf16 ? h : f, true},
       {static_cast<const char*>(grad), grad_bf16 ? h : f, false},
       {reinterpret_cast<const char*>(param), f, update_param != 0},
       {static_cast<const char*>(update_out), update_bf16 ? h : f, true},
       {reinterpret_cast<const char*>(delta_base), h, false},
       {reinterpret_cast<const char*>(param_bf16_out), h, true},
+      {reinterpret_cast<const char*>(mu_q8 ? m_scale : nullptr), scales, true},
+      {reinterpret_cast<const char*>(nu_q8 ? v_scale : nullptr), scales, true},
   };
   constexpr int kRanges = sizeof ranges / sizeof ranges[0];
   for (int i = 0; i < kRanges; ++i)
@@ -353,6 +379,12 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments_bf16, const void* grad, in
   jax_mlpo::AdamWArgs a{};
   a.m = m;
   a.v = v;
+  a.m_scale = m_scale;
+  a.v_scale = v_scale;
+  a.mu_q8 = mu_q8;
+  a.nu_q8 = nu_q8;
+  a.stochastic = (moments & 16) != 0;
+  a.seed = seed;
   a.grad = grad;
   a.param = param;
   if (update_bf16) {
@@ -387,6 +419,18 @@ void jax_mlpo_bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
 
 void jax_mlpo_f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   if (n > 0) jax_mlpo::F32ToBf16(src, dst, size_t(n));
+}
+
+// q8 codes and scales (one per 256 elements) of n float32 values, and back; is_signed: m's code
+// (else v's); stochastic rounding with `seed` (the element index in x counts from 0).
+void jax_mlpo_q8_encode(const float* x, int64_t n, uint8_t* codes, float* scales, int is_signed,
+                        int stochastic, uint32_t seed) {
+  if (n > 0) jax_mlpo::Q8Encode(x, size_t(n), codes, scales, is_signed, stochastic, seed);
+}
+
+void jax_mlpo_q8_decode(const uint8_t* codes, const float* scales, int64_t n, float* out,
+                        int is_signed) {
+  if (n > 0) jax_mlpo::Q8Decode(codes, scales, size_t(n), out, is_signed);
 }
 
 void jax_mlpo_triad(float* a, const float* b, const float* c, float s, int64_t n) {

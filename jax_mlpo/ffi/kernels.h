@@ -1,4 +1,5 @@
-// Host kernels of jax_mlpo: fused AdamW, bf16 <-> fp32 conversion, STREAM triad, parallel copy.
+// Host kernels of jax_mlpo: fused AdamW, bf16 <-> fp32 conversion, the 8-bit blockwise moment
+// code, STREAM triad, parallel copy.
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
 // x86-64, AVX2, AVX-512); kernels.cc picks one table at load time with cpuid, splits large calls
@@ -14,8 +15,10 @@ namespace jax_mlpo {
 // One AdamW step over n contiguous elements. Unused optional pointers are null. The scalars are
 // float32 values prepared exactly as the numpy reference does (jax_mlpo/kernels.py).
 struct AdamWArgs {
-  void* m;                         // in/out: float32, or bfloat16 (mu_bf16)
-  void* v;                         // in/out: float32, or bfloat16 (nu_bf16)
+  void* m;                         // in/out: float32, bfloat16 (mu_bf16) or 8-bit codes (mu_q8)
+  void* v;                         // in/out: float32, bfloat16 (nu_bf16) or 8-bit codes (nu_q8)
+  float* m_scale;                  // in/out with mu_q8: a scale per kQ8Block elements of m
+  float* v_scale;                  // the same for v (nu_q8)
   const void* grad;                // float32 or bfloat16 (grad_bf16)
   float* param;                    // read; written when update_param
   float* update_out;               // optional
@@ -29,6 +32,10 @@ struct AdamWArgs {
   bool grad_bf16;
   bool mu_bf16;                    // m is stored in bfloat16: read widened, written rounded
   bool nu_bf16;                    // the same for v
+  bool mu_q8;                      // m is 8-bit blockwise (q8): decoded, updated, re-encoded
+  bool nu_q8;                      // the same for v
+  bool stochastic;                 // q8 codes are rounded stochastically (else to nearest)
+  uint32_t seed;                   // the stochastic rounding's seed (this call's elements)
   bool has_wd;                     // weight_decay != 0 (adding 0 * p is not a no-op for -0, inf)
   bool update_param;
 };
@@ -39,10 +46,28 @@ enum AdamWOut : int { kOutNone = 0, kOutUpdate = 1, kOutDelta = 2, kOutDeltaBf16
 
 using AdamWRangeFn = void (*)(const AdamWArgs&, size_t begin, size_t end);
 
+// The 8-bit blockwise moment (q8, jax_mlpo/quantize.py has the reference and the reasons): blocks
+// of kQ8Block elements from the start of each call's range, a power-of-two float32 scale per
+// block (the smallest at or above the block's largest magnitude), and per element a float with 3
+// mantissa bits relative to that scale: m signed (sign bit and a 7-bit magnitude code, 2^-16..1),
+// v unsigned (8-bit magnitude code, 2^-32..1). A magnitude code u > 0 stands for the float32
+// whose bits are (u + bias) << 20.
+constexpr size_t kQ8Block = 256;
+constexpr uint32_t kQ8BiasSigned = 889;    // (127 << 3) - 127: code 127 is 1.0
+constexpr uint32_t kQ8BiasUnsigned = 761;  // (127 << 3) - 255: code 255 is 1.0
+using Q8EncodeFn = void (*)(const float* x, size_t n, uint8_t* codes, float* scales,
+                            bool is_signed, bool stochastic, uint32_t seed, size_t first);
+using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, size_t n, float* out,
+                            bool is_signed);
+
 // The loops of one instruction set. adamw is indexed by AdamWIndex().
 struct KernelTable {
   const char* isa;
   AdamWRangeFn adamw[256];
+  AdamWRangeFn adamw_blocked[64];  // one moment q8: indexed by AdamWIndex's low 6 bits
+  AdamWRangeFn adamw_q8[128];      // both q8: those bits, and 64 when rounding stochastically
+  Q8EncodeFn q8_encode;
+  Q8DecodeFn q8_decode;
   void (*bf16_to_f32)(const uint16_t* src, float* dst, size_t n);
   void (*f32_to_bf16)(const float* src, uint16_t* dst, size_t n);
   void (*triad)(float* a, const float* b, const float* c, float s, size_t n);
@@ -66,6 +91,10 @@ const KernelTable& Kernels();
 // IEEE floating point (no flush-to-zero), whatever the calling thread's MXCSR says.
 void AdamW(const AdamWArgs& args, size_t n);
 void Bf16ToF32(const uint16_t* src, float* dst, size_t n);
+// n elements in blocks of kQ8Block from x's start; `first` numbers x[0] for the random stream.
+void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,
+              bool stochastic, uint32_t seed);
+void Q8Decode(const uint8_t* codes, const float* scales, size_t n, float* out, bool is_signed);
 void F32ToBf16(const float* src, uint16_t* dst, size_t n);
 void Triad(float* a, const float* b, const float* c, float s, size_t n);
 void Copy(void* dst, const void* src, size_t nbytes);

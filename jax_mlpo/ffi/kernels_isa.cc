@@ -54,12 +54,24 @@ inline float Fma64(float a, float x, float y) {
   return float(double(a) * double(x) + double(y));
 }
 
+// q8 moments are rounded anyway, so their loop uses the float32 fma itself (as XLA:CPU does),
+// which is 1.3x faster here than the float64 emulation; the reference rounds to odd in float64
+// to get the same single rounding (jax_mlpo/kernels.py).
+template <bool kHwFma>
+inline float Fma(float a, float x, float y) {
+  if constexpr (kHwFma) {
+    return std::fma(a, x, y);
+  } else {
+    return Fma64(a, x, y);
+  }
+}
+
 // The loop proper. The pointers are __restrict function parameters: GCC ignores restrict on
 // locals here and would fall back to run-time alias checks (or scalar code).
 // A bfloat16 moment is widened on load and rounded (to nearest even) on store; the update uses
 // the float32 values before that rounding, as optax's mu_dtype does.
 template <typename GradT, typename MuT, typename NuT, bool kWd, bool kUpdateParam, bool kBf16Out,
-          int kOut>
+          int kOut, bool kHwFma = false>
 __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restrict m,
                                          NuT* __restrict v, const GradT* __restrict grad,
                                          float* __restrict p, float* __restrict out,
@@ -68,12 +80,12 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restr
   for (size_t i = 0; i < n; ++i) {
     const float g = Load(grad, i) * s.scale;
     // optax's update_moment(_per_elem_norm) as XLA:CPU compiles it (see jax_mlpo/kernels.py).
-    const float mi = Fma64(s.c1, g, s.b1 * Load(m, i));
-    const float vi = Fma64(s.c2, g * g, s.b2 * Load(v, i));
+    const float mi = Fma<kHwFma>(s.c1, g, s.b1 * Load(m, i));
+    const float vi = Fma<kHwFma>(s.c2, g * g, s.b2 * Load(v, i));
     Store(m, i, mi);
     Store(v, i, vi);
     float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
-    if constexpr (kWd) u = Fma64(s.wd, p[i], u);
+    if constexpr (kWd) u = Fma<kHwFma>(s.wd, p[i], u);
     u = u * s.neg_lr;
     float pn = 0.0f;
     if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
@@ -132,6 +144,266 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   }
 }
 
+// ---- The 8-bit blockwise moment (kernels.h has the format) ---------------------------------
+
+inline uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+inline float FromBits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// Chris Wellons' lowbias32: a cheap integer hash with good avalanche; a stochastic rounding's
+// seed goes through it once per call.
+inline uint32_t Lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Below 2^-90 a block is stored as zeros: its decoded values would be float32 denormals, and a
+// moment that small moves nothing (sqrt(2^-90) = 2^-45 is far below any eps).
+constexpr uint32_t kQ8FlushBits = (127u - 90u) << 23;
+// Above 2^126 (a non-finite or absurd moment) the block's scale is NaN: every element decodes
+// to NaN, as a float32 moment would propagate one.
+constexpr uint32_t kQ8MaxBits = (127u + 126u) << 23;
+
+template <bool kSigned>
+struct Q8Code {
+  static constexpr uint32_t kBias = kSigned ? kQ8BiasSigned : kQ8BiasUnsigned;
+  static constexpr uint32_t kTop = kSigned ? 127u : 255u;
+  // The random bits of a stochastic rounding: each element's hash gives m the low 16 bits and
+  // v the high 16, shifted to the 20 bits the code drops (the rounding is then unbiased to
+  // 2^-16 of a code's step).
+  static uint32_t RandomBits(uint32_t h) { return kSigned ? (h & 0xffffu) << 4 : h >> 16 << 4; }
+};
+
+// An element's hash in a seeded stream: key (the seed through lowbias32, so a different one
+// each step and segment) plus the index, through one multiply and a fold. Consecutive elements'
+// bits are related (a Weyl sequence), but each element's across steps are as random as the key.
+inline uint32_t ElementHash(uint32_t key, uint32_t index) {
+  const uint32_t h = (key + index) * 0x9e3779b1u;
+  return h ^ (h >> 16);
+}
+
+inline uint32_t AbsBits(float x) { return Bits(x) & 0x7fffffffu; }
+
+// Encodes n <= kQ8Block values whose largest magnitude has bits amax. key: the hashed seed; first:
+// x[0]'s index in the stream.
+template <bool kSigned, bool kStochastic>
+inline void EncodeQ8Values(const float* __restrict x, size_t n, uint32_t amax,
+                           uint8_t* __restrict codes, float* __restrict scale, uint32_t key,
+                           uint32_t first) {
+  using Code = Q8Code<kSigned>;
+  if (amax < kQ8FlushBits || amax > kQ8MaxBits) {
+    std::memset(codes, 0, n);
+    *scale = amax < kQ8FlushBits ? 0.0f : FromBits(0x7fc00000u);
+    return;
+  }
+  // The scale 2^e is the smallest power of two >= amax, so every |x| / 2^e is in [0, 1] and
+  // computed exactly (as is the decode's product): a decoded block re-encodes to itself.
+  const uint32_t e = (amax >> 23) + ((amax & 0x7fffffu) != 0 ? 1u : 0u);
+  *scale = FromBits(e << 23);
+  const float inv = FromBits((254u - e) << 23);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t xb = Bits(x[i]);
+    const uint32_t r = Bits(FromBits(xb & 0x7fffffffu) * inv);
+    // Adding 2^19 rounds the 3-bit mantissa to nearest (ties away from zero); adding random
+    // bits rounds up with probability equal to the dropped fraction: unbiased.
+    uint32_t add = 1u << 19;
+    if constexpr (kStochastic) add = Code::RandomBits(ElementHash(key, first + uint32_t(i)));
+    const uint32_t q = (r + add) >> 20;
+    const uint32_t u = q > Code::kBias ? std::min(q - Code::kBias, Code::kTop) : 0u;
+    if constexpr (kSigned) {
+      codes[i] = uint8_t(u | (u != 0 ? (xb >> 24) & 0x80u : 0u));
+    } else {
+      // A positive v never becomes 0 (the update would divide by eps alone): the smallest
+      // code stands in for anything below it.
+      codes[i] = uint8_t(r != 0 && u == 0 ? 1u : u);
+    }
+  }
+}
+
+template <bool kSigned>
+inline float DecodeQ8(uint8_t code, float scale) {
+  const uint32_t c = code;
+  const uint32_t u = kSigned ? c & 0x7fu : c;
+  uint32_t b = u != 0 ? (u + Q8Code<kSigned>::kBias) << 20 : 0u;
+  if constexpr (kSigned) b |= (c & 0x80u) << 24;
+  return FromBits(b) * scale;
+}
+
+template <bool kSigned, bool kStochastic>
+void Q8EncodeRange(const float* x, size_t n, uint8_t* codes, float* scales, uint32_t key,
+                   size_t first) {
+  for (size_t lo = 0; lo < n; lo += kQ8Block) {
+    const size_t len = std::min(kQ8Block, n - lo);
+    uint32_t amax = 0;
+    for (size_t i = 0; i < len; ++i) amax = std::max(amax, AbsBits(x[lo + i]));
+    EncodeQ8Values<kSigned, kStochastic>(x + lo, len, amax, codes + lo, scales + lo / kQ8Block,
+                                         key, uint32_t(first + lo));
+  }
+}
+
+void Q8EncodeLoop(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,
+                  bool stochastic, uint32_t seed, size_t first) {
+  const uint32_t key = Lowbias32(seed);
+  if (is_signed) {
+    (stochastic ? Q8EncodeRange<true, true> : Q8EncodeRange<true, false>)(x, n, codes, scales,
+                                                                          key, first);
+  } else {
+    (stochastic ? Q8EncodeRange<false, true> : Q8EncodeRange<false, false>)(x, n, codes, scales,
+                                                                            key, first);
+  }
+}
+
+template <bool kSigned>
+void Q8DecodeRange(const uint8_t* __restrict codes, const float* __restrict scales, size_t n,
+                   float* __restrict out) {
+  for (size_t lo = 0; lo < n; lo += kQ8Block) {
+    const size_t len = std::min(kQ8Block, n - lo);
+    const float scale = scales[lo / kQ8Block];
+    for (size_t i = 0; i < len; ++i) out[lo + i] = DecodeQ8<kSigned>(codes[lo + i], scale);
+  }
+}
+
+void Q8DecodeLoop(const uint8_t* codes, const float* scales, size_t n, float* out,
+                  bool is_signed) {
+  (is_signed ? Q8DecodeRange<true> : Q8DecodeRange<false>)(codes, scales, n, out);
+}
+
+// A moment block into float32 (its storage: float32, bfloat16 or q8) and back.
+inline void LoadMomentBlock(const void* x, const float* scales, bool bf16, bool q8, bool is_signed,
+                            size_t lo, size_t n, float* out) {
+  if (q8) {
+    Q8DecodeLoop(static_cast<const uint8_t*>(x) + lo, scales + lo / kQ8Block, n, out, is_signed);
+  } else if (bf16) {
+    const uint16_t* h = static_cast<const uint16_t*>(x) + lo;
+    for (size_t i = 0; i < n; ++i) out[i] = Bf16ToF32Elem(h[i]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(x) + lo, n * sizeof(float));
+  }
+}
+
+inline void StoreMomentBlock(const float* in, bool bf16, bool q8, bool is_signed, bool stochastic,
+                             uint32_t seed, size_t lo, size_t n, void* x, float* scales) {
+  if (q8) {
+    Q8EncodeLoop(in, n, static_cast<uint8_t*>(x) + lo, scales + lo / kQ8Block, is_signed,
+                 stochastic, seed, lo);
+  } else if (bf16) {
+    uint16_t* h = static_cast<uint16_t*>(x) + lo;
+    for (size_t i = 0; i < n; ++i) h[i] = F32ToBf16Elem(in[i]);
+  } else {
+    std::memcpy(static_cast<float*>(x) + lo, in, n * sizeof(float));
+  }
+}
+
+// AdamW where one moment is q8 and the other not: block by block (begin is a multiple of
+// kQ8Block), each block's moments decoded into float32 on the stack, advanced by the loop above,
+// encoded again. The gradient block is copied too, so the update may overwrite it (XLA's
+// aliasing).
+template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
+void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
+  using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
+  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
+                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const GradT* grad = static_cast<const GradT*>(a.grad);
+  alignas(64) float m[kQ8Block], v[kQ8Block];
+  alignas(64) GradT g[kQ8Block];
+  for (size_t lo = begin; lo < end; lo += kQ8Block) {
+    const size_t n = std::min(kQ8Block, end - lo);
+    LoadMomentBlock(a.m, a.m_scale, a.mu_bf16, a.mu_q8, true, lo, n, m);
+    LoadMomentBlock(a.v, a.v_scale, a.nu_bf16, a.nu_q8, false, lo, n, v);
+    std::memcpy(g, grad + lo, n * sizeof(GradT));
+    AdamWLoop<GradT, float, float, kWd, kUpdateParam, kBf16Out, kOut, true>(
+        n, s, m, v, g, a.param + lo,
+        kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
+        kOut >= kOutDelta ? a.delta_base + lo : nullptr,
+        kBf16Out ? a.param_bf16_out + lo : nullptr,
+        kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr);
+    StoreMomentBlock(m, a.mu_bf16, a.mu_q8, true, a.stochastic, a.seed, lo, n, a.m, a.m_scale);
+    StoreMomentBlock(v, a.nu_bf16, a.nu_q8, false, a.stochastic, a.seed, lo, n, a.v, a.v_scale);
+  }
+}
+
+// AdamW with both moments q8 (the common case), fused: per block one pass decodes m and v,
+// advances them, writes the outputs and finds each moment's largest magnitude; a second pass
+// encodes both. 2.5x fewer passes over the block than the general path above.
+template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kStochastic>
+__attribute__((noinline)) void AdamWQ8Block(
+    size_t n, const Scalars s, uint8_t* __restrict mc, float* __restrict ms,
+    uint8_t* __restrict vc, float* __restrict vs, const GradT* __restrict grad,
+    float* __restrict p, float* __restrict out, const uint16_t* __restrict base,
+    uint16_t* __restrict pb, uint16_t* __restrict ub, uint32_t key, uint32_t first) {
+  alignas(64) float m[kQ8Block], v[kQ8Block];
+  const float m_scale = *ms, v_scale = *vs;
+  uint32_t m_amax = 0, v_amax = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float g = Load(grad, i) * s.scale;
+    const float mi = std::fma(s.c1, g, s.b1 * DecodeQ8<true>(mc[i], m_scale));
+    const float vi = std::fma(s.c2, g * g, s.b2 * DecodeQ8<false>(vc[i], v_scale));
+    m[i] = mi;
+    v[i] = vi;
+    m_amax = std::max(m_amax, AbsBits(mi));
+    v_amax = std::max(v_amax, AbsBits(vi));
+    float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
+    if constexpr (kWd) u = std::fma(s.wd, p[i], u);
+    u = u * s.neg_lr;
+    float pn = 0.0f;
+    if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
+    if constexpr (kUpdateParam) {
+      pn = pn + u;
+      p[i] = pn;
+    }
+    if constexpr (kOut == kOutUpdate) out[i] = u;
+    if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
+    if constexpr (kOut == kOutDeltaBf16) {
+      ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
+    }
+    if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
+  }
+  EncodeQ8Values<true, kStochastic>(m, n, m_amax, mc, ms, key, first);
+  EncodeQ8Values<false, kStochastic>(v, n, v_amax, vc, vs, key, first);
+}
+
+template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kStochastic>
+void AdamWQ8Range(const AdamWArgs& a, size_t begin, size_t end) {
+  using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
+  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
+                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const GradT* grad = static_cast<const GradT*>(a.grad);
+  uint8_t* mc = static_cast<uint8_t*>(a.m);
+  uint8_t* vc = static_cast<uint8_t*>(a.v);
+  const uint32_t key = Lowbias32(a.seed);
+  const void* out_any = kOut == kOutDeltaBf16 ? static_cast<void*>(a.update_bf16)
+                                              : static_cast<void*>(a.update_out);
+  const bool aliased = kOut != kOutNone && out_any == static_cast<const void*>(grad);
+  alignas(64) GradT g[kQ8Block];
+  for (size_t lo = begin; lo < end; lo += kQ8Block) {
+    const size_t n = std::min(kQ8Block, end - lo);
+    const GradT* gb = grad + lo;
+    if (aliased) {  // the update overwrites the gradient: read it from a copy (__restrict)
+      std::memcpy(g, gb, n * sizeof(GradT));
+      gb = g;
+    }
+    const size_t k = lo / kQ8Block;
+    AdamWQ8Block<GradT, kWd, kUpdateParam, kBf16Out, kOut, kStochastic>(
+        n, s, mc + lo, a.m_scale + k, vc + lo, a.v_scale + k, gb, a.param + lo,
+        kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
+        kOut >= kOutDelta ? a.delta_base + lo : nullptr,
+        kBf16Out ? a.param_bf16_out + lo : nullptr,
+        kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr, key, uint32_t(lo));
+  }
+}
+
 void Bf16ToF32Loop(const uint16_t* __restrict src, float* __restrict dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToF32Elem(src[i]);
 }
@@ -151,14 +423,30 @@ constexpr AdamWRangeFn AdamWEntry() {
                      (I & 64) != 0, (I & 128) != 0>;
 }
 
-template <size_t... I>
-constexpr KernelTable MakeTable(std::index_sequence<I...>) {
-  return KernelTable{JAX_MLPO_STR(JAX_MLPO_ISA_NS) + 4,  // drop "isa_"
-                     {AdamWEntry<I>()...}, &Bf16ToF32Loop,
-                     &F32ToBf16Loop, &TriadLoop};
+template <size_t I>
+constexpr AdamWRangeFn AdamWBlockedEntry() {
+  return &AdamWBlockedRange<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0,
+                            int(I >> 4 & 3)>;
 }
 
-constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>());
+template <size_t I>
+constexpr AdamWRangeFn AdamWQ8Entry() {
+  return &AdamWQ8Range<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0, int(I >> 4 & 3),
+                       (I & 64) != 0>;
+}
+
+template <size_t... I, size_t... J, size_t... K>
+constexpr KernelTable MakeTable(std::index_sequence<I...>, std::index_sequence<J...>,
+                                std::index_sequence<K...>) {
+  return KernelTable{JAX_MLPO_STR(JAX_MLPO_ISA_NS) + 4,  // drop "isa_"
+                     {AdamWEntry<I>()...}, {AdamWBlockedEntry<J>()...}, {AdamWQ8Entry<K>()...},
+                     &Q8EncodeLoop, &Q8DecodeLoop,
+                     &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop};
+}
+
+constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>(),
+                                         std::make_index_sequence<64>(),
+                                         std::make_index_sequence<128>());
 static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16, true, true) == 255,
               "table layout");
 

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
+from jax_mlpo.native.quantize import checked_quantized
+from jax_mlpo.quantize import Quantized
 from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
 
 __all__ = ["adamw_step", "adamw_update"]
@@ -48,16 +50,17 @@ _ADAMW_ERRORS = {
 declare(
     LIB,
     [
-        ("jax_mlpo_adamw_step", [P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P,
-                                 ctypes.c_int, P, P, I64, _SCALARS, ctypes.c_int], ctypes.c_int),
+        ("jax_mlpo_adamw_step", [P, P, ctypes.c_int, P, P, ctypes.c_uint32, P, ctypes.c_int, P,
+                                 ctypes.c_int, P, ctypes.c_int, P, P, I64, _SCALARS,
+                                 ctypes.c_int], ctypes.c_int),
     ],
 )  # fmt: skip
 jax.ffi.register_ffi_target("jax_mlpo_adamw", jax.ffi.pycapsule(LIB.JaxMlpoAdamW), platform="cpu")
 
 
 def adamw_step(
-    m: np.ndarray,
-    v: np.ndarray,
+    m: np.ndarray | Quantized,
+    v: np.ndarray | Quantized,
     grad: np.ndarray,
     param: np.ndarray,
     update_out: np.ndarray | None,
@@ -66,6 +69,7 @@ def adamw_step(
     update_param: bool = False,
     delta_base: np.ndarray | None = None,
     param_bf16_out: np.ndarray | None = None,
+    seed: int | None = None,
 ) -> None:
     """One fused AdamW step over a contiguous segment, in place (native, multi-threaded).
 
@@ -76,8 +80,9 @@ def adamw_step(
     overwrites the gradient it is computed from; no other written array may overlap another.
 
     Args:
-      m: float32 or bfloat16 first moment, updated in place.
-      v: float32 or bfloat16 second moment, updated in place.
+      m: float32 or bfloat16 first moment, or its q8 code (:class:`Quantized`), updated in
+        place.
+      v: the same for the second moment.
       grad: float32 or bfloat16 gradient (bfloat16 is converted on the fly).
       param: float32 parameters; read for weight decay, updated in place when ``update_param``.
       update_out: float32 output for the update, or None; with ``delta_base`` it receives
@@ -87,14 +92,22 @@ def adamw_step(
       update_param: whether to add the update to ``param`` in place.
       delta_base: bfloat16 params the caller will add the update to, or None.
       param_bf16_out: bfloat16 output for the new params (round to nearest even), or None.
+      seed: q8 moments are rounded stochastically with this seed
+        (:func:`jax_mlpo.quantize.segment_seed`), or to nearest when None.
 
     Raises:
       ValueError: on a wrong dtype, a non-contiguous or read-only output, a size mismatch,
         overlapping outputs, or ``delta_base`` without ``update_out``.
     """
-    m = checked_array("m", m, (F32, BF16), None, writable=True)
+    moments = []
+    for name, x in (("m", m), ("v", v)):
+        size = moments[0].size if moments else None
+        if isinstance(x, Quantized):
+            moments.append(checked_quantized(name, x, size, writable=True))
+        else:
+            moments.append(checked_array(name, x, (F32, BF16), size, writable=True))
+    m, v = moments
     n = m.size
-    v = checked_array("v", v, (F32, BF16), n, writable=True)
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
     ptr = {}
@@ -114,21 +127,28 @@ def adamw_step(
     # once to float32 (ctypes' double -> float conversion rounds to nearest even, like numpy).
     scale = hyper.grad_scale != 1.0
     scalars = _SCALARS(
-        float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype), float(1.0 - hyper.b2),
+        float(1.0 - hyper.b1), moment_decay(hyper.b1, _dtype(m)), float(1.0 - hyper.b2),
         float(hyper.b2),
         float(hyper.bc1), float(hyper.bc2), float(hyper.eps), float(hyper.weight_decay),
         float(-hyper.lr), float(hyper.grad_scale) if scale else 1.0,
     )  # fmt: skip
-    moments_bf16 = int(m.dtype == BF16) | int(v.dtype == BF16) << 1
+    q8 = isinstance(m, Quantized), isinstance(v, Quantized)
+    flags = (int(_dtype(m) == BF16) | int(_dtype(v) == BF16) << 1 | int(q8[0]) << 2
+             | int(q8[1]) << 3 | int(seed is not None) << 4)  # fmt: skip
     rc = LIB.jax_mlpo_adamw_step(
-        address(m), address(v), moments_bf16, address(grad), int(grad.dtype == BF16),
-        address(param),
+        address(m.codes) if q8[0] else address(m), address(v.codes) if q8[1] else address(v),
+        flags, address(m.scales) if q8[0] else None, address(v.scales) if q8[1] else None,
+        int(seed or 0), address(grad), int(grad.dtype == BF16), address(param),
         int(update_param), ptr["update_out"], int(update_bf16), ptr["delta_base"],
         ptr["param_bf16_out"], n,
         scalars, int(hyper.weight_decay != 0.0),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"adamw_step: {_ADAMW_ERRORS.get(rc, f'error {rc}')}")
+
+
+def _dtype(x: np.ndarray | Quantized) -> np.dtype:
+    return x.codes.dtype if isinstance(x, Quantized) else x.dtype
 
 
 def adamw_update(

@@ -2,7 +2,8 @@
 
 Effective bandwidth is the bytes the algorithm must move / time (STREAM convention: no
 write-allocate traffic counted). AdamW reads m, v, g, p and writes m, v and u (or p in place):
-7 x 4 bytes per element with fp32 gradients (3 x 4 + 4 x 2 with bfloat16 m and v); triad
+7 x 4 bytes per element with fp32 gradients (3 x 4 + 4 x 2 with bfloat16 m and v, 3 x 4 + 4 x 1
++ 4 x 4 / 256 with q8 m and v and their block scales); triad
 a = b + s * c moves 3 x 4; memcpy 2 x 4.
 All kernels run in one process, interleaved round-robin (the machines are shared and their
 bandwidth drifts; interleaving exposes every kernel to the same conditions), one warm-up each,
@@ -32,6 +33,8 @@ import optax
 from experiments.bench.harness import round_robin, write_json
 from jax_mlpo import native
 from jax_mlpo.kernels import BF16, F32, AdamWHyper, adamw_step_reference
+from jax_mlpo.native.quantize import q8_encode
+from jax_mlpo.quantize import BLOCK, Quantized, num_blocks
 
 log = logging.getLogger("bench.kernels")
 
@@ -41,7 +44,7 @@ HYPER = AdamWHyper(bc1=0.19, bc2=0.002, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wei
 class Case(NamedTuple):
     key: str
     label: str
-    bytes_per_elem: int
+    bytes_per_elem: float
     fn: Callable[[], object]
     # Cases that allocate (numpy temporaries, a fresh XLA output each call) fault in pages and
     # disturb whatever runs beside them: they are measured in a second, separate round-robin.
@@ -56,6 +59,13 @@ def native_cases(n: int) -> list[Case]:
     g16 = g.astype(BF16)
     h16 = np.empty(n, BF16)
     m16, v16 = np.zeros(n, BF16), np.zeros(n, BF16)
+    # q8 moments of a running AdamW (small m, v = m^2 scale), not zeros: an all-zero block
+    # takes the encoder's short path.
+    m8 = Quantized(np.empty(n, np.uint8), np.empty(num_blocks(n), F32))
+    v8 = Quantized(np.empty(n, np.uint8), np.empty(num_blocks(n), F32))
+    q8_encode(g * 1e-3, m8, signed=True)
+    q8_encode(np.square(g * 1e-3), v8, signed=False)
+    q8_bytes = 3 * 4 + 4 * 1 + 4 * 4 / BLOCK
 
     def numpy_reference():
         with np.errstate(all="ignore"):
@@ -70,6 +80,10 @@ def native_cases(n: int) -> list[Case]:
              lambda: native.adamw_step(m, v, g16, p, u, HYPER)),
         Case("adamw_bf16_moments_gbps", "native AdamW, bf16 m, v (r m,v,g,p; w m,v,u)", 20,
              lambda: native.adamw_step(m16, v16, g, p, u, HYPER)),
+        Case("adamw_q8_moments_gbps", "native AdamW, q8 m, v, nearest", q8_bytes,
+             lambda: native.adamw_step(m8, v8, g, p, u, HYPER)),
+        Case("adamw_q8_stochastic_gbps", "native AdamW, q8 m, v, stochastic", q8_bytes,
+             lambda: native.adamw_step(m8, v8, g, p, u, HYPER, seed=1)),
         Case("triad_gbps", "STREAM triad a=b+s*c (native)", 12,
              lambda: native.stream_triad(a, p, g, 3.0)),
         Case("memcpy_gbps", "memcpy (native, threaded)", 8, lambda: native.parallel_copy(a, p)),
@@ -191,6 +205,8 @@ def measure(cases: list[Case], n: int, repeats: int) -> dict[str, float]:
 TARGETS = {
     "ratio_adamw_over_triad": 0.7,
     "ratio_adamw_bf16_moments_over_triad": 0.6,
+    "ratio_adamw_q8_moments_over_triad": 0.6,
+    "ratio_adamw_q8_stochastic_over_triad": 0.6,
     "ratio_adamw_over_xla": 1.3,
     "ratio_adamw_inplace_over_xla_inplace": 1.3,
     "ratio_adamw_over_numpy": 5.0,
@@ -204,7 +220,7 @@ def table(cases: list[Case], figures: dict[str, float]) -> str:
     ]
     order = ["adamw", "ffi", "xla", "numpy", "triad", "memcpy", "bf16", "f32"]
     for c in sorted(cases, key=lambda c: order.index(c.key.split("_")[0])):
-        rows.append(f"| {c.label:<42} | {c.bytes_per_elem:>6} | {figures[c.key]:>6.1f} |")
+        rows.append(f"| {c.label:<42} | {c.bytes_per_elem:>6.4g} | {figures[c.key]:>6.1f} |")
     rows += ["", f"| {'ratio':<42} | {'value':>6} | {'target':>6} |", rows[1]]
     for key, target in TARGETS.items():
         if key in figures:
@@ -240,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     figures["ratio_adamw_bf16_moments_over_triad"] = (
         figures["adamw_bf16_moments_gbps"] / figures["triad_gbps"]
     )
+    for kind in ("q8_moments", "q8_stochastic"):
+        figures[f"ratio_adamw_{kind}_over_triad"] = (
+            figures[f"adamw_{kind}_gbps"] / figures["triad_gbps"]
+        )
     if "xla_adamw_gbps" in figures:  # like for like: the same arrays read and written
         figures["ratio_adamw_over_xla"] = adamw / figures["xla_adamw_gbps"]
         figures["ratio_adamw_inplace_over_xla_inplace"] = (
