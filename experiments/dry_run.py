@@ -31,7 +31,8 @@ class MemoryPlan:
       processes: processes sharing the state.
       params_per_process: parameters whose state one process holds.
       state_bytes_per_param: the fp32 master (4, bf16 params only: fp32 params are their own
-        master copy) and m and v at their dtypes (4 or 2 each): 12 or 8 with float32 moments.
+        master copy) and m and v at their dtypes (4, 2, or 1 + 4/256 for q8 with its scales
+        each): 12 or 8 with float32 moments.
       subgroup_elems: parameters per subgroup (the last one may be smaller).
       num_subgroups: subgroups per process.
       host: the engine's host buffer plan.
@@ -44,7 +45,7 @@ class MemoryPlan:
     param_dtype: str
     processes: int
     params_per_process: int
-    state_bytes_per_param: int
+    state_bytes_per_param: float
     subgroup_elems: int
     num_subgroups: int
     host: HostPlan
@@ -53,7 +54,7 @@ class MemoryPlan:
 
     @property
     def state_bytes_per_process(self) -> int:
-        return self.params_per_process * self.state_bytes_per_param
+        return math.ceil(self.params_per_process * self.state_bytes_per_param)
 
 
 def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
@@ -82,8 +83,8 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
     host = host_plan(
         off,
         num_subgroups=n_sg,
-        state_bytes=per_proc * per_param,
-        max_state_elems=size * per_param // 4,
+        state_bytes=math.ceil(per_proc * per_param),
+        max_state_elems=math.ceil(size * per_param / 4),
         max_subgroup_elems=size,
     )
     given = [(t.read_bandwidth, t.write_bandwidth) for t in host.tiers]
@@ -142,10 +143,10 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
             (["fp32 master"] if plan.param_dtype == "bfloat16" else [])
             + [f"m {cfg.optimizer.mu_dtype}", f"v {cfg.optimizer.nu_dtype}"]
         ),
-        "state_bytes": plan.params * per_param,
+        "state_bytes": math.ceil(plan.params * per_param),
         "state_bytes_per_process": state,
         "subgroups_per_process": plan.num_subgroups,
-        "subgroup_bytes": plan.subgroup_elems * per_param,
+        "subgroup_bytes": math.ceil(plan.subgroup_elems * per_param),
         "host_cache": cfg.offload.host_cache,
         "pipeline_buffers": host.minimum,
         "retained_subgroups": host.retained,
@@ -160,10 +161,10 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
             out["tiers"][tier.path] = {
                 "subgroups": count,
                 "retained": kept,
-                "bytes": count * plan.subgroup_elems * per_param,
+                "bytes": math.ceil(count * plan.subgroup_elems * per_param),
             }
         # The last subgroup is smaller: take the difference off the tier holding the most.
-        short = (plan.num_subgroups * plan.subgroup_elems - per_proc) * per_param
+        short = math.floor((plan.num_subgroups * plan.subgroup_elems - per_proc) * per_param)
         max(out["tiers"].values(), key=lambda t: t["subgroups"])["bytes"] -= short
         out["tier_bandwidths"] = (
             "given" if plan.bandwidths_given else "assumed equal (probed at start)"
@@ -200,7 +201,10 @@ def format_dry_run(d: dict[str, Any]) -> str:
         ("parameters", f"{d['params']:,}"),
         ("processes", f"{d['processes']}"),
         ("parameters per process", f"{d['params_per_process']:,}"),
-        ("optimizer state per parameter", f"{d['state_bytes_per_param']} B ({d['state_parts']})"),
+        (
+            "optimizer state per parameter",
+            f"{d['state_bytes_per_param']:.4g} B ({d['state_parts']})",
+        ),
         ("optimizer state, all processes", _gb(d["state_bytes"])),
         ("optimizer state per process", _gb(d["state_bytes_per_process"])),
         (

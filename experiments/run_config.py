@@ -58,9 +58,12 @@ class OptimizerConfig:
     clip_norm: float = 1.0
     """Global gradient norm clipping."""
     mu_dtype: str = "float32"
-    """The first moment's dtype: float32, or bfloat16 (optax's mu_dtype): 2 bytes per param."""
+    """The first moment's dtype: float32, bfloat16 (optax's mu_dtype): 2 bytes per param, or q8
+    (8-bit blockwise, jax_mlpo only): 1 byte and a scale per 256."""
     nu_dtype: str = "float32"
-    """The second moment's dtype: float32, or bfloat16 (jax_mlpo only, not in optax)."""
+    """The second moment's dtype: float32, bfloat16 or q8 (jax_mlpo only, not in optax)."""
+    q8_rounding: str = "nearest"
+    """How q8 moments are rounded: nearest or stochastic."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,8 +382,16 @@ def _check(cfg: RunConfig) -> None:
         if not 0 <= getattr(cfg.optimizer, key) < 1:
             raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")
     for key in ("mu_dtype", "nu_dtype"):
-        if getattr(cfg.optimizer, key) not in ("float32", "bfloat16"):
-            raise ConfigError(f"config key 'optimizer.{key}' must be 'float32' or 'bfloat16'")
+        if getattr(cfg.optimizer, key) not in ("float32", "bfloat16", "q8"):
+            raise ConfigError(
+                f"config key 'optimizer.{key}' must be 'float32', 'bfloat16' or 'q8', "
+                f"got {getattr(cfg.optimizer, key)!r}"
+            )
+    if cfg.optimizer.q8_rounding not in ("nearest", "stochastic"):
+        raise ConfigError(
+            "config key 'optimizer.q8_rounding' must be 'nearest' or 'stochastic', "
+            f"got {cfg.optimizer.q8_rounding!r}"
+        )
     d = cfg.data
     if d.source not in ("default", "text", "tokens"):
         raise ConfigError(

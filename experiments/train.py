@@ -146,11 +146,17 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
     if use_optax:
         if o.nu_dtype != "float32":
             raise ConfigError(
-                "optimizer.nu_dtype=bfloat16 is jax_mlpo's; optax.adamw keeps nu in the params' "
-                "dtype: drop --optimizer optax or set optimizer.nu_dtype=float32"
+                f"optimizer.nu_dtype={o.nu_dtype} is jax_mlpo's; optax.adamw keeps nu in the "
+                "params' dtype: drop --optimizer optax or set optimizer.nu_dtype=float32"
+            )
+        if o.mu_dtype == "q8":
+            raise ConfigError(
+                "optimizer.mu_dtype=q8 is jax_mlpo's; optax.adamw takes a float mu_dtype: drop "
+                "--optimizer optax or set optimizer.mu_dtype=bfloat16 or float32"
             )
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(schedule, **kwargs))
     kwargs["nu_dtype"] = None if o.nu_dtype == "float32" else o.nu_dtype
+    kwargs["q8_rounding"] = o.q8_rounding
     for tier in cfg.offload.tiers:
         if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
             Path(tier.path).parent.mkdir(parents=True, exist_ok=True)

@@ -243,8 +243,15 @@ class Engine:
                 grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                 blob = pool.blob(i, resident.slot)
                 kernels.adamw_subgroup(
-                    self._kernel, sgs[i], blob, leaves, grad_blob, hypers, init_master=count == 0,
-                    count=count, stochastic=self.stochastic_rounding,
+                    self._kernel,
+                    sgs[i],
+                    blob,
+                    leaves,
+                    grad_blob,
+                    hypers,
+                    init_master=count == 0,
+                    count=count,
+                    stochastic=self.stochastic_rounding,
                 )
                 leaves.store(sgs[i])
                 metrics.compute_s += time.monotonic() - t0

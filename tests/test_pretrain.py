@@ -469,6 +469,27 @@ def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
         run_config.load_config(TINY, ["optimizer.mu_dtype=float16"])
 
 
+def test_q8_moments_in_the_config(tmp_path):
+    """optimizer.mu_dtype/nu_dtype=q8: a byte and 4/256 of a scale each in the plan and the
+    optimizer, q8_rounding passed on; optax refuses q8 (it has no such dtype)."""
+    sets = ["optimizer.mu_dtype=q8", "optimizer.nu_dtype=q8", "optimizer.q8_rounding=stochastic",
+            "offload.host_cache=1MiB", f"run_dir={tmp_path}"]  # fmt: skip
+    cfg = run_config.load_config(TINY, sets)
+    n = param_count(get_preset("tiny"))
+    plan = dry_run(cfg, 1)
+    assert plan["state_bytes_per_process"] == math.ceil(n * (2 + 8 / 256))
+    assert plan["state_parts"] == "m q8, v q8"
+    state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
+    engine = jax_mlpo.engine_of(state)
+    assert engine.stochastic_rounding
+    assert engine.layout.state_bytes == 2 * 64_000 + 8 * math.ceil(64_000 / 256)
+    jax_mlpo.close(state)
+    with pytest.raises(run_config.ConfigError, match="mu_dtype=q8 is jax_mlpo's"):
+        train.build_optimizer(run_config.load_config(TINY, sets[:1]), use_optax=True)
+    with pytest.raises(run_config.ConfigError, match="'optimizer.q8_rounding' must be"):
+        run_config.load_config(TINY, ["optimizer.q8_rounding=up"])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_config_loads_and_validates(path, monkeypatch):
     # Not XLA's count of the pass's temporaries (compiling a 2B model's step takes 15-25 s;

@@ -17,6 +17,7 @@ from test_native import _hyper, _problem, assert_bits_equal, view
 import jax_mlpo
 from jax_mlpo import native
 from jax_mlpo.kernels import adamw_step_reference
+from jax_mlpo.quantize import decode_reference, encode_reference
 from jax_mlpo.types import BF16, F32
 
 MOMENTS = [(BF16, F32), (F32, BF16), (BF16, BF16)]
@@ -159,22 +160,47 @@ def test_eager_is_the_jitted_update_bit_for_bit(tmp_path):
         assert_bits_equal(runs["eager"][1][i], runs["jit"][1][i], f"mu {name}")
 
 
-def test_moment_dtypes_other_than_float32_and_bfloat16_are_refused(tmp_path):
+def test_moment_dtypes_other_than_float32_bfloat16_and_q8_are_refused(tmp_path):
     config = tt.offload_config(tt.CASES[0], jnp.float32, tmp_path)
-    with pytest.raises(ValueError, match="nu_dtype=float16: jax_mlpo stores moments in float32"):
+    with pytest.raises(ValueError, match="nu_dtype=float16: jax_mlpo stores moments in float32, "):
         jax_mlpo.adamw(1e-3, offload=config, nu_dtype=jnp.float16)
 
 
-def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_path):
-    """A checkpoint of bfloat16 moments resumes bit for bit; restored into float32 moments
-    they are widened exactly, and float32 moments restored into bfloat16 ones are rounded to
-    nearest even. The manifest says which dtype the engine kept each array in."""
+def narrowed(engine, wide: dict[str, list[np.ndarray]], name: str) -> list[np.ndarray]:
+    """Float32 moments as ``engine`` stores them: rounded to bfloat16, or encoded as q8 (to
+    nearest) segment by segment, its blocks starting where the engine's segments do."""
+    signed = name == "mu"
+    out = [np.array(x, F32) for x in wide[name]]
+    dtype = engine.layout.moment_dtypes[0 if signed else 1]
+    if dtype == BF16:
+        return [x.astype(BF16).astype(F32) for x in out]
+    for sg in engine.layout.subgroups:
+        for seg in sg.segments:
+            flat = out[seg.leaf].reshape(-1)
+            code = encode_reference(flat[seg.leaf_span], signed=signed)
+            flat[seg.leaf_span] = decode_reference(code, signed=signed)
+    return out
+
+
+NARROW = {
+    "bf16": dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    "q8": dict(mu_dtype="q8", nu_dtype="q8", q8_rounding="stochastic"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NARROW))
+def test_checkpoints_resume_narrow_moments_exactly_and_restore_across_dtypes(kind, tmp_path):
+    """A checkpoint of bfloat16 or q8 moments resumes bit for bit (q8: the files hold the
+    decoded values, which encode to themselves; stochastic rounding draws the same bits);
+    restored into float32 moments they are widened exactly, and float32 moments restored into
+    narrow ones are rounded to nearest. The manifest says which dtype the engine kept each
+    array in."""
     import crash_worker as job
     from test_checkpoint import assert_states_equal, logical_state, spec_for, start_job
 
     from jax_mlpo import checkpoint
 
-    bf16 = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+    bf16 = NARROW[kind]  # the narrow moments' arguments
 
     def start(root, **kwargs):
         spec = spec_for(tmp_path / root, "bfloat16", 1, "none", True, subgroup_size=20_011)
@@ -190,7 +216,9 @@ def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_p
     item = Path(spec["ckpt"]) / "2" / "opt_state"
     records = checkpoint.OffloadCheckpointHandler().metadata(item)
     stored = {k: r["state_dtype"] for k, r in records.items() if "state_dtype" in r}
-    assert {v for k, v in stored.items() if "/mu/" in k or "/nu/" in k} == {"bfloat16"}
+    assert {v for k, v in stored.items() if "/mu/" in k or "/nu/" in k} == {
+        "q8" if kind == "q8" else "bfloat16"
+    }
     assert {v for k, v in stored.items() if "/master/" in k} == {"float32"}
 
     _, update, fresh, opt_state = start("b", **bf16)
@@ -201,19 +229,25 @@ def test_checkpoints_resume_bf16_moments_exactly_and_restore_across_dtypes(tmp_p
         assert_bits_equal(job.as_bits(got)[name], bits, f"resumed {name}")
     jax_mlpo.close(opt_state)
 
-    _, _, fresh, opt_state = start("c")  # float32 moments: the same values, widened
+    _, update, fresh, opt_state = start("c")  # float32 moments: the same values, widened
     _, got, opt_state, _ = checkpoint.restore(mngr, fresh, opt_state)
     assert_states_equal(logical_state(opt_state), saved)
+    got, opt_state, _ = job.train(update, got, opt_state, 2, 3)  # moments no narrow type holds
     checkpoint.save(mngr, 3, got, opt_state, {"step": 3})
     wide = logical_state(opt_state)
     jax_mlpo.close(opt_state)
 
-    _, _, fresh, opt_state = start("d", **bf16)  # and back: float32 rounded to bfloat16
+    # and back into narrow moments, onto other subgroups: rounded to nearest
+    spec = spec_for(tmp_path / "d", "bfloat16", 1, "none", True, subgroup_size=30_011)
+    _, _, fresh, opt_state = start_job(spec, **bf16)
     mngr.reload()
     _, _, opt_state, _ = checkpoint.restore(mngr, fresh, opt_state, step=3)
     narrow = logical_state(opt_state)
+    engine = jax_mlpo.engine_of(opt_state)
     for name in ("mu", "nu"):
-        for a, b in zip(narrow[name], wide[name], strict=True):
-            np.testing.assert_array_equal(a, b.astype(BF16).astype(F32))
+        want = narrowed(engine, wide, name)
+        assert not all(np.array_equal(a, b) for a, b in zip(want, wide[name], strict=True))
+        for a, b in zip(narrow[name], want, strict=True):
+            np.testing.assert_array_equal(a, b)
     jax_mlpo.close(opt_state)
     mngr.close()

@@ -1,5 +1,6 @@
-"""Training with narrower optimizer state: the same run with float32, bfloat16 m and v, and
-bfloat16 m only, side by side: the loss curves in one plot and the final losses' ratios.
+"""Training with narrower optimizer state: the same run with float32, bfloat16 m and v,
+bfloat16 m only, and q8 m and v (nearest or stochastic rounding), side by side: the loss curves
+in one plot and the final losses' ratios.
 
 Each variant is ``pretrain.py`` on the same config, seed and batches (a subprocess each, its own
 run directory), with ``optimizer.mu_dtype`` / ``optimizer.nu_dtype`` set by ``--set``. The final
@@ -25,18 +26,22 @@ from experiments.bench.harness import write_json
 
 logger = logging.getLogger("bench.state_dtypes_loss")
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = {  # name: (mu_dtype, nu_dtype)
-    "fp32": ("float32", "float32"),
-    "bf16-m-v": ("bfloat16", "bfloat16"),
-    "bf16-m": ("bfloat16", "float32"),
+VARIANTS = {  # name: (mu_dtype, nu_dtype, q8_rounding)
+    "fp32": ("float32", "float32", "nearest"),
+    "bf16-m-v": ("bfloat16", "bfloat16", "nearest"),
+    "bf16-m": ("bfloat16", "float32", "nearest"),
+    "q8-m-v": ("q8", "q8", "nearest"),
+    "q8-m-v-stochastic": ("q8", "q8", "stochastic"),
 }
 
 
-def run_variant(args, name: str, mu: str, nu: str, run_dir: Path) -> list[float]:
+def run_variant(args, name: str, run_dir: Path) -> list[float]:
     """One pretrain.py run; its per-step losses from the metrics JSONL."""
+    mu, nu, rounding = VARIANTS[name]
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"run_dir={run_dir}", f"steps={args.steps}", f"log_every={args.log_every}",
-            f"optimizer.mu_dtype={mu}", f"optimizer.nu_dtype={nu}", "report.plot=false",
+            f"optimizer.mu_dtype={mu}", f"optimizer.nu_dtype={nu}",
+            f"optimizer.q8_rounding={rounding}", "report.plot=false",
             "checkpoint.every=0"]  # fmt: skip
     if args.tier:  # a config's explicit tier (e2e-125m.yaml's): one per variant, under run_dir
         sets.append(f"offload.tiers=[{{path: {run_dir / 'tier'}}}]")
@@ -96,6 +101,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", default=None, help="plot a --json result again; no runs")
+    parser.add_argument("--reuse", default=None,
+                        help="a --json result whose curves of the same config and steps stand in "
+                        "for variants not in --variants (runs are deterministic: check a few "
+                        "steps of one against it first)")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.replot:
@@ -106,9 +115,15 @@ def main() -> None:
         return
 
     curves = {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            saved = json.load(f)
+        if (saved["config"], saved["steps"]) != (args.config, args.steps):
+            parser.error(f"--reuse {args.reuse} ran {saved['config']} for {saved['steps']} steps")
+        curves |= saved["losses"]
+        logger.info("reused from %s: %s", args.reuse, ", ".join(saved["losses"]))
     for k, name in enumerate(args.variants.split(",")):
-        mu, nu = VARIANTS[name]
-        curves[name] = run_variant(args, name, mu, nu, Path(args.dir).resolve() / f"v{k}")
+        curves[name] = run_variant(args, name, Path(args.dir).resolve() / f"v{k}")
     final = {name: statistics.fmean(losses[-args.tail :]) for name, losses in curves.items()}
     base = final.get("fp32")
     result = {
