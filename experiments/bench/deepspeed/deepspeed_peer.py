@@ -17,7 +17,7 @@ same subgroup size, same pinned host memory budget, same disk directory for both
   the configuration all principles are built for); ``jax_mlpo all (1 dir)``: all principles on
   the single directory DeepSpeed uses; ``jax_mlpo all (1 dir), bf16 m and v``: the same with
   ``mu_dtype`` and ``nu_dtype`` bfloat16 (8 of the 12 bytes per param on the disk, the same
-  host budget).
+  host budget); ``jax_mlpo all (1 dir), q8 m and v``: with ``"q8"`` moments (6.03 of 12).
 
 Host memory budget: DeepSpeed pipelined needs ``buffer_count`` = 3 subgroups x 4 tensors (p, m,
 v, gradient) = 12 buffers of one subgroup each, 48 bytes per subgroup element; every system gets
@@ -72,7 +72,7 @@ logger = logging.getLogger("bench.deepspeed_peer")
 MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
 SYSTEMS = (
     "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
-    "jax-bf16-moments",
+    "jax-bf16-moments", "jax-q8-moments",
 )  # fmt: skip
 LABELS = {
     "ds-partitioned": "deepspeed partitioned",
@@ -81,6 +81,7 @@ LABELS = {
     "jax-all-2dirs": "jax_mlpo all (2 dirs)",
     "jax-all-1dir": "jax_mlpo all (1 dir)",
     "jax-bf16-moments": "jax_mlpo all (1 dir), bf16 m and v",
+    "jax-q8-moments": "jax_mlpo all (1 dir), q8 m and v",
 }
 
 
@@ -118,6 +119,8 @@ def jax_worker(args) -> dict:
     moments = {}
     if args.worker == "jax-bf16-moments":
         moments = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+    if args.worker == "jax-q8-moments":
+        moments = dict(mu_dtype="q8", nu_dtype="q8", q8_rounding=args.q8_rounding)
     tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config, **moments)
     # The gradients donated, as they are intermediates inside a train step: the update is then
     # written over their buffer (a fresh copy each step, made outside the timing).
@@ -233,6 +236,8 @@ def run_system(system: str, args, directory: str) -> dict:
             str(args.prefetch_depth),
             "--jax-dtype",
             args.jax_dtype,
+            "--q8-rounding",
+            args.q8_rounding,
             *common,
         )
     t0 = time.perf_counter()
@@ -263,6 +268,8 @@ def main() -> None:
         "DeepSpeed); fp32 params stay with the caller and only m, v are offloaded (8 B/param)",
     )
     parser.add_argument("--io-mode", default="direct", help="jax_mlpo FileTier.io_mode")
+    parser.add_argument("--q8-rounding", default="nearest", choices=("nearest", "stochastic"),
+                        help="jax-q8-moments' q8_rounding")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
     parser.add_argument("--ds-warmup", type=int, default=1, help="after DeepSpeed's initial pass")
@@ -380,11 +387,12 @@ def main() -> None:
             rows[system]["tier_efficiency"] = spread(per_round)
 
     ratios = {}
-    if "jax-bf16-moments" in runs and "jax-all-1dir" in runs:  # the same system, narrower state
-        ratios["bf16_moments_speedup_full"] = ratio_spread(
-            [a["update_s"] for a in runs["jax-all-1dir"]],
-            [b["update_s"] for b in runs["jax-bf16-moments"]],
-        )
+    for narrow in ("bf16", "q8"):  # the same system, narrower state
+        if f"jax-{narrow}-moments" in runs and "jax-all-1dir" in runs:
+            ratios[f"{narrow}_moments_speedup_full"] = ratio_spread(
+                [a["update_s"] for a in runs["jax-all-1dir"]],
+                [b["update_s"] for b in runs[f"jax-{narrow}-moments"]],
+            )
 
     def ratio(name: str, num: str, num_key: str, den: str, den_key: str, add_grad=False):
         if num not in runs or den not in runs:
@@ -397,6 +405,7 @@ def main() -> None:
         ("jax-all-1dir", "_1dir"),
         ("jax-baseline", "_baseline"),
         ("jax-bf16-moments", "_bf16_moments"),
+        ("jax-q8-moments", "_q8_moments"),
     ):
         ratio(
             f"speedup_vs_deepspeed_pipelined{tag}_host",
