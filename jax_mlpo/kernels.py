@@ -73,9 +73,9 @@ def adamw_step_reference(
     # reciprocal, and u + wd * p contracts to fma(wd, p, u).
     # A bfloat16 moment is widened here and rounded (to nearest even) when stored; the update
     # uses the float32 values, as optax does with mu_dtype (types.moment_decay: the decay).
-    # With a q8 moment the kernel uses the float32 fma itself (one rounding), not its float64
-    # emulation: the moments are rounded to 3 bits anyway, and it is 1.3x faster.
-    fma = _fma_single if any(q8) else _fma
+    # With both moments q8 the kernel uses the float32 fma itself (one rounding), not its
+    # float64 emulation: the moments are rounded to 3 bits anyway, and it is 1.3x faster.
+    fma = _fma_single if all(q8) else _fma
     m32 = fma(f32(1.0 - hyper.b1), g, f32(moment_decay(hyper.b1, m.dtype)) * m.astype(F32))
     v32 = fma(f32(1.0 - hyper.b2), g * g, f32(hyper.b2) * v.astype(F32))
     for stored, x, signed in ((m_stored, m32, True), (v_stored, v32, False)):

@@ -114,7 +114,7 @@ def main() -> None:
         plot(saved["losses"], args.plot, title)
         return
 
-    curves = {}
+    curves, reused = {}, []
     if args.reuse:
         with open(args.reuse) as f:
             saved = json.load(f)
@@ -122,8 +122,15 @@ def main() -> None:
             parser.error(f"--reuse {args.reuse} ran {saved['config']} for {saved['steps']} steps")
         curves |= saved["losses"]
         logger.info("reused from %s: %s", args.reuse, ", ".join(saved["losses"]))
-    for k, name in enumerate(args.variants.split(",")):
-        curves[name] = run_variant(args, name, Path(args.dir).resolve() / f"v{k}")
+    ran = args.variants.split(",")
+    for k, name in enumerate(ran):
+        fresh = run_variant(args, name, Path(args.dir).resolve() / f"v{k}")
+        if name in curves:
+            logger.info("%s: the same losses as in %s: %s", name, args.reuse,
+                        fresh == curves[name])  # fmt: skip
+        curves[name] = fresh
+    if args.reuse:
+        reused = [name for name in curves if name not in ran]
     final = {name: statistics.fmean(losses[-args.tail :]) for name, losses in curves.items()}
     base = final.get("fp32")
     result = {
@@ -133,6 +140,7 @@ def main() -> None:
         "final_loss": final,
         "ratio_to_float32": {k: v / base for k, v in final.items()} if base else None,
         "losses": curves,
+        "reused": {"from": args.reuse, "variants": reused} if reused else None,
     }
     for name, value in final.items():
         logger.info("%s: final loss %.4f%s", name, value,

@@ -235,7 +235,7 @@ void AdamW(const AdamWArgs& args, size_t n) {
   const int index = AdamWIndex(args.grad_bf16, args.has_wd, args.update_param,
                                args.param_bf16_out != nullptr, out, args.mu_bf16, args.nu_bf16);
   const KernelTable& table = Kernels();
-  const AdamWRangeFn fn = args.mu_q8 && args.nu_q8 ? table.adamw_q8[(index & 63) | (args.stochastic ? 64 : 0)]
+  const AdamWRangeFn fn = args.mu_q8 && args.nu_q8   ? table.adamw_q8[index & 63]
                           : args.mu_q8 || args.nu_q8 ? table.adamw_blocked[index & 63]
                                                      : table.adamw[index];
   static_assert(kChunkAlignElems % kQ8Block == 0, "chunks must start on a q8 block");

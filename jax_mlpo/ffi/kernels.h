@@ -65,7 +65,7 @@ struct KernelTable {
   const char* isa;
   AdamWRangeFn adamw[256];
   AdamWRangeFn adamw_blocked[64];  // one moment q8: indexed by AdamWIndex's low 6 bits
-  AdamWRangeFn adamw_q8[128];      // both q8: those bits, and 64 when rounding stochastically
+  AdamWRangeFn adamw_q8[64];       // both q8: the same index
   Q8EncodeFn q8_encode;
   Q8DecodeFn q8_decode;
   void (*bf16_to_f32)(const uint16_t* src, float* dst, size_t n);

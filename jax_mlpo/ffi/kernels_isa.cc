@@ -20,18 +20,24 @@
 namespace jax_mlpo::JAX_MLPO_ISA_NS {
 namespace {
 
-inline float Bf16ToF32Elem(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
+inline uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+inline float FromBits(uint32_t b) {
   float f;
-  std::memcpy(&f, &bits, sizeof f);
+  std::memcpy(&f, &b, sizeof f);
   return f;
 }
+
+inline float Bf16ToF32Elem(uint16_t h) { return FromBits(uint32_t(h) << 16); }
 
 // Round to nearest even, as XLA's and ml_dtypes' conversions: NaN -> sign | 0x7fc0 (quiet NaN,
 // payload dropped), inf stays inf, overflow rounds to inf, denormals are kept (no DAZ/FTZ).
 inline uint16_t F32ToBf16Elem(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
+  const uint32_t x = Bits(f);
   uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
   uint32_t nan = ((x >> 16) & 0x8000u) | 0x7fc0u;
   return uint16_t((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
@@ -54,9 +60,9 @@ inline float Fma64(float a, float x, float y) {
   return float(double(a) * double(x) + double(y));
 }
 
-// q8 moments are rounded anyway, so their loop uses the float32 fma itself (as XLA:CPU does),
-// which is 1.3x faster here than the float64 emulation; the reference rounds to odd in float64
-// to get the same single rounding (jax_mlpo/kernels.py).
+// Both moments q8: they are rounded to 3 bits anyway, so their loop uses the float32 fma itself
+// (as XLA:CPU does), 1.3x faster here than the float64 emulation; the reference rounds to odd
+// in float64 to get the same single rounding (jax_mlpo/kernels.py).
 template <bool kHwFma>
 inline float Fma(float a, float x, float y) {
   if constexpr (kHwFma) {
@@ -66,12 +72,43 @@ inline float Fma(float a, float x, float y) {
   }
 }
 
+// One element's update from its new moments: optax's scale_by_adam, add_decayed_weights and
+// learning rate, in XLA:CPU's order (see jax_mlpo/kernels.py).
+template <bool kWd, bool kHwFma>
+inline float AdamWUpdate(const Scalars& s, float mi, float vi, float p) {
+  float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
+  if constexpr (kWd) u = Fma<kHwFma>(s.wd, p, u);
+  return u * s.neg_lr;
+}
+
+// Where an element's update goes: the param in place, the update itself or the new param's
+// difference to the bf16 params (float32 or bfloat16), and the new param rounded to bfloat16.
+template <bool kUpdateParam, bool kBf16Out, int kOut>
+inline void AdamWOutputs(size_t i, float u, float* __restrict p, float* __restrict out,
+                         const uint16_t* __restrict base, uint16_t* __restrict pb,
+                         uint16_t* __restrict ub) {
+  float pn = 0.0f;
+  if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
+  if constexpr (kUpdateParam) {
+    pn = pn + u;
+    p[i] = pn;
+  }
+  if constexpr (kOut == kOutUpdate) out[i] = u;
+  if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
+  // Both operands are bf16 values, so the float32 difference is bf16 subtraction's exact
+  // result before its one rounding (exact itself when they are within 2x: Sterbenz).
+  if constexpr (kOut == kOutDeltaBf16) {
+    ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
+  }
+  if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
+}
+
 // The loop proper. The pointers are __restrict function parameters: GCC ignores restrict on
 // locals here and would fall back to run-time alias checks (or scalar code).
 // A bfloat16 moment is widened on load and rounded (to nearest even) on store; the update uses
 // the float32 values before that rounding, as optax's mu_dtype does.
 template <typename GradT, typename MuT, typename NuT, bool kWd, bool kUpdateParam, bool kBf16Out,
-          int kOut, bool kHwFma = false>
+          int kOut>
 __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restrict m,
                                          NuT* __restrict v, const GradT* __restrict grad,
                                          float* __restrict p, float* __restrict out,
@@ -80,27 +117,12 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restr
   for (size_t i = 0; i < n; ++i) {
     const float g = Load(grad, i) * s.scale;
     // optax's update_moment(_per_elem_norm) as XLA:CPU compiles it (see jax_mlpo/kernels.py).
-    const float mi = Fma<kHwFma>(s.c1, g, s.b1 * Load(m, i));
-    const float vi = Fma<kHwFma>(s.c2, g * g, s.b2 * Load(v, i));
+    const float mi = Fma64(s.c1, g, s.b1 * Load(m, i));
+    const float vi = Fma64(s.c2, g * g, s.b2 * Load(v, i));
     Store(m, i, mi);
     Store(v, i, vi);
-    float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
-    if constexpr (kWd) u = Fma<kHwFma>(s.wd, p[i], u);
-    u = u * s.neg_lr;
-    float pn = 0.0f;
-    if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
-    if constexpr (kUpdateParam) {
-      pn = pn + u;
-      p[i] = pn;
-    }
-    if constexpr (kOut == kOutUpdate) out[i] = u;
-    if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
-    // Both operands are bf16 values, so the float32 difference is bf16 subtraction's exact
-    // result before its one rounding (exact itself when they are within 2x: Sterbenz).
-    if constexpr (kOut == kOutDeltaBf16) {
-      ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
-    }
-    if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
+    const float u = AdamWUpdate<kWd, false>(s, mi, vi, p[i]);
+    AdamWOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
 }
 
@@ -146,18 +168,6 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
 
 // ---- The 8-bit blockwise moment (kernels.h has the format) ---------------------------------
 
-inline uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-
-inline float FromBits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
 // Chris Wellons' lowbias32: a cheap integer hash with good avalanche; a stochastic rounding's
 // seed goes through it once per call.
 inline uint32_t Lowbias32(uint32_t x) {
@@ -196,39 +206,84 @@ inline uint32_t ElementHash(uint32_t key, uint32_t index) {
 
 inline uint32_t AbsBits(float x) { return Bits(x) & 0x7fffffffu; }
 
-// Encodes n <= kQ8Block values whose largest magnitude has bits amax. key: the hashed seed; first:
-// x[0]'s index in the stream.
-template <bool kSigned, bool kStochastic>
-inline void EncodeQ8Values(const float* __restrict x, size_t n, uint32_t amax,
-                           uint8_t* __restrict codes, float* __restrict scale, uint32_t key,
-                           uint32_t first) {
-  using Code = Q8Code<kSigned>;
+// A block's scale from the bits of its largest magnitude, and the multiplier to apply to its
+// values. False for a block stored without codes (n zero codes, the scale 0 below 2^-90 and NaN
+// above 2^126 or for a non-finite value), which it writes.
+inline bool Q8Scale(uint32_t amax, size_t n, uint8_t* __restrict codes, float* __restrict scale,
+                    float* inv) {
   if (amax < kQ8FlushBits || amax > kQ8MaxBits) {
     std::memset(codes, 0, n);
     *scale = amax < kQ8FlushBits ? 0.0f : FromBits(0x7fc00000u);
-    return;
+    return false;
   }
   // The scale 2^e is the smallest power of two >= amax, so every |x| / 2^e is in [0, 1] and
   // computed exactly (as is the decode's product): a decoded block re-encodes to itself.
   const uint32_t e = (amax >> 23) + ((amax & 0x7fffffu) != 0 ? 1u : 0u);
   *scale = FromBits(e << 23);
-  const float inv = FromBits((254u - e) << 23);
+  *inv = FromBits((254u - e) << 23);
+  return true;
+}
+
+// One element's code from its bits, its block's multiplier and the rounding's addend: 2^19
+// rounds the 3-bit mantissa to nearest (ties away from zero); 20 random bits round up with
+// probability equal to the dropped fraction (unbiased).
+template <bool kSigned>
+inline uint8_t EncodeQ8(uint32_t xb, float inv, uint32_t add) {
+  using Code = Q8Code<kSigned>;
+  const uint32_t r = Bits(FromBits(xb & 0x7fffffffu) * inv);
+  const uint32_t q = (r + add) >> 20;
+  const uint32_t u = q > Code::kBias ? std::min(q - Code::kBias, Code::kTop) : 0u;
+  if constexpr (kSigned) {
+    return uint8_t(u | (u != 0 ? (xb >> 24) & 0x80u : 0u));
+  } else {
+    // A positive v never becomes 0 (the update would divide by eps alone): the smallest code
+    // stands in for anything below it.
+    return uint8_t(r != 0 && u == 0 ? 1u : u);
+  }
+}
+
+// Encodes n <= kQ8Block values whose largest magnitude has bits amax. key: the hashed seed; first:
+// x[0]'s index in the stream.
+// (The encode and decode loops are not inlined into the AdamW variants: one copy each keeps the
+// build time of the 128 variants that call them near the float32 table's.)
+template <bool kSigned, bool kStochastic>
+__attribute__((noinline)) void EncodeQ8Values(const float* __restrict x, size_t n, uint32_t amax,
+                           uint8_t* __restrict codes, float* __restrict scale, uint32_t key,
+                           uint32_t first) {
+  float inv;
+  if (!Q8Scale(amax, n, codes, scale, &inv)) return;
   for (size_t i = 0; i < n; ++i) {
-    const uint32_t xb = Bits(x[i]);
-    const uint32_t r = Bits(FromBits(xb & 0x7fffffffu) * inv);
-    // Adding 2^19 rounds the 3-bit mantissa to nearest (ties away from zero); adding random
-    // bits rounds up with probability equal to the dropped fraction: unbiased.
     uint32_t add = 1u << 19;
-    if constexpr (kStochastic) add = Code::RandomBits(ElementHash(key, first + uint32_t(i)));
-    const uint32_t q = (r + add) >> 20;
-    const uint32_t u = q > Code::kBias ? std::min(q - Code::kBias, Code::kTop) : 0u;
-    if constexpr (kSigned) {
-      codes[i] = uint8_t(u | (u != 0 ? (xb >> 24) & 0x80u : 0u));
-    } else {
-      // A positive v never becomes 0 (the update would divide by eps alone): the smallest
-      // code stands in for anything below it.
-      codes[i] = uint8_t(r != 0 && u == 0 ? 1u : u);
+    if constexpr (kStochastic) {
+      add = Q8Code<kSigned>::RandomBits(ElementHash(key, first + uint32_t(i)));
     }
+    codes[i] = EncodeQ8<kSigned>(Bits(x[i]), inv, add);
+  }
+}
+
+// Both moments of a block in one loop, one hash per element for both (the fused kernel's).
+template <bool kStochastic>
+__attribute__((noinline)) void EncodeQ8Moments(const float* __restrict m, const float* __restrict v, size_t n,
+                            uint32_t m_amax, uint32_t v_amax, uint8_t* __restrict mc,
+                            float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs,
+                            uint32_t key, uint32_t first) {
+  float m_inv, v_inv;
+  const bool m_coded = Q8Scale(m_amax, n, mc, ms, &m_inv);
+  const bool v_coded = Q8Scale(v_amax, n, vc, vs, &v_inv);
+  if (!m_coded || !v_coded) {  // a zero or NaN block: the other one alone
+    if (m_coded) EncodeQ8Values<true, kStochastic>(m, n, m_amax, mc, ms, key, first);
+    if (v_coded) EncodeQ8Values<false, kStochastic>(v, n, v_amax, vc, vs, key, first);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t m_add = 1u << 19, v_add = 1u << 19;
+    if constexpr (kStochastic) {
+      const uint32_t h = ElementHash(key, first + uint32_t(i));
+      m_add = Q8Code<true>::RandomBits(h);
+      v_add = Q8Code<false>::RandomBits(h);
+    }
+    mc[i] = EncodeQ8<true>(Bits(m[i]), m_inv, m_add);
+    vc[i] = EncodeQ8<false>(Bits(v[i]), v_inv, v_add);
   }
 }
 
@@ -281,7 +336,7 @@ void Q8DecodeLoop(const uint8_t* codes, const float* scales, size_t n, float* ou
 }
 
 // A moment block into float32 (its storage: float32, bfloat16 or q8) and back.
-inline void LoadMomentBlock(const void* x, const float* scales, bool bf16, bool q8, bool is_signed,
+__attribute__((noinline)) void LoadMomentBlock(const void* x, const float* scales, bool bf16, bool q8, bool is_signed,
                             size_t lo, size_t n, float* out) {
   if (q8) {
     Q8DecodeLoop(static_cast<const uint8_t*>(x) + lo, scales + lo / kQ8Block, n, out, is_signed);
@@ -293,7 +348,7 @@ inline void LoadMomentBlock(const void* x, const float* scales, bool bf16, bool 
   }
 }
 
-inline void StoreMomentBlock(const float* in, bool bf16, bool q8, bool is_signed, bool stochastic,
+__attribute__((noinline)) void StoreMomentBlock(const float* in, bool bf16, bool q8, bool is_signed, bool stochastic,
                              uint32_t seed, size_t lo, size_t n, void* x, float* scales) {
   if (q8) {
     Q8EncodeLoop(in, n, static_cast<uint8_t*>(x) + lo, scales + lo / kQ8Block, is_signed,
@@ -307,9 +362,9 @@ inline void StoreMomentBlock(const float* in, bool bf16, bool q8, bool is_signed
 }
 
 // AdamW where one moment is q8 and the other not: block by block (begin is a multiple of
-// kQ8Block), each block's moments decoded into float32 on the stack, advanced by the loop above,
-// encoded again. The gradient block is copied too, so the update may overwrite it (XLA's
-// aliasing).
+// kQ8Block), each block's moments decoded into float32 on the stack, advanced by the float32
+// table's own loop (its float64-emulated fma: no new instantiations), encoded again. The
+// gradient block is copied too, so the update may overwrite it (XLA's aliasing).
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
@@ -323,7 +378,7 @@ void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
     LoadMomentBlock(a.m, a.m_scale, a.mu_bf16, a.mu_q8, true, lo, n, m);
     LoadMomentBlock(a.v, a.v_scale, a.nu_bf16, a.nu_q8, false, lo, n, v);
     std::memcpy(g, grad + lo, n * sizeof(GradT));
-    AdamWLoop<GradT, float, float, kWd, kUpdateParam, kBf16Out, kOut, true>(
+    AdamWLoop<GradT, float, float, kWd, kUpdateParam, kBf16Out, kOut>(
         n, s, m, v, g, a.param + lo,
         kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
         kOut >= kOutDelta ? a.delta_base + lo : nullptr,
@@ -336,45 +391,37 @@ void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
 
 // AdamW with both moments q8 (the common case), fused: per block one pass decodes m and v,
 // advances them, writes the outputs and finds each moment's largest magnitude; a second pass
-// encodes both. 2.5x fewer passes over the block than the general path above.
-template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kStochastic>
+// encodes both. 2.5x fewer passes over the block than the general path above. (The rounding is
+// chosen per block, not compiled into each variant: the table stays 64 entries.)
+template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 __attribute__((noinline)) void AdamWQ8Block(
     size_t n, const Scalars s, uint8_t* __restrict mc, float* __restrict ms,
     uint8_t* __restrict vc, float* __restrict vs, const GradT* __restrict grad,
     float* __restrict p, float* __restrict out, const uint16_t* __restrict base,
-    uint16_t* __restrict pb, uint16_t* __restrict ub, uint32_t key, uint32_t first) {
+    uint16_t* __restrict pb, uint16_t* __restrict ub, bool stochastic, uint32_t key,
+    uint32_t first) {
   alignas(64) float m[kQ8Block], v[kQ8Block];
   const float m_scale = *ms, v_scale = *vs;
   uint32_t m_amax = 0, v_amax = 0;
   for (size_t i = 0; i < n; ++i) {
     const float g = Load(grad, i) * s.scale;
-    const float mi = std::fma(s.c1, g, s.b1 * DecodeQ8<true>(mc[i], m_scale));
-    const float vi = std::fma(s.c2, g * g, s.b2 * DecodeQ8<false>(vc[i], v_scale));
+    const float mi = Fma<true>(s.c1, g, s.b1 * DecodeQ8<true>(mc[i], m_scale));
+    const float vi = Fma<true>(s.c2, g * g, s.b2 * DecodeQ8<false>(vc[i], v_scale));
     m[i] = mi;
     v[i] = vi;
     m_amax = std::max(m_amax, AbsBits(mi));
     v_amax = std::max(v_amax, AbsBits(vi));
-    float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
-    if constexpr (kWd) u = std::fma(s.wd, p[i], u);
-    u = u * s.neg_lr;
-    float pn = 0.0f;
-    if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
-    if constexpr (kUpdateParam) {
-      pn = pn + u;
-      p[i] = pn;
-    }
-    if constexpr (kOut == kOutUpdate) out[i] = u;
-    if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
-    if constexpr (kOut == kOutDeltaBf16) {
-      ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
-    }
-    if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
+    const float u = AdamWUpdate<kWd, true>(s, mi, vi, p[i]);
+    AdamWOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
-  EncodeQ8Values<true, kStochastic>(m, n, m_amax, mc, ms, key, first);
-  EncodeQ8Values<false, kStochastic>(v, n, v_amax, vc, vs, key, first);
+  if (stochastic) {
+    EncodeQ8Moments<true>(m, v, n, m_amax, v_amax, mc, ms, vc, vs, key, first);
+  } else {
+    EncodeQ8Moments<false>(m, v, n, m_amax, v_amax, mc, ms, vc, vs, key, first);
+  }
 }
 
-template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kStochastic>
+template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 void AdamWQ8Range(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
   const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
@@ -395,12 +442,13 @@ void AdamWQ8Range(const AdamWArgs& a, size_t begin, size_t end) {
       gb = g;
     }
     const size_t k = lo / kQ8Block;
-    AdamWQ8Block<GradT, kWd, kUpdateParam, kBf16Out, kOut, kStochastic>(
+    AdamWQ8Block<GradT, kWd, kUpdateParam, kBf16Out, kOut>(
         n, s, mc + lo, a.m_scale + k, vc + lo, a.v_scale + k, gb, a.param + lo,
         kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
         kOut >= kOutDelta ? a.delta_base + lo : nullptr,
         kBf16Out ? a.param_bf16_out + lo : nullptr,
-        kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr, key, uint32_t(lo));
+        kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr, a.stochastic, key,
+        uint32_t(lo));
   }
 }
 
@@ -431,8 +479,8 @@ constexpr AdamWRangeFn AdamWBlockedEntry() {
 
 template <size_t I>
 constexpr AdamWRangeFn AdamWQ8Entry() {
-  return &AdamWQ8Range<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0, int(I >> 4 & 3),
-                       (I & 64) != 0>;
+  return &AdamWQ8Range<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0,
+                       int(I >> 4 & 3)>;
 }
 
 template <size_t... I, size_t... J, size_t... K>
@@ -446,7 +494,7 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>, std::index_sequence<J
 
 constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>(),
                                          std::make_index_sequence<64>(),
-                                         std::make_index_sequence<128>());
+                                         std::make_index_sequence<64>());
 static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16, true, true) == 255,
               "table layout");
 

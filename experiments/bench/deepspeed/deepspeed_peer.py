@@ -268,7 +268,7 @@ def main() -> None:
         "DeepSpeed); fp32 params stay with the caller and only m, v are offloaded (8 B/param)",
     )
     parser.add_argument("--io-mode", default="direct", help="jax_mlpo FileTier.io_mode")
-    parser.add_argument("--q8-rounding", default="nearest", choices=("nearest", "stochastic"),
+    parser.add_argument("--q8-rounding", default="stochastic", choices=("nearest", "stochastic"),
                         help="jax-q8-moments' q8_rounding")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
