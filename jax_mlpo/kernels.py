@@ -159,6 +159,7 @@ def adamw_subgroup(
       stochastic: q8 moments are rounded stochastically (else to nearest).
     """
     p, m, v = sg.split(blob)
+    stochastic = stochastic and (isinstance(m, Quantized) or isinstance(v, Quantized))
     for seg in sg.segments:
         s = seg.span
         grad, param, out = leaves.segment(seg)
