@@ -170,9 +170,10 @@ def step_parity(gpu, cpu, n: int, steps: int) -> None:
             native.cuda_host_unregister(h)
 
 
-def transport_parity(gpu, cpu, steps: int) -> None:
+def transport_parity(gpu, cpu, steps: int, **moments) -> None:
     """jax_mlpo.adamw on GPU params (the CUDA host-update handler: subgroups staged through
-    pinned buffers on XLA's stream) equals the same run on the CPU device bit for bit."""
+    pinned buffers on XLA's stream) equals the same run on the CPU device bit for bit
+    (``moments``: ``mu_dtype``/``nu_dtype``, e.g. q8)."""
     import tempfile
     import time
 
@@ -189,7 +190,7 @@ def transport_parity(gpu, cpu, steps: int) -> None:
                 for i, (k, shape) in enumerate(shapes.items())
             }
             config = jax_mlpo.OffloadConfig(host_cache="64MiB", tiers=[tier], subgroup_size=1 << 18)
-            tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+            tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config, **moments)
             state = tx.init(params)
 
             @jax.jit
@@ -211,7 +212,8 @@ def transport_parity(gpu, cpu, steps: int) -> None:
 
     results = {dev.platform: run(dev) for dev in (gpu, cpu)}
     ok = all(same_bits(results["gpu"][k], results["cpu"][k]) for k in shapes)
-    check(ok, f"{steps + 1} jax_mlpo.adamw steps on the GPU equal the CPU run bit for bit")
+    what = f" ({', '.join(f'{k}={v}' for k, v in moments.items())})" if moments else ""
+    check(ok, f"{steps + 1} jax_mlpo.adamw steps{what} on the GPU equal the CPU run bit for bit")
 
 
 def small_buffer_error(gpu) -> None:
@@ -242,6 +244,7 @@ def main() -> int:
     cpu = jax.devices("cpu")[0]
     checks = [lambda: step_parity(gpus[0], cpu, (1 << 20) + 3, args.steps)]
     checks += [lambda: transport_parity(gpus[0], cpu, args.steps)]
+    checks += [lambda: transport_parity(gpus[0], cpu, args.steps, mu_dtype="q8", nu_dtype="q8")]
     checks += [functools.partial(bandwidth, gpus[0], mib << 20, args.repeats) for mib in args.mib]
     checks += [lambda: small_buffer_error(gpus[0])]
     for fn in checks:
