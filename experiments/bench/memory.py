@@ -9,7 +9,8 @@ optax's state) donated:
 * ``none``: ``p - 1e-3 * g``: params + gradients, the floor any optimizer sits on;
 * ``optax``: ``optax.adamw`` on an fp32 master copy in memory (master, m, v: 12 B/param), the
   bf16 params its rounding, as mixed-precision training keeps them;
-* ``jax_mlpo``: ``jax_mlpo.adamw``, all state on a disk tier, ``--cache`` of host cache.
+* ``jax_mlpo``: ``jax_mlpo.adamw``, all state on a disk tier, ``--cache`` of host cache;
+* ``jax_mlpo_q8``: the same with q8 m and v (``mu_dtype="q8"``, ``nu_dtype="q8"``).
 
 Then a least-squares line per system over the sizes: its slope (bytes per param) and intercept.
 Issue 14's targets: jax_mlpo's slope <= 4.5 B/param and its intercept within host_cache + 256
@@ -38,7 +39,7 @@ from experiments.host_memory import peak_rss_bytes, process_memory
 logger = logging.getLogger("bench.memory")
 
 LEAF = 16 * 2**20  # elements per param leaf
-SYSTEMS = ("none", "optax", "jax_mlpo")
+SYSTEMS = ("none", "optax", "jax_mlpo", "jax_mlpo_q8")
 
 
 def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dict:
@@ -93,7 +94,8 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
 
     else:
         config = jax_mlpo.OffloadConfig(host_cache=cache, tiers=[tier], subgroup_size=LEAF // 4)
-        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+        moments = dict(mu_dtype="q8", nu_dtype="q8") if system == "jax_mlpo_q8" else {}
+        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config, **moments)
         state = tx.init(params)
 
         @functools.partial(jax.jit, donate_argnums=(0,))
@@ -108,7 +110,7 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
         jax.block_until_ready((params, state))
         times.append(time.perf_counter() - t0)
     engine_host = None
-    if system == "jax_mlpo":
+    if system.startswith("jax_mlpo"):
         engine = jax_mlpo.engine_of(state)
         engine_host = engine.host_bytes
         jax_mlpo.close(state)
@@ -171,7 +173,7 @@ def main() -> None:
 
                     write_json(args.json, {"rows": rows, "partial": True})
                 logger.info(
-                    "%-8s %4d Mi params: peak RSS %.2f GiB (%.2f B/param), Python allocs %.0f MiB",
+                    "%-11s %4d Mi params: peak RSS %.2f GiB (%.2f B/param), Python allocs %.0f MiB",
                     system, mi, row["peak_rss"] / 2**30, row["peak_rss"] / row["params"],
                     row["traced_peak"] / 2**20,
                 )  # fmt: skip
@@ -182,12 +184,12 @@ def main() -> None:
         s: fit([(r["params"], r["peak_rss"]) for r in rows if r["system"] == s]) for s in systems
     }
     cache = parse_size(args.cache, "--cache")
-    print(f"\n{'system':<9} " + " ".join(f"{m:>5d}Mi" for m in sizes) + "   slope B/param  "
+    print(f"\n{'system':<11} " + " ".join(f"{m:>5d}Mi" for m in sizes) + "   slope B/param  "
           "intercept GiB")  # fmt: skip
     for s in systems:
         peaks = [r["peak_rss"] / 2**30 for r in rows if r["system"] == s]
         slope, icpt = lines[s]
-        print(f"{s:<9} " + " ".join(f"{p:6.2f}G" for p in peaks)
+        print(f"{s:<11} " + " ".join(f"{p:6.2f}G" for p in peaks)
               + f"   {slope:13.2f}  {icpt / 2**30:13.2f}")  # fmt: skip
     verdict = {}
     if "jax_mlpo" in lines and "none" in lines:
