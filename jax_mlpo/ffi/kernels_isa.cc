@@ -47,6 +47,13 @@ struct Scalars {
   float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale;
 };
 
+// Division by the bias corrections is multiplication by their float32 reciprocals (IEEE
+// division, no approximation), as in XLA:CPU and the reference.
+inline Scalars ScalarsOf(const AdamWArgs& a) {
+  return Scalars{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
+                 a.eps, a.wd, a.neg_lr, a.grad_scale};
+}
+
 // Gradients and moments are float32 or bfloat16 (uint16_t bits); all arithmetic is float32.
 inline float Load(const float* x, size_t i) { return x[i]; }
 inline float Load(const uint16_t* x, size_t i) { return Bf16ToF32Elem(x[i]); }
@@ -135,10 +142,7 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
   using MuT = std::conditional_t<kMuBf16, uint16_t, float>;
   using NuT = std::conditional_t<kNuBf16, uint16_t, float>;
-  // Division by the bias corrections is multiplication by their float32 reciprocals (IEEE
-  // division, no approximation), as in XLA:CPU and the reference.
-  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
-                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const Scalars s = ScalarsOf(a);
   const GradT* grad = static_cast<const GradT*>(a.grad);
   void* out_any = kOut == kOutDeltaBf16 ? static_cast<void*>(a.update_bf16)
                                         : static_cast<void*>(a.update_out);
@@ -203,8 +207,7 @@ __attribute__((noinline)) void StoreMomentBlock(const float* in, bool bf16, bool
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
-  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
-                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const Scalars s = ScalarsOf(a);
   const GradT* grad = static_cast<const GradT*>(a.grad);
   alignas(64) float m[kQ8Block], v[kQ8Block];
   alignas(64) GradT g[kQ8Block];
@@ -226,8 +229,8 @@ void AdamWBlockedRange(const AdamWArgs& a, size_t begin, size_t end) {
 
 // AdamW with both moments q8 (the common case), fused: per block one pass decodes m and v,
 // advances them, writes the outputs and finds each moment's largest magnitude; a second pass
-// encodes both. 2.5x fewer passes over the block than the general path above. (The rounding is
-// chosen per block, not compiled into each variant: the table stays 64 entries.)
+// encodes both: two passes, against the general path's eight. The rounding is chosen per block, not
+// compiled into each variant: the table stays 64 entries.
 template <typename GradT, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 __attribute__((noinline)) void AdamWQ8Block(
     size_t n, const Scalars s, uint8_t* __restrict mc, float* __restrict ms,
@@ -259,8 +262,7 @@ __attribute__((noinline)) void AdamWQ8Block(
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut>
 void AdamWQ8Range(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
-  const Scalars s{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
-                  a.eps, a.wd, a.neg_lr, a.grad_scale};
+  const Scalars s = ScalarsOf(a);
   const GradT* grad = static_cast<const GradT*>(a.grad);
   uint8_t* mc = static_cast<uint8_t*>(a.m);
   uint8_t* vc = static_cast<uint8_t*>(a.v);
