@@ -188,7 +188,7 @@ def test_kernel_equals_the_reference_on_every_isa(n, grad_bf16, seed, kinds):
 
 
 def test_the_q8_kernel_rounds_its_fma_once():
-    """With a q8 moment the kernel computes (1 - b1) * g + b1 * m with one rounding (the
+    """With both moments q8 the kernel computes (1 - b1) * g + b1 * m with one rounding (the
     float32 fma, as XLA:CPU does), not the float64 emulation the float32 path matches optax's
     reference with: built so that the two differ (the float64 sum lands exactly on a float32
     midpoint), the kernel's update is the single rounding's."""
