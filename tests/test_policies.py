@@ -297,13 +297,17 @@ def test_replan_migrates_away_from_a_tier_that_slows_down(tmp_path):
     state = tx.init(params)
     engine = jax_mlpo.engine_of(state)
     assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
-    engine.tiers[1]._bucket.rate = 4e6  # tier b becomes 10x slower than it measured
+    # tier b becomes 40x slower than it measured; not 10x: tier a's own first steps run up to
+    # ~5x its model on a loaded machine, and at 10x the rescaled split left 4 of 6 subgroups
+    # on b (CI, stop 27; test_object_tier's twin failed the same way in stop 25)
+    engine.tiers[1]._bucket.rate = 1e6
     update = jax.jit(tx.update)
     for _ in range(6):
         updates, state = update({"w": jnp.full(N_PARAMS, 0.1)}, state, params)
         jax.block_until_ready(updates)
     # after 3 steps off the model, subgroups moved to tier a on their write-backs
-    # (10x slower: 1 of 12 in the model; CPU load also slows tier a's observed rate, so allow 3)
+    # (40x slower: 0 or 1 of 12 in the model; CPU load also slows tier a's observed rate, so
+    # allow 3)
     assert engine.tier_of.count(1) <= 3, engine.tier_of
     a_ratio = engine.bandwidth[0][0] / engine.bandwidth[1][0]
     assert a_ratio > 2  # the model now sees tier b as the slower one
