@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from jax_mlpo.checkpoint import manifest
 from jax_mlpo.checkpoint.blocks import as_read
+from jax_mlpo.checkpoint.host_arrays import DirectNumpyHandler, tree_handler
 from jax_mlpo.checkpoint.load import load
 from jax_mlpo.checkpoint.manifest import FORMAT, CorruptCheckpointError
 from jax_mlpo.checkpoint.restore_plan import plan_restore
@@ -51,7 +52,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
 
     def __init__(self) -> None:
-        self._tree = ocp.PyTreeCheckpointHandler()
+        self._arrays = DirectNumpyHandler()
+        self._tree = tree_handler(self._arrays)
 
     async def async_save(
         self, directory: epath.Path, args: OffloadSave | None = None, **kwargs: Any
@@ -74,18 +76,21 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         concurrent = getattr(args, "concurrent", True)
         host, streams = _host_tree(args, kwargs, directory, concurrent=concurrent)
         try:
+            self._arrays.digests.clear()
+            # writes the large host arrays before it returns (they are not copied)
             futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
+            records = manifest.host_records(host, self._arrays.digests)
         except BaseException:
             for stream in streams:
                 stream.snapshot.close()
             raise
         rest = ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_streams_and_manifest(directory, host, streams), name="jax_mlpo_state"
+            self._write_streams_and_manifest(directory, records, streams), name="jax_mlpo_state"
         )
         return [*(futures or []), rest]
 
     async def _write_streams_and_manifest(
-        self, directory: Any, host: Any, streams: list[OffloadedStream]
+        self, directory: Any, records: dict[str, Any], streams: list[OffloadedStream]
     ) -> None:
         try:
             if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
@@ -95,12 +100,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         finally:
             for stream in streams:
                 stream.snapshot.close()
-        self._write_manifest(directory, host, streamed)
+        self._write_manifest(directory, records, streamed)
 
-    def _write_manifest(self, directory: Any, host: Any, streamed: dict[str, Any]) -> None:
+    def _write_manifest(
+        self, directory: Any, records: dict[str, Any], streamed: dict[str, Any]
+    ) -> None:
         # Every process digests what it writes; with several, process 0 merges them at
         # finalize, once orbax has seen every process's writes complete.
-        name, text = manifest.manifest_file(host, streamed, directory)
+        name, text = manifest.manifest_file(records, streamed, directory)
         manifest.write_synced(directory / name, text)
 
     def save(self, directory: epath.Path, args: OffloadSave | None = None, **kwargs: Any) -> None:
@@ -115,12 +122,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         # loop: orbax exposes no public way to run a coroutine where a loop may be running.
         host, streams = _host_tree(args, kwargs, directory, concurrent=False)
         try:
+            self._arrays.digests.clear()
             self._tree.save(directory, args=ocp.args.PyTreeSave(host))
+            records = manifest.host_records(host, self._arrays.digests)
             streamed = write_streams(directory, streams)
         finally:
             for stream in streams:
                 stream.snapshot.close()
-        self._write_manifest(directory, host, streamed)
+        self._write_manifest(directory, records, streamed)
 
     def restore(self, directory: epath.Path, args: OffloadRestore | None = None) -> Any:
         """Restores the tree saved in ``directory``, verified against its checksums.

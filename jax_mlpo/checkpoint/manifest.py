@@ -50,11 +50,33 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint's contents differ from what was saved (or it is incomplete)."""
 
 
-def manifest_file(host: Any, streamed: dict[str, Any], where: Any) -> tuple[str, str]:
-    """The manifest file this process writes for the host tree it saves.
+def host_records(host: Any, digests: dict[int, str] | None = None) -> dict[str, Any]:
+    """The manifest's records of the host tree this process saves: dtype, shape and the sha256
+    of each leaf or shard it writes.
+
+    Computed when the save starts, before the caller's next update may change the arrays.
 
     Args:
       host: the snapshot being saved (see :func:`jax_mlpo.checkpoint.snapshot.snapshot`).
+      digests: sha256s already computed while writing, by ``id`` of the array written
+        (:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler`).
+    """
+    records = {}
+    for name, leaf in leaves(host).items():
+        a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+        records[name] = {
+            "dtype": np.dtype(a.dtype).name,
+            "shape": [int(d) for d in a.shape],
+            "shards": _written_shards(leaf, digests or {}),
+        }
+    return records
+
+
+def manifest_file(records: dict[str, Any], streamed: dict[str, Any], where: Any) -> tuple[str, str]:
+    """The manifest file this process writes for what it saved.
+
+    Args:
+      records: its host tree's records (:func:`host_records`).
       streamed: the records of the offloaded states' arrays this process wrote
         (:func:`jax_mlpo.checkpoint.stream.write_streams`).
       where: the item's directory, for error messages.
@@ -64,7 +86,7 @@ def manifest_file(host: Any, streamed: dict[str, Any], where: Any) -> tuple[str,
       single-process run; with several processes, this process's digests, for
       :func:`merge_process_manifests` to merge once every process has written its own.
     """
-    digests = _process_manifest(host, streamed)
+    digests = _process_manifest(records, streamed)
     if jax.process_count() == 1:
         name, content = CHECKSUMS_FILE, _merge([digests], where)
     else:
@@ -215,8 +237,9 @@ def _seal(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _written_shards(leaf: Any) -> list[dict[str, Any]]:
-    """sha256s of the parts of ``leaf`` that this process writes.
+def _written_shards(leaf: Any, digests: dict[int, str]) -> list[dict[str, Any]]:
+    """sha256s of the parts of ``leaf`` that this process writes (``digests``: by ``id`` of
+    host arrays, those computed while writing them).
 
     Follows orbax's rule of who writes what: a sharded array's shards are written by the
     processes holding their replica 0, host arrays and scalars by process 0.
@@ -232,20 +255,14 @@ def _written_shards(leaf: Any) -> list[dict[str, Any]]:
         ]
     if jax.process_index() != 0:
         return []
+    if id(leaf) in digests:
+        return [{"index": [list(r) for r in full(leaf.shape)], "sha256": digests.pop(id(leaf))}]
     described = _describe(leaf)
     return [{"index": [list(r) for r in full(described["shape"])], "sha256": described["sha256"]}]
 
 
-def _process_manifest(host: Any, streamed: dict[str, Any]) -> dict[str, Any]:
+def _process_manifest(records: dict[str, Any], streamed: dict[str, Any]) -> dict[str, Any]:
     """The digests of what this process writes of the host tree and streams, sealed."""
-    records = {}
-    for name, leaf in leaves(host).items():
-        a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        records[name] = {
-            "dtype": np.dtype(a.dtype).name,
-            "shape": [int(d) for d in a.shape],
-            "shards": _written_shards(leaf),
-        }
     body = {
         "format": FORMAT,
         "process": jax.process_index(),

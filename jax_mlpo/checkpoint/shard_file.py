@@ -42,7 +42,7 @@ def array_spec(path: str, size: int) -> dict[str, Any]:
     }
 
 
-def _open(path: str, flags: int) -> int:
+def open_direct(path: str, flags: int) -> int:
     """``path`` opened with O_DIRECT, or through the page cache where the file system has no
     O_DIRECT (tmpfs)."""
     try:
@@ -82,7 +82,7 @@ class ShardWriter:
         ts.open(array_spec(path, size), create=True, delete_existing=True).result()
         data = os.path.join(path, DATA_FILE)
         os.makedirs(os.path.dirname(data), exist_ok=True)
-        self._fd = _open(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             if size:
                 os.posix_fallocate(self._fd, 0, 4 * whole_pages(size))  # a full disk fails here
@@ -137,7 +137,7 @@ class ShardReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = _open(os.path.join(path, DATA_FILE), os.O_RDONLY)
+        self._fd = open_direct(os.path.join(path, DATA_FILE), os.O_RDONLY)
 
     def read(self, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
         """Reads elements ``[start, start + count)`` into ``buffer`` (page-aligned float32 with

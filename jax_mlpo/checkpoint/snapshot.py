@@ -21,6 +21,7 @@ import numpy as np
 
 from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Region, engine_regions
+from jax_mlpo.checkpoint.host_arrays import writes_directly
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name, unwrap
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
@@ -125,9 +126,11 @@ def snapshot(
         if is_sharded(x):
             return _host_copy(x)
         if isinstance(x, jax.Array | np.ndarray | np.generic):
-            # A copy where updates may run before the write ends (device buffers may be
-            # donated, numpy ones reused): 2 B/param of bf16 params. Not for a blocking save.
-            return np.array(x) if concurrent else np.asarray(x)
+            # Large arrays (the params) are written before the save returns, without a copy;
+            # small ones are copied where updates may run before orbax writes them (device
+            # buffers may be donated, numpy ones reused).
+            a = np.asarray(x)
+            return np.array(a) if concurrent and not writes_directly(a) else a
         return x
 
     try:

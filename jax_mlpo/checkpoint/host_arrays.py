@@ -1,0 +1,182 @@
+"""The tree's large host arrays (the params), written with O_DIRECT as plain zarr3 arrays.
+
+orbax's ``NumpyHandler`` copies every host array before writing it (``deepcopy_host_arrays``),
+compresses it and has tensorstore write it through a new file per chunk: saving 688 MiB of
+bfloat16 params grew peak RSS by 704 MiB and took 2-8 s here (0.1-0.35 GB/s; stop 28,
+docs/benchmarks.md). :class:`DirectNumpyHandler` is that handler with the copy off, and arrays
+of at least :data:`DIRECT_BYTES` written by itself: a zarr3 array of one uncompressed chunk
+(metadata by tensorstore), whose chunk file it writes in 8 MiB pieces with ``pwrite`` and
+O_DIRECT from a few page-aligned buffers, digesting the array as it goes. It writes them before
+``serialize`` returns, so an asynchronous save needs no copy of the params (the next update
+may donate them): their snapshot is on disk. The arrays keep orbax's ``np.ndarray`` type, so
+the item is read by plain orbax (its own ``NumpyHandler``, through tensorstore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint._src.serialization import type_handler_registry
+
+from jax_mlpo.checkpoint.shard_file import open_direct
+from jax_mlpo.tiers.posix import ALIGN, _pwrite_full, aligned_empty
+
+
+class _NoOcdbtMerge(logging.Filter):
+    """Drops orbax's warning that it found no OCDBT files to merge: these items have none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoOcdbtMerge())
+
+DIRECT_BYTES = 1 << 20  # smaller arrays: orbax's own path (a copy costs little there)
+PIECE_BYTES = 8 << 20  # requests as large as fio's best
+IO_THREADS = 4  # pieces being written at once
+
+
+def writes_directly(value: Any) -> bool:
+    """Whether :class:`DirectNumpyHandler` writes ``value`` itself, during ``serialize``.
+
+    Others are written by orbax in the background, so an asynchronous save must copy them.
+    """
+    return (
+        isinstance(value, np.ndarray)
+        and value.ndim > 0
+        and value.nbytes >= DIRECT_BYTES
+        and value.flags.c_contiguous
+        and value.dtype.byteorder in "=<|"
+        and (value.dtype.kind in "biuf" or value.dtype.name == "bfloat16")
+    )
+
+
+def _spec(path: str, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, Any]:
+    """A zarr3 array of one chunk, raw little-endian bytes: its file is the array's C-order
+    bytes (``c/0/0/...``), which plain zarr3 readers (tensorstore, orbax) read."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "dtype": dtype.name,
+        "metadata": {
+            "shape": list(shape),
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shape)}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        },
+    }
+
+
+def write_array(path: str, value: np.ndarray, pool: concurrent.futures.Executor) -> str:
+    """Writes ``value`` as the zarr3 array at ``path``; returns its sha256 (the manifest's, over
+    dtype, shape and bytes).
+
+    Raises:
+      OSError: the file cannot be created or written (``ENOSPC``: a full disk).
+    """
+    ts.open(_spec(path, value.shape, value.dtype), create=True, delete_existing=True).result()
+    data = os.path.join(path, "c", *(["0"] * value.ndim))
+    os.makedirs(os.path.dirname(data), exist_ok=True)
+    raw = value.reshape(-1).view(np.uint8)  # no copy: C-contiguous
+    digest = hashlib.sha256(f"{value.dtype.name}{value.shape}".encode())
+    fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        padded = -(-raw.nbytes // ALIGN) * ALIGN
+        os.posix_fallocate(fd, 0, padded)  # a full disk fails here, before any write
+        buffers = [aligned_empty(PIECE_BYTES, np.uint8) for _ in range(IO_THREADS + 1)]
+        pending: dict[concurrent.futures.Future, np.ndarray] = {}
+        for start in range(0, raw.nbytes, PIECE_BYTES):
+            piece = raw[start : start + PIECE_BYTES]
+            if len(pending) > IO_THREADS:
+                done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+                for f in done:
+                    f.result()
+                    buffers.append(pending.pop(f))
+            buffer = buffers.pop()
+            n = -(-piece.nbytes // ALIGN) * ALIGN
+            buffer[: piece.nbytes] = piece
+            buffer[piece.nbytes : n] = 0  # O_DIRECT writes whole pages; cut off below
+            pending[pool.submit(_write_piece, fd, buffer[:n], start, path)] = buffer
+            digest.update(piece)  # in order, on this thread, while the pieces are written
+        for f in concurrent.futures.as_completed(pending):
+            f.result()
+        os.ftruncate(fd, raw.nbytes)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:
+    if _pwrite_full(fd, data, offset) < data.nbytes:
+        raise OSError(28, f"{path}: short write at byte {offset} (is the disk full?)")
+
+
+class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """orbax's ``NumpyHandler``, writing large arrays itself before ``serialize`` returns.
+
+    ``digests`` maps ``id(array)`` of each array it wrote to its sha256, for the manifest; the
+    caller pops them while the arrays are alive.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(deepcopy_host_arrays=False)  # the snapshot copied what needs a copy
+        self.digests: dict[int, str] = {}
+
+    async def serialize(
+        self,
+        values: Sequence[np.ndarray],
+        infos: Sequence[Any],
+        args: Sequence[Any] | None = None,
+    ) -> list[Any]:
+        """Writes the large arrays now, then hands the rest to orbax's background write."""
+        args = list(args or [ocp.SaveArgs()] * len(values))
+        direct = [k for k, v in enumerate(values) if writes_directly(v)]
+        if direct and _writes_host_arrays():
+            for k in direct:
+                await infos[k].await_path_creation()
+            paths = [os.fspath(infos[k].parent_dir / infos[k].name) for k in direct]
+            sums = await asyncio.to_thread(_write_all, paths, [values[k] for k in direct])
+            self.digests.update({id(values[k]): s for k, s in zip(direct, sums, strict=True)})
+        rest = [k for k in range(len(values)) if k not in set(direct)]
+        if not rest:
+            return []
+        return await super().serialize(
+            [values[k] for k in rest], [infos[k] for k in rest], [args[k] for k in rest]
+        )
+
+
+def _write_all(paths: list[str], values: list[np.ndarray]) -> list[str]:
+    with concurrent.futures.ThreadPoolExecutor(IO_THREADS) as pool:
+        return [write_array(p, v, pool) for p, v in zip(paths, values, strict=True)]
+
+
+def _writes_host_arrays() -> bool:
+    """orbax's rule: process 0 writes host arrays (every process holds them whole)."""
+    return jax.process_index() == 0
+
+
+def tree_handler(handler: DirectNumpyHandler) -> ocp.PyTreeCheckpointHandler:
+    """orbax's tree handler with ``handler`` for numpy arrays, uncompressed zarr3 without OCDBT.
+
+    Uncompressed: random floats do not compress and zstd's buffers grew RSS by the params'
+    size; without OCDBT: the large arrays' chunk files are plain files jax_mlpo writes itself.
+    """
+    registry = type_handler_registry.create_type_handler_registry(
+        *(
+            (ty, handler if ty is np.ndarray else h)
+            for ty, h in type_handler_registry._DEFAULT_TYPE_HANDLERS  # noqa: SLF001
+        )
+    )
+    return ocp.PyTreeCheckpointHandler(
+        use_ocdbt=False, use_zarr3=True, use_compression=False, type_handler_registry=registry
+    )

@@ -1,0 +1,124 @@
+"""The params in a checkpoint: written by jax_mlpo before ``save`` returns, read by plain orbax."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_mlpo
+from jax_mlpo import checkpoint
+from jax_mlpo.checkpoint import host_arrays
+
+
+def make_job(root: Path):
+    params = {
+        "w": jax.random.normal(jax.random.PRNGKey(0), (1024, 1536), jnp.bfloat16),  # 3 MiB
+        "b": jnp.arange(16, dtype=jnp.float32),  # small: orbax's own path
+    }
+    tx = jax_mlpo.adamw(
+        1e-2, offload=jax_mlpo.OffloadConfig(tiers=[jax_mlpo.FileTier(str(root / "tier"))])
+    )
+
+    def step(p, s, k):
+        grads = jax.tree.map(lambda x: jnp.cos(x * k).astype(x.dtype), p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return params, tx, jax.jit(step, donate_argnums=(0,))
+
+
+def bits(params) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v).view(np.uint8).copy() for k, v in params.items()}
+
+
+def test_async_save_writes_large_params_before_it_returns(tmp_path):
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    saved = bits(params)
+    mngr = checkpoint.manager(tmp_path / "ckpt")
+    checkpoint.save(mngr, 1, params, opt_state, blocking=False)
+    # the large leaf's file is complete when save returns: no copy of it is kept for later
+    tmp = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("1")]
+    data = [p for p in tmp[0].rglob("*") if p.is_file() and p.parent.parent.name == "c"]
+    assert len(data) == 1 and data[0].stat().st_size == 1024 * 1536 * 2, data
+    array = tmp_path / "ckpt" / "1" / "params" / data[0].parents[2].name  # once published
+    for k in (2.0, 3.0):  # donate the saved params' buffers while the state is streamed
+        params, opt_state = step(params, opt_state, k)
+    jax.block_until_ready(params)
+    assert bits(params)["w"].tobytes() != saved["w"].tobytes()
+    mngr.wait_until_finished()
+    jax_mlpo.close(opt_state)
+
+    (tmp_path / "again").mkdir()
+    fresh, tx, _ = make_job(tmp_path / "again")
+    restored = checkpoint.restore(mngr, fresh, tx.init(fresh))
+    assert {k: v.tobytes() for k, v in bits(restored.params).items()} == {
+        k: v.tobytes() for k, v in saved.items()
+    }
+    jax_mlpo.close(restored.opt_state)
+    mngr.close()
+
+    # plain orbax reads the params item (its own NumpyHandler, through tensorstore)
+    item = tmp_path / "ckpt" / "1" / "params"
+    plain = ocp.PyTreeCheckpointer().restore(item)
+    assert np.asarray(plain["tree"]["w"]).view(np.uint8).tobytes() == saved["w"].tobytes()
+    # written by jax_mlpo (one raw chunk), not by tensorstore (a zarr3 shard with an index)
+    meta = json.loads((array / "zarr.json").read_text())
+    assert [c["name"] for c in meta["codecs"]] == ["bytes"]
+
+
+def test_a_flipped_byte_in_a_large_param_is_detected(tmp_path):
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
+    checkpoint.save(mngr, 1, params, opt_state)
+    jax_mlpo.close(opt_state)
+    data = [p for p in (tmp_path / "ckpt" / "1" / "params" / "tree.w").rglob("*") if p.is_file()]
+    data = [p for p in data if p.name != "zarr.json"]
+    assert len(data) == 1
+    with open(data[0], "r+b") as f:
+        f.seek(1234567)
+        byte = f.read(1)
+        f.seek(1234567)
+        f.write(bytes([byte[0] ^ 0x10]))
+    (tmp_path / "again").mkdir()
+    fresh, tx, _ = make_job(tmp_path / "again")
+    opt_state = tx.init(fresh)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="leaf tree/w does not match"):
+        checkpoint.restore(mngr, fresh, opt_state)
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+def test_a_full_disk_fails_before_any_write(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        value = np.ones(1 << 20, np.float32)  # 4 MiB on a 2 MiB disk
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        with pytest.raises(OSError) as info, pool:
+            host_arrays.write_array(str(disk / "a"), value, pool)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        time.sleep(0.1)
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert not os.path.ismount(disk)
