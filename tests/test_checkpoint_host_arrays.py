@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import json
 import os
@@ -114,11 +113,51 @@ def test_a_full_disk_fails_before_any_write(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
     try:
         value = np.ones(1 << 20, np.float32)  # 4 MiB on a 2 MiB disk
-        pool = concurrent.futures.ThreadPoolExecutor(2)
-        with pytest.raises(OSError) as info, pool:
-            host_arrays.write_array(str(disk / "a"), value, pool)
+        writer = host_arrays.ArrayWriter()
+        with pytest.raises(OSError) as info:
+            writer.write(str(disk / "a"), value)
+        writer.close()
         assert info.value.errno == errno.ENOSPC
     finally:
         time.sleep(0.1)
         subprocess.run(["umount", "-l", str(disk)], check=False)
     assert not os.path.ismount(disk)
+
+
+def test_an_async_save_streams_the_state_after_it_returns(tmp_path, monkeypatch):
+    """The params are written first, alone on the disk; the state's stream starts once save
+    has returned (it would otherwise share the disk with them and hold the loop longer)."""
+    from jax_mlpo.checkpoint import handler
+
+    events: list[str] = []
+    write, stream = host_arrays.ArrayWriter.write, handler.write_streams
+
+    def traced_write(self, path, value):
+        digest = write(self, path, value)
+        events.append("array written")
+        return digest
+
+    def traced_stream(directory, streams):
+        events.append("stream starts")
+        return stream(directory, streams)
+
+    monkeypatch.setattr(host_arrays.ArrayWriter, "write", traced_write)
+    monkeypatch.setattr(handler, "write_streams", traced_stream)
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    mngr = checkpoint.manager(tmp_path / "ckpt")
+    save = mngr.save
+
+    def traced_save(*args, **kwargs):
+        started = save(*args, **kwargs)
+        events.append("save returned")  # before jax_mlpo.checkpoint.save lets the streams go
+        return started
+
+    monkeypatch.setattr(mngr, "save", traced_save)
+    checkpoint.save(mngr, 1, params, opt_state, blocking=False)
+    mngr.wait_until_finished()
+    # one stream per item (params' and extra's have nothing to stream)
+    assert events == ["array written", "save returned", *["stream starts"] * 3], events
+    jax_mlpo.close(opt_state)
+    mngr.close()

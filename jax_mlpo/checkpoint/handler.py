@@ -19,7 +19,10 @@ previous checkpoints as they were and at most a temporary directory, which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -38,6 +41,26 @@ from jax_mlpo.checkpoint.snapshot import OffloadedStream, snapshot
 from jax_mlpo.checkpoint.space import check_space
 from jax_mlpo.checkpoint.stream import write_streams
 from jax_mlpo.checkpoint.tree import leaves
+
+# Set unless a save that returns before its streams end is being started (streams_held).
+_STREAMS_MAY_START = threading.Event()
+_STREAMS_MAY_START.set()
+
+
+@contextlib.contextmanager
+def streams_held() -> Iterator[None]:
+    """Holds back the streams of the offloaded states of the saves started inside.
+
+    An asynchronous save writes the large host arrays (the params) before it returns; the
+    offloaded states' streams (several GB) would share the disk with them and lengthen the time
+    the training loop waits. Only around a save that returns before its streams end: a
+    synchronous manager runs them inside ``save``.
+    """
+    _STREAMS_MAY_START.clear()
+    try:
+        yield
+    finally:
+        _STREAMS_MAY_START.set()
 
 
 class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -95,6 +118,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         try:
             if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
                 directory = await directory.await_creation()
+            await asyncio.to_thread(_STREAMS_MAY_START.wait)
             # in a thread: the stream blocks on tier reads and tensorstore writes
             streamed = await asyncio.to_thread(write_streams, directory, streams)
         finally:
@@ -188,8 +212,9 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         manifest.merge_process_manifests(directory)
 
     def close(self) -> None:
-        """Closes orbax's tree handler."""
+        """Closes orbax's tree handler and the params' writer."""
         self._tree.close()
+        self._arrays.close()
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)

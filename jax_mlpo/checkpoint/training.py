@@ -9,13 +9,14 @@ previous one first).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, NamedTuple
 
 import orbax.checkpoint as ocp
 
-from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave
+from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 
@@ -115,7 +116,8 @@ def save(
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),
         extra=OffloadSave(dict(extra or {})),
     )
-    started = mngr.save(step, args=args, force=force)
+    with streams_held() if concurrent else contextlib.nullcontext():
+        started = mngr.save(step, args=args, force=force)
     if not concurrent:
         mngr.wait_until_finished()
     return started
