@@ -161,3 +161,25 @@ def test_an_async_save_streams_the_state_after_it_returns(tmp_path, monkeypatch)
     assert events == ["array written", "save returned", *["stream starts"] * 3], events
     jax_mlpo.close(opt_state)
     mngr.close()
+
+
+def test_a_manager_creating_directories_asynchronously(tmp_path):
+    """orbax's default manager makes the item directories in a background thread while the
+    params are being written: they wait for it (else orbax's mkdir fails and the save hangs)."""
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt")  # orbax's defaults, not checkpoint.manager
+    assert mngr._options.async_options is None  # noqa: SLF001 - creation is asynchronous
+    for k in range(1, 4):
+        params, opt_state = step(params, opt_state, float(k))
+        checkpoint.save(mngr, k, params, opt_state, blocking=k % 2 == 0)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1, 2, 3]
+    saved = bits(params)
+    jax_mlpo.close(opt_state)
+    (tmp_path / "again").mkdir()
+    fresh, tx, _ = make_job(tmp_path / "again")
+    restored = checkpoint.restore(mngr, fresh, tx.init(fresh))
+    assert bits(restored.params)["w"].tobytes() == saved["w"].tobytes()
+    jax_mlpo.close(restored.opt_state)
+    mngr.close()

@@ -12,11 +12,13 @@ same disk:
   state (``VmHWM`` reset through ``/proc/self/clear_refs`` first);
 * an **asynchronous save** after update 4 while updates 5 and 6 run: the time ``save`` holds
   the loop (the stall), and the peak RSS growth over the steady state's (an update's own peak
-  included) until the checkpoint is durable; it includes the copy of the params the save
-  takes (2 B/param: the next update donates them);
+  included) until the checkpoint is durable (the params are written before ``save`` returns,
+  without a copy, and the state is streamed from the tiers once it has returned);
 * a **restore** of the asynchronous checkpoint into a fresh ``tx.init`` (page cache dropped
-  first): time, bytes moved per second and peak RSS growth; then updates 5 and 6 again, whose
-  params must equal the uninterrupted run's bit for bit.
+  first): time, bytes moved per second and peak RSS growth over the steady state of a process
+  holding its initial params (the restore's target is their ``ShapeDtypeStruct`` s and the
+  initial params are dropped, so the restored ones take their place); then updates 5 and 6
+  again, whose params must equal the uninterrupted run's bit for bit.
 
 Before each save the last update's write-behind is drained (it is the update's I/O).
 
@@ -174,10 +176,13 @@ def child(params_mi: int, cache: str, root: str) -> dict:
     opt_state = tx.init(fresh)
     step = make_step(tx)
     sysio.drop_page_cache()
-    steady = process_memory()["rss_bytes"]
+    steady = process_memory()["rss_bytes"]  # the training process's: params and engine
+    # the restored params take the place of the initial ones: the target gives their shapes
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fresh)
+    del fresh
     reset_peak()
     moved, t0 = io_bytes(), time.perf_counter()
-    restored = checkpoint.restore(mngr, fresh, opt_state, step=5)
+    restored = checkpoint.restore(mngr, target, opt_state, step=5)
     restore_s = time.perf_counter() - t0
     out["restore"] = {
         "seconds": restore_s, "moved_bytes": io_bytes() - moved,

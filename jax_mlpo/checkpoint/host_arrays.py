@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import queue
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,6 +180,7 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
             self._writer = self._writer or ArrayWriter()
             for k in direct:
                 await infos[k].await_path_creation()
+            await _created(infos[direct[0]].parent_dir)
             paths = [os.fspath(infos[k].parent_dir / infos[k].name) for k in direct]
             arrays = [values[k] for k in direct]
             digests = await asyncio.to_thread(self._writer.write_all, paths, arrays)
@@ -195,6 +197,23 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+async def _created(directory: Any, timeout_s: float = 300.0) -> None:
+    """Waits until orbax has made the item's directory.
+
+    With orbax's asynchronous directory creation (its default; :func:`~jax_mlpo.checkpoint.manager`
+    turns it off) the directory is made by a background thread while ``serialize`` runs, and
+    tensorstore making it first would fail orbax's ``mkdir``.
+
+    Raises:
+      TimeoutError: it did not appear within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isdir(os.fspath(directory)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"orbax did not create {directory} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.005)
 
 
 def _writes_host_arrays() -> bool:

@@ -51,6 +51,8 @@ def manager(
       The manager; it removes the temporary directories a killed save left behind.
     """
     options.setdefault("cleanup_tmp_directories", True)  # leftovers of a killed save
+    # the params are written while save runs (host_arrays): their directory must exist then
+    options.setdefault("async_options", ocp.AsyncOptions(create_directories_asynchronously=False))
     return ocp.CheckpointManager(
         os.path.abspath(os.fspath(directory)),
         options=ocp.CheckpointManagerOptions(
