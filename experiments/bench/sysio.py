@@ -94,6 +94,43 @@ def fio_mixed(directory: str, size: str = "2GiB", block: str = "8M", depth: int 
             "mixed_gbps": read + write}  # fmt: skip
 
 
+def fio_copy(directory: str, size: str = "2GiB", block: str = "8M", depth: int = 8,
+             runtime_s: int = 10) -> dict:  # fmt: skip
+    """A sequential read of an existing file and a sequential write of a new one at once,
+    O_DIRECT (libaio), ``depth`` requests in flight each: a checkpoint's access pattern (a save
+    reads the tier's blobs and writes new files; a restore the reverse).
+
+    Returns:
+      ``{"read_gbps", "write_gbps", "mixed_gbps"}`` (mixed: read + write), with the request size
+      and depth; ``{"error": ...}`` without fio.
+    """
+    if shutil.which("fio") is None:
+        return {"error": "fio not installed (apt-get install fio)"}
+    os.makedirs(directory, exist_ok=True)
+    source, target = (os.path.join(directory, f"fio-copy-{k}.dat") for k in ("src", "dst"))
+    common = [f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", "--direct=1",
+              "--time_based", f"--runtime={runtime_s}"]  # fmt: skip
+    cmd = [
+        "fio", "--output-format=json",
+        "--name=read", f"--filename={source}", "--rw=read", f"--size={size}", *common,
+        # larger than the run can write, so every write goes to newly allocated space, reserved
+        # first (fio fallocates it, as jax_mlpo does its checkpoint files)
+        "--name=write", f"--filename={target}", "--rw=write", "--size=32GiB",
+        *common,
+    ]  # fmt: skip
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        for path in (source, target):
+            if os.path.exists(path):
+                os.remove(path)
+    jobs = {job["jobname"]: job for job in json.loads(res.stdout)["jobs"]}
+    read = jobs["read"]["read"]["bw_bytes"] / 1e9
+    write = jobs["write"]["write"]["bw_bytes"] / 1e9
+    return {"block": block, "depth": depth, "read_gbps": read, "write_gbps": write,
+            "mixed_gbps": read + write}  # fmt: skip
+
+
 def filesystem(directory: str) -> str:
     """``df -hT``'s line for the file system holding ``directory`` (for a result's metadata)."""
     res = subprocess.run(["df", "-hT", directory], capture_output=True, text=True)
