@@ -150,6 +150,10 @@ def main(spec: dict[str, Any]) -> None:
         _slow_tier_writes(spec["slow_writes"], os.getpid())
     if spec.get("slow_stream"):
         _slow_stream(spec["slow_stream"])
+    if spec.get("direct_bytes"):  # params this large are written by jax_mlpo, during save
+        from jax_mlpo.checkpoint import host_arrays
+
+        host_arrays.DIRECT_BYTES = spec["direct_bytes"]
     dtype = jnp.dtype(spec["dtype"])
     tx = make_tx(offload_config(spec))
     params = make_params(dtype)

@@ -244,6 +244,7 @@ def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
     steps, trials = 30, 10  # a trial advances the run by 0-5 steps, typically 1
     spec = spec_for(tmp_path / "run", "bfloat16", 2, "part", True, steps=steps, save_every=1)
     spec["slow_writes"] = 0.03
+    spec["direct_bytes"] = 64 << 10  # w1 and w2 (256 KiB) written by jax_mlpo, during save
     rng = random.Random(0)
     resumed_at = []
     for trial in range(trials):

@@ -131,6 +131,7 @@ def test_a_kill_during_an_async_save_while_training_resumes_exactly(tmp_path, wo
     steps = 8
     spec = spec_for(tmp_path / "run", "bfloat16", 2, "part", True, steps=steps, save_every=2)
     spec["slow_stream"] = 0.1  # a save takes ~1 s, the updates between saves much less
+    spec["direct_bytes"] = 64 << 10  # w1 and w2 written by jax_mlpo before save returns
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), json.dumps(spec)], env=worker_env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
