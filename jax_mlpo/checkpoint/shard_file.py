@@ -11,9 +11,11 @@ place is what reaches the disk's bandwidth, as the tiers' posix engine does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import os
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,6 +116,51 @@ class ShardWriter:
     def abandon(self) -> None:
         """Closes the file after a failure (the checkpoint is not published)."""
         os.close(self._fd)
+
+
+class ShardCreator:
+    """Creates shard arrays (:class:`ShardWriter`) ahead of their use, on a thread of its own.
+
+    Creating one (tensorstore writing its ``zarr.json``, the data file opened and its space
+    reserved) took 33 ms here: the 63 arrays of a 4.3 GB save, created as the stream reached
+    them, held it 2.1 s of 7 (stop 28).
+
+    Args:
+      wanted: ``(key, path, size)`` of every array, in the order they will be asked for.
+      ahead: arrays created before they are asked for (files open at once).
+    """
+
+    def __init__(self, wanted: Sequence[tuple[Hashable, str, int]], ahead: int = 8) -> None:
+        self._wanted, self._next = list(wanted), 0
+        self._made: dict[Hashable, concurrent.futures.Future[ShardWriter]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jax_mlpo-ckpt-create")
+        for _ in range(ahead):
+            self._create_next()
+
+    def _create_next(self) -> None:
+        if self._next < len(self._wanted):
+            key, path, size = self._wanted[self._next]
+            self._next += 1
+            self._made[key] = self._pool.submit(ShardWriter, path, size)
+
+    def get(self, key: Hashable, path: str, size: int) -> ShardWriter:
+        """The array ``key`` (at ``path``, of ``size`` elements), created ahead or now.
+
+        Raises:
+          OSError: it could not be created (``ENOSPC``: a full disk).
+        """
+        future = self._made.pop(key, None)
+        self._create_next()
+        return future.result() if future is not None else ShardWriter(path, size)
+
+    def close(self) -> None:
+        """Stops creating; closes the files created and not asked for."""
+        self._next = len(self._wanted)
+        self._pool.shutdown(wait=True)
+        for future in self._made.values():
+            if future.exception() is None:
+                future.result().abandon()
+        self._made.clear()
 
 
 def check_array(path: str, size: int) -> None:

@@ -35,6 +35,7 @@ from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
+    ShardCreator,
     ShardReader,
     ShardWriter,
     check_array,
@@ -109,7 +110,26 @@ class StateWriter:
         self._in_flight: collections.deque[
             tuple[concurrent.futures.Future, _OpenArray, np.ndarray]
         ] = collections.deque()
+        self._finishing: list[concurrent.futures.Future] = []  # files being made durable
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-write")
+        self._files = ShardCreator(
+            [((name, j), self._full_path(name, j), size) for name, j, size in self._arrays()]
+        )
+
+    def _arrays(self) -> list[tuple[str, int, int]]:
+        """``(quantity, engine leaf, size)`` of every array to write, in the order written."""
+        out = []
+        for j, shape in enumerate(self._layout.shapes):
+            size = int(np.prod(shape, dtype=np.int64))
+            if j in self._skip or not size:
+                continue
+            for name in QUANTITIES:
+                if name != "master" or self._layout.dtypes[j] != F32:
+                    out.append((name, j, size))
+        return out
+
+    def _full_path(self, name: str, leaf: int) -> str:
+        return os.path.join(self._directory, self.array_path(name, leaf))
 
     def array_path(self, quantity: str, leaf: int) -> str:
         """A shard array's path relative to the item directory."""
@@ -142,16 +162,19 @@ class StateWriter:
                 raise AssertionError(f"arrays {sorted(self._open)[:4]} were not completed")
             while self._in_flight:
                 self._settle()
+            for future in self._finishing:
+                future.result()
             return {
                 key: {**record, "sha256": [d.result() for d in record["sha256"]]}
                 for key, record in self._done.items()
             }
         except BaseException:
-            concurrent.futures.wait([f for f, _, _ in self._in_flight])
+            concurrent.futures.wait([f for f, _, _ in self._in_flight] + self._finishing)
             for array in self._unfinished:
                 array.file.abandon()
             raise
         finally:
+            self._files.close()
             self._io.shutdown(wait=True)
 
     def _array(self, name: str, leaf: int) -> _OpenArray:
@@ -164,8 +187,8 @@ class StateWriter:
                 if size <= self._chunk
                 else max(PAGE_ELEMS, self._chunk // PAGE_ELEMS * PAGE_ELEMS)
             )
-            path = os.path.join(self._directory, self.array_path(name, leaf))
-            self._open[key] = _OpenArray(ShardWriter(path, size), size, chunk)
+            file = self._files.get(key, self._full_path(name, leaf), size)
+            self._open[key] = _OpenArray(file, size, chunk)
             self._unfinished.append(self._open[key])
         return self._open[key]
 
@@ -210,7 +233,7 @@ class StateWriter:
         array.pending -= 1
         if array.complete and not array.pending:
             self._unfinished.remove(array)
-            array.file.finish()
+            self._finishing.append(self._io.submit(array.file.finish))  # off the stream's thread
 
 
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
