@@ -62,12 +62,18 @@ def test_async_save_writes_large_params_before_it_returns(tmp_path):
     jax_mlpo.close(opt_state)
 
     (tmp_path / "again").mkdir()
-    fresh, tx, _ = make_job(tmp_path / "again")
-    restored = checkpoint.restore(mngr, fresh, tx.init(fresh))
+    fresh, tx, step = make_job(tmp_path / "again")
+    opt_state = tx.init(fresh)
+    # the README's restore: shapes as the target, the initial params dropped
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fresh)
+    del fresh
+    restored = checkpoint.restore(mngr, shapes, opt_state)
     assert {k: v.tobytes() for k, v in bits(restored.params).items()} == {
         k: v.tobytes() for k, v in saved.items()
     }
-    jax_mlpo.close(restored.opt_state)
+    params, opt_state = step(restored.params, restored.opt_state, 2.0)
+    assert bits(params)["w"].tobytes() != saved["w"].tobytes()
+    jax_mlpo.close(opt_state)
     mngr.close()
 
     # plain orbax reads the params item (its own NumpyHandler, through tensorstore)
