@@ -1,8 +1,10 @@
-"""Fixtures every test gets: the engines a test opened are closed when it ends, failed or not.
+"""Fixtures: every test's engines are closed when it ends, failed or not; ``small_disk``.
 
 (The repository root is on ``sys.path`` through pytest's ``pythonpath`` setting in
 pyproject.toml, for ``models`` and ``experiments``.)
 """
+
+import subprocess
 
 import jax.numpy as jnp
 import pytest
@@ -25,3 +27,19 @@ def close_engines_left_open():
             count=jnp.zeros([], jnp.int32), handle=jnp.asarray(handle, jnp.int32)
         )
         transform.close(state)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs (needs root); unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -289,22 +289,6 @@ def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
 # -- a full disk ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """An 8 MiB tmpfs (needs root); unmounted afterwards."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def fill(disk: Path) -> None:
     """Fills the file system with a ballast file, to the last block."""
     fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)

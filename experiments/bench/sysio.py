@@ -65,6 +65,26 @@ def fio_bandwidth(directory: str, size: str = "1GiB") -> dict:
     return out
 
 
+def _fio(args: list[str], files: list[str], block: str, depth: int) -> dict:
+    """Runs fio (JSON output) on ``files``, deleting them afterwards; returns each job's read and
+    write bandwidth summed, as :func:`fio_mixed` does, or ``{"error": ...}`` without fio."""
+    if shutil.which("fio") is None:
+        return {"error": "fio not installed (apt-get install fio)"}
+    os.makedirs(os.path.dirname(files[0]), exist_ok=True)
+    try:
+        res = subprocess.run(["fio", "--output-format=json", *args], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+    finally:
+        for path in files:
+            if os.path.exists(path):
+                os.remove(path)
+    jobs = json.loads(res.stdout)["jobs"]
+    read = sum(job["read"]["bw_bytes"] for job in jobs) / 1e9
+    write = sum(job["write"]["bw_bytes"] for job in jobs) / 1e9
+    return {"block": block, "depth": depth, "read_gbps": read, "write_gbps": write,
+            "mixed_gbps": read + write}  # fmt: skip
+
+
 def fio_mixed(directory: str, size: str = "2GiB", block: str = "8M", depth: int = 16,
               runtime_s: int = 10) -> dict:  # fmt: skip
     """50/50 random reads and writes at once on one file, O_DIRECT (libaio): the combined
@@ -74,24 +94,13 @@ def fio_mixed(directory: str, size: str = "2GiB", block: str = "8M", depth: int 
       ``{"read_gbps", "write_gbps", "mixed_gbps"}`` (mixed: read + write), with the request size
       and depth; ``{"error": ...}`` without fio.
     """
-    if shutil.which("fio") is None:
-        return {"error": "fio not installed (apt-get install fio)"}
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "fio-mixed.dat")
-    cmd = [
-        "fio", "--name=mixed", f"--filename={path}", "--rw=randrw", "--rwmixread=50",
+    args = [
+        "--name=mixed", f"--filename={path}", "--rw=randrw", "--rwmixread=50",
         f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", "--direct=1",
-        f"--size={size}", "--time_based", f"--runtime={runtime_s}", "--output-format=json",
+        f"--size={size}", "--time_based", f"--runtime={runtime_s}",
     ]  # fmt: skip
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-    job = json.loads(res.stdout)["jobs"][0]
-    read, write = job["read"]["bw_bytes"] / 1e9, job["write"]["bw_bytes"] / 1e9
-    return {"block": block, "depth": depth, "read_gbps": read, "write_gbps": write,
-            "mixed_gbps": read + write}  # fmt: skip
+    return _fio(args, [path], block, depth)
 
 
 def fio_copy(directory: str, size: str = "2GiB", block: str = "8M", depth: int = 8,
@@ -104,31 +113,16 @@ def fio_copy(directory: str, size: str = "2GiB", block: str = "8M", depth: int =
       ``{"read_gbps", "write_gbps", "mixed_gbps"}`` (mixed: read + write), with the request size
       and depth; ``{"error": ...}`` without fio.
     """
-    if shutil.which("fio") is None:
-        return {"error": "fio not installed (apt-get install fio)"}
-    os.makedirs(directory, exist_ok=True)
     source, target = (os.path.join(directory, f"fio-copy-{k}.dat") for k in ("src", "dst"))
     common = [f"--bs={block}", f"--iodepth={depth}", "--ioengine=libaio", "--direct=1",
               "--time_based", f"--runtime={runtime_s}"]  # fmt: skip
-    cmd = [
-        "fio", "--output-format=json",
+    args = [
         "--name=read", f"--filename={source}", "--rw=read", f"--size={size}", *common,
         # larger than the run can write, so every write goes to newly allocated space, reserved
         # first (fio fallocates it, as jax_mlpo does its checkpoint files)
-        "--name=write", f"--filename={target}", "--rw=write", "--size=32GiB",
-        *common,
+        "--name=write", f"--filename={target}", "--rw=write", "--size=32GiB", *common,
     ]  # fmt: skip
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    finally:
-        for path in (source, target):
-            if os.path.exists(path):
-                os.remove(path)
-    jobs = {job["jobname"]: job for job in json.loads(res.stdout)["jobs"]}
-    read = jobs["read"]["read"]["bw_bytes"] / 1e9
-    write = jobs["write"]["write"]["bw_bytes"] / 1e9
-    return {"block": block, "depth": depth, "read_gbps": read, "write_gbps": write,
-            "mixed_gbps": read + write}  # fmt: skip
+    return _fio(args, [source, target], block, depth)
 
 
 def filesystem(directory: str) -> str:
