@@ -2,7 +2,7 @@
 
 orbax's ``NumpyHandler`` copies every host array before writing it (``deepcopy_host_arrays``),
 compresses it and has tensorstore write it through a new file per chunk: saving 688 MiB of
-bfloat16 params grew peak RSS by 704 MiB and took 2-8 s here (0.1-0.35 GB/s; stop 28,
+bfloat16 params grew peak RSS by 883-1,201 MiB and took 2.4-12 s here (stop 28,
 docs/benchmarks.md). :class:`DirectNumpyHandler` is that handler with the copy off, and arrays
 of at least :data:`DIRECT_BYTES` written by itself: a zarr3 array of one uncompressed chunk
 (metadata by tensorstore), whose chunk file it writes in 8 MiB pieces with ``pwrite`` and
@@ -85,8 +85,8 @@ class ArrayWriter:
 
     :data:`PRODUCERS` arrays are written at once, each by a thread that copies its pieces into
     page-aligned buffers and digests them in order (sha256: 1.8 GB/s a core here) while
-    :data:`IO_THREADS` threads write them. The threads and buffers (``IO_THREADS + 1`` of 8 MiB
-    per producer) are kept between arrays and saves: memory a process touches for the first
+    :data:`IO_THREADS` threads write them. The threads and buffers (``IO_THREADS`` of 8 MiB per
+    producer) are kept between arrays and saves: memory a process touches for the first
     time was slow to come here (a first copy of 704 MiB took 7 s, the next 0.27 s; stop 28).
     """
 
@@ -185,7 +185,8 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
             arrays = [values[k] for k in direct]
             digests = await asyncio.to_thread(self._writer.write_all, paths, arrays)
             self.digests.update({id(a): d for a, d in zip(arrays, digests, strict=True)})
-        rest = [k for k in range(len(values)) if k not in set(direct)]
+        written = set(direct)
+        rest = [k for k in range(len(values)) if k not in written]
         if not rest:
             return []
         return await super().serialize(
