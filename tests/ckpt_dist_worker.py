@@ -65,7 +65,7 @@ def main() -> None:
 
     import jax_mlpo
     from jax_mlpo import checkpoint, distributed
-    from jax_mlpo.checkpoint import restore_plan, stream
+    from jax_mlpo.checkpoint import restore_plan, state_reader
 
     def barrier(name: str) -> None:
         if nproc > 1:
@@ -169,17 +169,17 @@ def main() -> None:
 
         # and which saved shard arrays of the offloaded state it read chunks of
         arrays = info["arrays"] = []
-        chunks = stream.StateReader._issue
+        chunks = state_reader.StateReader._issue
 
         def recording_chunks(self, pieces):
             arrays.extend(record["array"] for _, record, _, _, _ in pieces)
             return chunks(self, pieces)
 
         restore_plan.read_sharding = recording
-        stream.StateReader._issue = recording_chunks
+        state_reader.StateReader._issue = recording_chunks
         restored = checkpoint.restore(mngr, params, opt_state)
         restore_plan.read_sharding = read_sharding
-        stream.StateReader._issue = chunks
+        state_reader.StateReader._issue = chunks
         params, opt_state = restored.params, restored.opt_state
         info["restored"] = {"step": restored.step, "extra": restored.extra}
         saved = {"state": logical_state(opt_state), "params": gathered(params)}

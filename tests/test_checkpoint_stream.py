@@ -33,7 +33,7 @@ from test_checkpoint import (
 
 import jax_mlpo
 from jax_mlpo import checkpoint
-from jax_mlpo.checkpoint import stream
+from jax_mlpo.checkpoint import state_reader, stream
 from jax_mlpo.checkpoint.blocks import Region, full, volume
 from jax_mlpo.layout import build_layout, gather_state, scatter_state
 
@@ -180,7 +180,7 @@ def test_arrays_of_any_size_round_trip_through_pieces(tmp_path, chunk):
     )
     restoring = build_layout(params, 1777)
     records = {key: [record] for key, record in shards.items()}
-    reader = stream.StateReader(tmp_path, records, shapes, flat, restoring.subgroups)
+    reader = state_reader.StateReader(tmp_path, records, shapes, flat, restoring.subgroups)
     got = [np.zeros(sg.state_elems, np.float32) for sg in restoring.subgroups]
     for sg, blob in zip(restoring.subgroups, got, strict=True):
         reader.fill(sg, blob)
@@ -256,7 +256,9 @@ def test_shards_cut_into_other_blocks_restore_each_element(tmp_path, saved_cut, 
         assert checkpoint.blocks.covers(SHAPES[leaf], leaf_records), (q, leaf)
     restored_regions = _regions(restored_cut)
     restoring = build_layout(_engine_params(restored_regions), 1100)
-    reader = stream.StateReader(tmp_path, records, SHAPES, restored_regions, restoring.subgroups)
+    reader = state_reader.StateReader(
+        tmp_path, records, SHAPES, restored_regions, restoring.subgroups
+    )
     got = {q: [np.zeros(r.size, np.float32) for r in restored_regions] for q in state}
     for sg in restoring.subgroups:
         blob = np.full(sg.state_elems, np.nan, np.float32)

@@ -24,9 +24,11 @@ number of processes, and params on another mesh (or none): the restore streams t
 into the new engine subgroup by subgroup, each process reading only the pieces that overlap
 its shards, whatever blocks they were saved in.
 
-**Asynchronous saves without a copy of the state.** With an async manager, :func:`save`
-returns once the params are copied to host memory and the retained subgroups are written to
-their tiers; the next updates run while the state is streamed from the tiers. Until the
+**Asynchronous saves without a copy of the state or the params.** With an async manager,
+:func:`save` returns once the params are written (large host arrays by jax_mlpo itself, with
+O_DIRECT, as uncompressed zarr3 arrays that plain orbax reads:
+:mod:`~jax_mlpo.checkpoint.host_arrays`) and the retained subgroups are written to their
+tiers; the next updates run while the state is streamed from the tiers. Until the
 checkpoint has read a subgroup, its write-backs go to a second blob of that subgroup
 (copy-on-write), and the old one is deleted once read: the tiers hold up to twice the state
 during such a save. :func:`save` checks the free space first (:mod:`~jax_mlpo.checkpoint.space`)
@@ -34,8 +36,8 @@ and saves synchronously where copy-on-write would not fit (``blocking=None``), o
 :class:`CheckpointSpaceError` naming the figures and the fix.
 
 Several processes (``jax.distributed``, see :mod:`jax_mlpo.distributed`): the params are written
-the way orbax writes sharded ``jax.Array``s (``ocdbt.process_<k>``, merged when the checkpoint is
-finalized), the offloaded state by each process into its own arrays (replicated leaves once, by
+the way orbax writes sharded ``jax.Array``s (each process the zarr3 chunks of its shards), the
+offloaded state by each process into its own arrays (replicated leaves once, by
 process 0). On restore each process reads only the saved shards that overlap its own.
 
 Each item also holds ``jax_mlpo_checksums.json``: a sha256 of every orbax leaf as saved (or of

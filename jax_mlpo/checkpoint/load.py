@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_mlpo.checkpoint.blocks import Read, index_of
 from jax_mlpo.checkpoint.restore_plan import StreamPlan
-from jax_mlpo.checkpoint.stream import StateReader
+from jax_mlpo.checkpoint.state_reader import StateReader
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, path_name, unwrap
 from jax_mlpo.transform import OffloadedAdamWState, engine_of
 

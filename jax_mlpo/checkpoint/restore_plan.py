@@ -81,7 +81,7 @@ class LeafPlan:
 
 
 class StreamPlan(NamedTuple):
-    """How one offloaded state's arrays are read (:class:`~jax_mlpo.checkpoint.stream.StateReader`).
+    """How one offloaded state's arrays are read (``state_reader.StateReader``).
 
     Attributes:
       records: for each ``(quantity, leaf)``, the saved shards' records.

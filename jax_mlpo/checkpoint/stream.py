@@ -1,4 +1,4 @@
-"""The offloaded state in a checkpoint: per-leaf zarr3 arrays, written and read piece by piece.
+"""The offloaded state in a checkpoint: per-leaf zarr3 arrays, written piece by piece.
 
 An offloaded AdamW state is not an orbax leaf: it may be larger than host memory. For every
 parameter leaf, each process writes its shard of ``mu``, ``nu`` and (bfloat16 leaves)
@@ -10,11 +10,9 @@ once complete and digested (sha256) by the thread that writes it. Host memory: t
 filled (only a leaf that straddles two subgroups keeps its three open between them) and at most
 ``MAX_IN_FLIGHT`` being written.
 
-A restore reads, for each subgroup of the restoring engine in order, the pieces that overlap
-its segments (in any saved shard), checks each against its sha256 before any of its bytes is
-used, and fills the subgroup's blob; the next subgroup's pieces are read meanwhile. A shard's
-record (``start``, ``size``, ``array``, ``chunk``: the piece length, ``sha256``: one per
-piece) goes into the checksum manifest.
+:mod:`~jax_mlpo.checkpoint.state_reader` reads them back. A shard's record (``start``,
+``size``, ``array``, ``chunk``: the piece length, ``sha256``: one per piece) goes into the
+checksum manifest.
 """
 
 from __future__ import annotations
@@ -22,27 +20,22 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
-import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
-from jax_mlpo.checkpoint.blocks import Region, saved_region
-from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
-from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
+from jax_mlpo.checkpoint.blocks import Region
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
     ShardCreator,
-    ShardReader,
     ShardWriter,
-    check_array,
     whole_pages,
 )
-from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32, store_f32
-from jax_mlpo.quantize import Quantized, moment_dtype_name
+from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32
+from jax_mlpo.quantize import moment_dtype_name
 from jax_mlpo.tiers.posix import aligned_empty
 from jax_mlpo.types import F32
 
@@ -52,11 +45,11 @@ MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory t
 IO_THREADS = 4  # each moves one piece at a time and digests it
 
 
-def _sha256(data: np.ndarray) -> str:
+def piece_sha256(data: np.ndarray) -> str:
     return hashlib.sha256(data.view(np.uint8)).hexdigest()  # releases the GIL on large data
 
 
-def _split(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
+def split_quantities(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
     p, m, v = sg.split(blob)
     return {"mu": m, "nu": v, "master": p}
 
@@ -150,7 +143,7 @@ class StateWriter:
         """
         try:
             for sg, blob in blobs:
-                parts = _split(sg, blob)
+                parts = split_quantities(sg, blob)
                 for seg in sg.segments:
                     if seg.leaf in self._skip:
                         continue
@@ -237,153 +230,9 @@ class StateWriter:
 
 
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
-    digest = _sha256(buffer[:count])
+    digest = piece_sha256(buffer[:count])
     file.write(start, buffer, count)
     return digest
-
-
-class StateReader:
-    """Fills an engine's subgroups from the saved shards of one offloaded state, verified.
-
-    The chunks a subgroup needs are read concurrently, and those of the next subgroup while the
-    engine writes this one to its tier (host memory: about two subgroups' chunks). Saved and
-    restoring shards may be cut differently (flat ranges, blocks of a mesh): each element is
-    found in whichever saved shard holds it.
-
-    Args:
-      directory: the checkpoint item's directory.
-      records: for each ``(quantity, leaf)``, the saved shards' records (every process's), as
-        the manifest has them.
-      shapes: the parameter leaves' global shapes.
-      regions: where each leaf of the restoring engine is in the parameter leaves.
-      subgroups: the restoring engine's subgroups, in the order they are filled.
-    """
-
-    def __init__(
-        self, directory: str | os.PathLike, records: dict[tuple[str, int], list[dict[str, Any]]],
-        shapes: list[tuple[int, ...]], regions: list[Region], subgroups: Sequence[Subgroup],
-    ) -> None:  # fmt: skip
-        self._directory = os.fspath(directory)
-        self._saved = {
-            (name, leaf): [(r, saved_region(r, leaf, shapes[leaf])) for r in v]
-            for (name, leaf), v in records.items()
-        }
-        self._shapes, self._regions = shapes, regions
-        after = [*subgroups[1:], None]
-        self._next = {sg.index: nxt for sg, nxt in zip(subgroups, after, strict=True)}
-        self._files: dict[str, ShardReader] = {}  # each array's data file, checked and open
-        # (array, piece) -> (its buffer, the read's future or the verified data)
-        self._reads: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}
-        self._spare: list[np.ndarray] = []  # buffers of pieces no longer needed, reused
-        self._scratch: dict[str, np.ndarray] = {}  # q8 moments' float32, before encoding
-        self._planned: tuple[int, list[Piece]] | None = None  # the next subgroup's pieces
-        self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-read")
-
-    def fill(self, sg: Subgroup, blob: np.ndarray) -> None:
-        """Fills ``blob`` with subgroup ``sg``'s saved state (an ``Engine.load`` callback).
-
-        Raises:
-          CorruptCheckpointError: a chunk does not match its sha256, or an array is missing
-            or not what the manifest says.
-        """
-        planned = self._planned
-        pieces = planned[1] if planned and planned[0] == sg.index else self._pieces(sg)
-        self._issue(pieces)
-        upcoming = self._next.get(sg.index)
-        later = self._pieces(upcoming) if upcoming is not None else []
-        self._planned = (upcoming.index, later) if upcoming is not None else None
-        self._issue(later)  # read while this subgroup is copied and written to its tier
-        parts = _split(sg, blob)
-        # A q8 moment is filled in float32 first and encoded segment by segment (its blocks
-        # start at segments): host memory of one subgroup's float32 per q8 moment, reused.
-        coded = {k: x for k, x in parts.items() if isinstance(x, Quantized)}
-        for name in coded:
-            if self._scratch.get(name) is None or self._scratch[name].size < sg.size:
-                self._scratch[name] = np.empty(sg.size, F32)
-            parts[name] = self._scratch[name][: sg.size]
-        for name, record, k, (at, shape, into), (src, src_shape, sel) in pieces:
-            data = self._chunk(record, k)
-            source = data[src : src + math.prod(src_shape)].reshape(src_shape)[sel]
-            parts[name][at : at + math.prod(shape)].reshape(shape)[into] = source
-        for name, moment in coded.items():
-            for seg in sg.segments:
-                store_f32(sg.segment(moment, seg), parts[name][seg.span], signed=name == "mu")
-        keep = {(piece[1]["array"], piece[2]) for piece in later}
-        for key in [key for key in self._reads if key not in keep]:
-            buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
-            if buffer.size == whole_pages(CHUNK_ELEMS):
-                self._spare.append(buffer)
-
-    def _pieces(self, sg: Subgroup) -> list[Piece]:
-        """The copies that fill ``sg``, from the chunks of the saved shards that overlap it."""
-        pieces: list[Piece] = []
-        for seg in sg.segments:
-            region = self._regions[seg.leaf]
-            start = region.start + seg.leaf_start  # the segment in its region's block
-            for name in QUANTITIES:
-                if name == "master" and not seg.master:
-                    continue
-                shape = self._shapes[region.leaf]
-                for record, saved in self._saved[(name, region.leaf)]:
-                    pieces += segment_pieces(name, record, saved, region, shape, start,
-                                             seg.size, seg.start)  # fmt: skip
-        return pieces
-
-    def _issue(self, pieces: list[Piece]) -> None:
-        for _, record, k, _, _ in pieces:
-            key = (record["array"], k)
-            if key not in self._reads:
-                self._check(record)
-                size = whole_pages(record["chunk"])
-                spare = size == whole_pages(CHUNK_ELEMS) and self._spare
-                buffer = self._spare.pop() if spare else aligned_empty(size)
-                self._reads[key] = (buffer, self._io.submit(self._read, record, k, buffer))
-
-    def _chunk(self, record: dict[str, Any], k: int) -> np.ndarray:
-        """Piece ``k`` of ``record``'s array, verified."""
-        key = (record["array"], k)
-        buffer, got = self._reads[key]
-        if not isinstance(got, np.ndarray):
-            got = got.result()
-            self._reads[key] = (buffer, got)
-        return got
-
-    def _read(self, record: dict[str, Any], k: int, buffer: np.ndarray) -> np.ndarray:
-        """Reads piece ``k`` of ``record``'s array and checks it against its sha256."""
-        where = os.path.join(self._directory, record["array"])
-        chunk = record["chunk"]
-        count = min(chunk, record["size"] - k * chunk)
-        try:
-            data = self._files[record["array"]].read(k * chunk, buffer, count)
-        except OSError as e:
-            raise CorruptCheckpointError(f"{where}: piece {k} cannot be read ({e})") from e
-        if k >= len(record["sha256"]) or _sha256(data) != record["sha256"][k]:
-            raise CorruptCheckpointError(
-                f"{where}: piece {k} does not match its sha256 (the checkpoint is corrupt: a "
-                "changed or half-written file). Restore another step, into a new tx.init."
-            )
-        return data
-
-    def _check(self, record: dict[str, Any]) -> None:
-        path = record["array"]
-        if path in self._files:
-            return
-        where = os.path.join(self._directory, path)
-        try:
-            check_array(where, record["size"])
-            self._files[path] = ShardReader(where)
-        except (ValueError, OSError) as e:
-            raise CorruptCheckpointError(
-                f"{where} cannot be opened as the manifest describes it ({e}): the "
-                "checkpoint is incomplete or corrupt. Restore another step."
-            ) from e
-
-    def close(self) -> None:
-        """Waits for the reads in flight, stops the reading threads and closes the files."""
-        self._io.shutdown(wait=True, cancel_futures=True)
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
 
 
 STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>
