@@ -66,10 +66,12 @@ def streams_held() -> Iterator[None]:
 class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves and restores a pytree that may hold offloaded AdamW states, checksummed.
 
-    ``async_save`` snapshots the tree synchronously (device arrays copied to the host, every
+    ``async_save`` snapshots the tree synchronously (small arrays copied, every
     :class:`~jax_mlpo.OffloadedAdamWState` reduced to its count and its engine snapshotted,
-    copy-on-write where ``concurrent``), then writes it with orbax's ``PyTreeCheckpointHandler``
-    and, in the background, streams the offloaded states and writes the sha256 manifest.
+    copy-on-write where ``concurrent``), writes the large host arrays
+    (:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler`) and hands the rest to orbax's
+    ``PyTreeCheckpointHandler``; in the background it streams the offloaded states (once
+    :func:`streams_held` lets them) and writes the sha256 manifest.
     ``restore`` needs the target tree (for the engines to load into) except for trees without
     offloaded states; it verifies every shard and piece it reads.
     """

@@ -1,8 +1,10 @@
 """The snapshot: what a save takes from a training tree, synchronously, before writing it.
 
-A save copies the small part of the tree to host memory at the moment it is called (params,
-scalars, PRNG keys), so that the next update may run (and donate or overwrite the device
-buffers) while orbax writes the copy in the background. Every
+A save takes the small part of the tree at the moment it is called (params, scalars, PRNG
+keys), so that the next update may run (and donate or overwrite the device buffers) while the
+checkpoint is written: small arrays are copied for orbax to write in the background, large
+host arrays (the params) are not, since they are written before the save returns
+(:mod:`~jax_mlpo.checkpoint.host_arrays`). Every
 :class:`~jax_mlpo.OffloadedAdamWState` becomes its ``count`` in that tree, and its AdamW state
 an :class:`OffloadedStream`: an engine snapshot (:mod:`jax_mlpo.snapshot`), read from the host
 cache and the tiers subgroup by subgroup while it is written (:mod:`~jax_mlpo.checkpoint.stream`),

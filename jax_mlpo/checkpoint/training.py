@@ -74,7 +74,7 @@ def save(
     """Saves params, the optimizer state and ``extra`` as checkpoint ``step``.
 
     Call it between updates with the params and state the last update returned. With an async
-    manager it returns once the params are copied to host memory and the retained subgroups
+    manager it returns once the params are written (without a copy) and the retained subgroups
     are written to their tiers; the offloaded state is streamed into the checkpoint from the
     tiers while the next updates run (they write copy-on-write blobs until the checkpoint has
     read the old ones), and the checkpoint is durable once ``mngr.wait_until_finished()``
