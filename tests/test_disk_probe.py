@@ -50,3 +50,11 @@ def test_the_sweep_runs_on_the_probe_without_fio(tmp_path):
     assert not list((tmp_path / "sweep").iterdir())  # the file it laid out is removed
     table = disk_limit.table(result, ["read", "write", "mixed"], ["1M", "2M"], [2])
     assert "best mixed" in table
+
+
+def test_a_sweep_point_is_the_median_of_its_passes(tmp_path):
+    result = disk_limit.sweep(str(tmp_path / "sweep"), "8MiB", 0.1, ["1M"], [2], ["mixed"],
+                              engine="probe", repeats=3)  # fmt: skip
+    (point,) = result["points"]
+    assert len(point["runs_gbps"]) == 3 and result["repeats"] == 3
+    assert point["total_gbps"] == sorted(point["runs_gbps"])[1]
