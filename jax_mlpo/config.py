@@ -47,6 +47,9 @@ class FileTier:
         ``"default"`` (the page cache; the default for ``"tensorstore"``) or ``"memmap"``
         (tensorstore only).
       queue_depth: chunk requests in flight on this tier (``"posix"``).
+      io_submit: how ``"posix"`` hands requests to the kernel: ``"aio"`` (default: Linux
+        kernel AIO from C++, DeepSpeed's libaio path; falls back to threads, with a warning,
+        where the kernel refuses it) or ``"threads"`` (a thread per request in flight).
       sync: fsync every blob write before it counts as durable.
       read_bandwidth, write_bandwidth: the tier's bandwidth in bytes/s for placement (e.g.
         ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
@@ -70,6 +73,7 @@ class FileTier:
     io_engine: str = "posix"
     io_mode: str | None = None
     queue_depth: int = 8
+    io_submit: str = "aio"
     sync: bool = True
     read_bandwidth: int | str | None = None
     write_bandwidth: int | str | None = None
@@ -114,6 +118,11 @@ class FileTier:
             raise ConfigError(
                 f"FileTier.queue_depth={self.queue_depth!r} for {self.path}: must be an int >= 1 "
                 "(chunk requests in flight; 8 suits NVMe and virtual disks)"
+            )
+        if self.io_submit not in ("aio", "threads"):
+            raise ConfigError(
+                f"FileTier.io_submit={self.io_submit!r} for {self.path}: must be 'aio' (kernel "
+                "AIO) or 'threads' (a thread per request)"
             )
 
     def for_process(self, index: int) -> FileTier:

@@ -28,7 +28,7 @@ import numpy as np
 from jax_mlpo.layout import Layout, Subgroup
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.host import HostBufferPool, other_kind
-from jax_mlpo.tiers.posix import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty
 
 logger = logging.getLogger(__name__)
 

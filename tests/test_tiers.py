@@ -20,7 +20,7 @@ from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError, TokenBucket
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
 from jax_mlpo.tiers.permits import TierPermits
-from jax_mlpo.tiers.posix import ALIGN, aligned_empty
+from jax_mlpo.tiers.submit import ALIGN, aligned_empty
 
 CRC = 4  # bytes the crc32c codec appends to every chunk file (tensorstore engine)
 ENGINES = ["posix", "tensorstore"]

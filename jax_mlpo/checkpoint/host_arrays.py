@@ -32,7 +32,7 @@ import tensorstore as ts
 from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jax_mlpo.checkpoint.shard_file import open_direct
-from jax_mlpo.tiers.posix import ALIGN, _pwrite_full, aligned_empty
+from jax_mlpo.tiers.submit import ALIGN, aligned_empty, pwrite_full
 
 
 class _NoOcdbtMerge(logging.Filter):
@@ -151,7 +151,7 @@ def _pages(nbytes: int) -> int:
 
 
 def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:
-    if _pwrite_full(fd, data, offset) < data.nbytes:
+    if pwrite_full(fd, data, offset) < data.nbytes:
         raise OSError(errno.ENOSPC, f"{path}: short write at byte {offset} (is the disk full?)")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_mlpo.tiers.posix import ALIGN, _pread_full, _pwrite_full
+from jax_mlpo.tiers.submit import ALIGN, pread_full, pwrite_full
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ShardWriter:
         n = 4 * count
         raw = _page_view(buffer, count)
         raw[n:] = 0
-        if _pwrite_full(self._fd, raw, 4 * start) < raw.nbytes:
+        if pwrite_full(self._fd, raw, 4 * start) < raw.nbytes:
             raise OSError(errno.ENOSPC, f"{self.path}: short write at element {start}")
 
     def finish(self) -> None:
@@ -193,7 +193,7 @@ class ShardReader:
         Raises:
           OSError: the file is short (truncated).
         """
-        got = _pread_full(self._fd, _page_view(buffer, count), 4 * start)
+        got = pread_full(self._fd, _page_view(buffer, count), 4 * start)
         if got < 4 * count:
             raise OSError(errno.EIO, f"{self.path}: short read at element {start} (truncated)")
         return buffer[:count]

@@ -30,7 +30,7 @@ from jax_mlpo.checkpoint.stream import (
 )
 from jax_mlpo.layout import Subgroup, store_f32
 from jax_mlpo.quantize import Quantized
-from jax_mlpo.tiers.posix import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
 
 

@@ -36,7 +36,7 @@ from jax_mlpo.checkpoint.shard_file import (
 )
 from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32
 from jax_mlpo.quantize import moment_dtype_name
-from jax_mlpo.tiers.posix import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
 
 QUANTITIES = ("mu", "nu", "master")

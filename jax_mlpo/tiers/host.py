@@ -33,7 +33,7 @@ from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.posix import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty
 
 logger = logging.getLogger(__name__)
 

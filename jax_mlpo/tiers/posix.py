@@ -12,127 +12,44 @@ the blob is overwritten) and then rewritten in place::
 
 Every byte of the file is covered by a checksum.
 
-A blob moves as requests of ``chunk_bytes`` each, ``queue_depth`` of them in flight per tier on
-a small thread pool that serves reads before writes (the update waits on reads; write-back only
-has to finish before its buffer is reused). This is how DeepSpeed's libaio swapper reaches the
-disk's bandwidth; tensorstore's ``file`` driver reaches 65-75% of it here, so the hot path does
+A blob moves as requests of ``chunk_bytes`` each, ``queue_depth`` of them in flight per tier,
+reads served before writes (the update waits on reads; write-back only has to finish before its
+buffer is reused), through the tier's submitter (:mod:`jax_mlpo.tiers.submit`): kernel AIO from
+C++ by default, as DeepSpeed's libaio swapper moves its state, or a thread per request.
+tensorstore's ``file`` driver reaches 65-75% of the disk's bandwidth here, so the hot path does
 its own I/O (``io_engine="tensorstore"`` remains for comparison). Each chunk's checksum is
-computed by the thread that moved it (native crc32c, GIL released) and checked against the
+computed by the thread that asked for it (native crc32c, GIL released) and checked against the
 trailer on every read: a torn write (a crash midway through rewriting a blob) or a flipped bit
 fails loudly instead of feeding the optimizer wrong state.
 
 With ``io_mode="direct"`` files are opened with O_DIRECT, so state does not churn the page
-cache; buffers that are not 4 KiB aligned (or a blob's last, partial block) go through a
-per-thread aligned bounce buffer. On a file system without O_DIRECT (tmpfs) the tier logs it
-once and uses the page cache.
+cache. On a file system without O_DIRECT (tmpfs) the tier logs it once and uses the page cache.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import glob
-import itertools
 import logging
-import mmap
 import os
-import queue
 import struct
-import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
+from jax_mlpo.tiers.submit import ALIGN, Chunk, submitter
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
 MAGIC = b"JXMLPOB\x01"
 _HEADER = struct.Struct("<8sQQI")  # magic, blob bytes, chunk bytes, chunk count
-_READ, _WRITE = 0, 1  # request priorities: reads first
-
-
-def aligned_empty(n: int, dtype: Any = np.float32) -> np.ndarray:
-    """A 1-D array of ``n`` elements whose data starts on a page (O_DIRECT-ready), zero-filled.
-
-    Anonymous ``mmap`` memory: page-aligned, and its pages are only committed when touched.
-    """
-    nbytes = max(1, n * np.dtype(dtype).itemsize)
-    return np.frombuffer(mmap.mmap(-1, nbytes), np.dtype(dtype), count=n)
 
 
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _aligned(arr: np.ndarray) -> bool:
-    return arr.ctypes.data % ALIGN == 0
-
-
-class ChunkQueue:
-    """``depth`` threads that run chunk requests: reads before writes, then by blob, oldest
-    first, then FIFO.
-
-    Ordering by blob lets a blob's trailer, queued once its chunks are written, go before the
-    chunks of blobs submitted after it instead of behind all of them.
-
-    Args:
-      depth: requests in flight.
-      name: thread name prefix.
-    """
-
-    def __init__(self, depth: int, name: str) -> None:
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._blobs = itertools.count()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(depth)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def next_blob(self) -> int:
-        """A number for a new blob's requests, after every earlier blob's."""
-        return next(self._blobs)
-
-    def submit(
-        self, priority: int, blob: int, fn: Callable[..., Any], *args: Any
-    ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((priority, blob, next(self._seq), future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            _, _, _, future, fn, args = self._queue.get()
-            if fn is None:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # handed to the waiter, who raises it
-                future.set_exception(e)
-
-    def close(self) -> None:
-        """Runs what is queued, then stops the threads."""
-        for _ in self._threads:
-            self._queue.put((_WRITE + 1, 0, next(self._seq), None, None, ()))
-        for t in self._threads:
-            t.join()
-
-
-def _wait_all(futures: list[concurrent.futures.Future]) -> list[Any]:
-    """Results of all ``futures``; raises the first error only once none is still running (the
-    requests share a file descriptor and buffers that the caller releases next)."""
-    concurrent.futures.wait(futures)
-    return [f.result() for f in futures]
 
 
 class PosixBlobs:
@@ -150,13 +67,14 @@ class PosixBlobs:
         self._chunk = max(ALIGN, tier.chunk_bytes // ALIGN * ALIGN)
         self._direct = tier.io_mode == "direct"
         self._sync = tier.sync
-        self._local = threading.local()
         # A blob file left by an earlier run is not this run's state: start clean, as a fresh
         # zarr array would (restoring goes through checkpoints, never through tier files).
         for kind in kinds:
             for stale in glob.glob(os.path.join(glob.escape(directory), f"{kind}-*.blob")):
                 os.unlink(stale)
-        self._queue = ChunkQueue(tier.queue_depth, f"jax_mlpo-io-{os.path.basename(directory)}")
+        self._submit = submitter(
+            tier.io_submit, tier.queue_depth, f"jax_mlpo-io-{os.path.basename(directory)}"
+        )
 
     def path(self, slot: int, kind: str) -> str:
         return os.path.join(self.directory, f"{kind}-{slot}.blob")
@@ -175,9 +93,12 @@ class PosixBlobs:
         count = len(self._chunks(nbytes))
         return count, _round_up(nbytes), _round_up(_HEADER.size + 4 * count + 4)
 
-    def _tail(self, n: int, last: bool) -> int:
-        """Bytes a request moves for ``n`` bytes of blob: the last one takes the padding too."""
-        return _round_up(n) if last else n
+    def _requests(self, view: np.ndarray) -> list[Chunk]:
+        """The chunk requests of a blob's bytes; the last one moves the padding too."""
+        return [
+            Chunk(view[o : o + n], o, _round_up(n) if o + n == view.nbytes else n)
+            for o, n in self._chunks(view.nbytes)
+        ]
 
     def _open(self, path: str, flags: int) -> int:
         if self._direct:
@@ -192,12 +113,6 @@ class PosixBlobs:
                     self.directory,
                 )
         return os.open(path, flags, 0o600)
-
-    def _bounce(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.buf = aligned_empty(max(nbytes, ALIGN), np.uint8)
-        return buf[:nbytes]
 
     # ---- reads ----------------------------------------------------------------------------
 
@@ -225,48 +140,20 @@ class PosixBlobs:
                     f"{path} is {size} bytes, a blob of {nbytes} bytes needs "
                     f"{trailer_at + trailer_bytes}: the file is truncated"
                 )
-            blob = self._queue.next_blob()
-            trailer = self._queue.submit(
-                _READ, blob, self._read_trailer, fd, trailer_at, trailer_bytes
-            )
-            parts = [
-                self._queue.submit(
-                    _READ, blob, self._read_chunk, fd, view[o : o + n], o, o + n == nbytes
-                )
-                for o, n in self._chunks(nbytes)
-            ]
-            crcs = _wait_all([trailer, *parts])
+            blob = self._submit.next_blob()
+            raw = np.zeros(trailer_bytes, np.uint8)
+            trailer = Chunk(raw, trailer_at, trailer_bytes)
+            crcs = self._submit.move(fd, [trailer, *self._requests(view)], False, blob)[1:]
         finally:
             os.close(fd)
-        stored = _parse_trailer(crcs[0], path, nbytes, self._chunk, count)
-        bad = [i for i, (a, b) in enumerate(zip(crcs[1:], stored, strict=True)) if a != b]
+        stored = _parse_trailer(raw.tobytes(), path, nbytes, self._chunk, count)
+        bad = [i for i, (a, b) in enumerate(zip(crcs, stored, strict=True)) if a != b]
         if bad:
             raise CorruptBlobError(
                 f"{path}: {len(bad)} of {count} chunks fail their crc32c (first: chunk {bad[0]}, "
                 f"bytes {bad[0] * self._chunk}-{min(nbytes, (bad[0] + 1) * self._chunk)}); "
                 "corrupted, or a write was cut short"
             )
-
-    def _read_chunk(self, fd: int, dst: np.ndarray, offset: int, last: bool) -> int:
-        n = dst.nbytes
-        moved = self._tail(n, last)
-        if moved == n and (not self._direct or _aligned(dst)):
-            got = _pread_full(fd, dst, offset)
-            crc = crc32c(dst)
-        else:
-            bounce = self._bounce(moved)
-            got = _pread_full(fd, bounce, offset)
-            dst[:] = bounce[:n]
-            crc = crc32c(bounce)
-        if got < moved:
-            raise CorruptBlobError(f"short read at byte {offset}: the file is truncated")
-        return crc
-
-    def _read_trailer(self, fd: int, offset: int, nbytes: int) -> bytes:
-        buf = self._bounce(nbytes)  # copied out below, so the thread may reuse it
-        if _pread_full(fd, buf, offset) < nbytes:
-            raise CorruptBlobError(f"short read of the trailer at byte {offset}: truncated file")
-        return buf.tobytes()
 
     # ---- writes ---------------------------------------------------------------------------
 
@@ -284,18 +171,9 @@ class PosixBlobs:
                     os.ftruncate(fd, trailer_at + trailer_bytes)
                 # Reserve the blocks now: a full disk fails here, before the old blob is touched.
                 os.posix_fallocate(fd, 0, trailer_at + trailer_bytes)
-            blob = self._queue.next_blob()
-            crcs = _wait_all(
-                [
-                    self._queue.submit(
-                        _WRITE, blob, self._write_chunk, fd, view[o : o + n], o, o + n == nbytes
-                    )
-                    for o, n in self._chunks(nbytes)
-                ]
-            )
-            # built in this (blob) thread's bounce buffer, which waits for the write below
-            trailer = self._bounce(trailer_bytes)
-            trailer[:] = 0
+            blob = self._submit.next_blob()
+            crcs = self._submit.move(fd, self._requests(view), True, blob)
+            trailer = np.zeros(trailer_bytes, np.uint8)
             body = _HEADER.pack(MAGIC, nbytes, self._chunk, count) + struct.pack(
                 f"<{count}I", *crcs
             )
@@ -303,28 +181,11 @@ class PosixBlobs:
             trailer[-4:] = np.frombuffer(struct.pack("<I", crc32c(trailer[:-4])), np.uint8)
             # The trailer goes last: until it lands, a reader sees the old checksums and reports
             # a half-written blob rather than reading it as valid.
-            request = (self._write_chunk, fd, trailer, trailer_at, False)
-            _wait_all([self._queue.submit(_WRITE, blob, *request)])
+            self._submit.move(fd, [Chunk(trailer, trailer_at, trailer_bytes)], True, blob)
             if self._sync:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
-
-    def _write_chunk(self, fd: int, src: np.ndarray, offset: int, last: bool) -> int:
-        n = src.nbytes
-        moved = self._tail(n, last)
-        if moved == n and (not self._direct or _aligned(src)):
-            crc = crc32c(src)
-            put = _pwrite_full(fd, src, offset)
-        else:
-            bounce = self._bounce(moved)
-            bounce[:n] = src
-            bounce[n:] = 0
-            crc = crc32c(bounce)
-            put = _pwrite_full(fd, bounce, offset)
-        if put < moved:
-            raise OSError(errno.ENOSPC, f"short write at byte {offset} ({put} of {moved} bytes)")
-        return crc
 
     def discard(self, slot: int, kind: str) -> None:
         """Deletes the blob's file (a later read fails as never written)."""
@@ -332,7 +193,7 @@ class PosixBlobs:
             os.unlink(self.path(slot, kind))
 
     def close(self) -> None:
-        self._queue.close()
+        self._submit.close()
 
 
 def _bytes_of(arr: np.ndarray, nbytes: int) -> np.ndarray:
@@ -357,23 +218,3 @@ def _parse_trailer(raw: bytes, path: str, nbytes: int, chunk: int, count: int) -
             f"chunks of {stored_chunk}; expected {nbytes} in chunks of {chunk})"
         )
     return struct.unpack_from(f"<{count}I", raw, _HEADER.size)
-
-
-def _transfer_full(op: Callable[..., int], fd: int, buf: np.ndarray, offset: int) -> int:
-    """Repeats ``op`` (``os.preadv`` or ``os.pwritev``) until all of ``buf`` moved or it moves
-    nothing (end of file, full disk); returns the bytes moved."""
-    done = 0
-    while done < buf.nbytes:
-        moved = op(fd, [buf[done:]], offset + done)
-        if moved == 0:
-            break
-        done += moved
-    return done
-
-
-def _pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
-    return _transfer_full(os.preadv, fd, buf, offset)
-
-
-def _pwrite_full(fd: int, buf: np.ndarray, offset: int) -> int:
-    return _transfer_full(os.pwritev, fd, buf, offset)

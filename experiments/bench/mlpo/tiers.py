@@ -26,20 +26,27 @@ from experiments.bench.sysio import drop_page_cache, fio_bandwidth
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.permits import TierPermits
-from jax_mlpo.tiers.posix import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty
 
 logger = logging.getLogger("bench.tiers")
 
 
-def run_once(directory: str, config: str, args: argparse.Namespace) -> tuple[float, float, bool]:
-    """GB/s of writing then reading ``args.blobs`` blobs with one tier configuration."""
-    engine, mode = config.split(":")
+def run_once(
+    directory: str, config: str, args: argparse.Namespace
+) -> tuple[float, float, float, bool]:
+    """GB/s of writing, reading, then reading half the blobs while writing the other half
+    (the update's pattern) with one tier configuration: ``engine:mode[:submit[:nosync]]``."""
+    engine, mode, *rest = config.split(":")
+    submit = rest[0] if rest else "aio"
+    sync = "nosync" not in rest
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     tier = FileTier(
         directory,
         io_engine=engine,
         io_mode=mode,
+        io_submit=submit,
+        sync=sync,
         max_concurrency=args.concurrency,
         queue_depth=args.queue_depth,
         chunk_bytes=args.chunk_mib * 2**20,
@@ -64,10 +71,25 @@ def run_once(directory: str, config: str, args: argparse.Namespace) -> tuple[flo
         for f in [store.read(i, bufs[i % len(bufs)]) for i in range(args.blobs)]:
             f.result()
         read_s = time.perf_counter() - t0
+        cold = drop_page_cache() and cold
+        half = args.blobs // 2
+        t0 = time.perf_counter()
+        futures = [
+            f
+            for i in range(half)
+            for f in (
+                store.read(i, bufs[i % len(bufs)]),
+                store.write(half + i, bufs[(half + i) % len(bufs)]),
+            )
+        ]
+        for f in futures:
+            f.result()
+        mixed_s = time.perf_counter() - t0
     finally:
         store.close()
         shutil.rmtree(directory, ignore_errors=True)
-    return total / write_s / 1e9, total / read_s / 1e9, cold
+    mixed_bytes = blob_elems * 4 * 2 * (args.blobs // 2)
+    return total / write_s / 1e9, total / read_s / 1e9, mixed_bytes / mixed_s / 1e9, cold
 
 
 def main() -> None:
@@ -78,8 +100,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--configs",
-        default="posix:direct,posix:default,tensorstore:direct,tensorstore:default",
-        help="io_engine:io_mode pairs to compare",
+        default="posix:direct:aio,posix:direct:threads,posix:direct:aio:nosync,tensorstore:direct",
+        help="io_engine:io_mode[:io_submit[:nosync]] configurations to compare",
     )
     parser.add_argument("--concurrency", type=int, default=4, help="FileTier.max_concurrency")
     parser.add_argument("--queue-depth", type=int, default=8, help="FileTier.queue_depth")
@@ -98,10 +120,10 @@ def main() -> None:
         logger.info("repeat %d/%d: fio %s", rep + 1, args.repeats, raw)
 
     def run(config: str, rep: int) -> dict[str, float]:
-        w, r, cold = run_once(os.path.join(args.dir, "tier"), config, args)
+        w, r, m, cold = run_once(os.path.join(args.dir, "tier"), config, args)
         raw = disk[rep]
-        return {"w": w, "r": r, "w_eff": w / raw["write_gbps"], "r_eff": r / raw["read_gbps"],
-                "cold": cold}  # fmt: skip
+        return {"w": w, "r": r, "m": m, "w_eff": w / raw["write_gbps"],
+                "r_eff": r / raw["read_gbps"], "cold": cold}  # fmt: skip
 
     # interleaved with fio and each other: slow phases of the disk hit every config
     results = interleave(configs, args.repeats, run, before_round=measure_disk)
@@ -109,12 +131,15 @@ def main() -> None:
     table = {}
     for c, rows in results.items():
         w, r = spread(x["w"] for x in rows), spread(x["r"] for x in rows)
+        m = spread(x["m"] for x in rows)
         eff = medians(rows, ("w_eff", "r_eff"))
         table[c] = {
             "write_gbps": w["median"],
             "read_gbps": r["median"],
             "write_range": [w["min"], w["max"]],
             "read_range": [r["min"], r["max"]],
+            "mixed_gbps": m["median"],
+            "mixed_range": [m["min"], m["max"]],
             "write_efficiency": eff["w_eff"],
             "read_efficiency": eff["r_eff"],
         }
@@ -124,7 +149,7 @@ def main() -> None:
     }
     print(
         f"{args.blobs} blobs of {args.blob_mib} MiB, {args.chunk_mib} MiB requests, "
-        f"max_concurrency {args.concurrency}, queue_depth {args.queue_depth}, fsync'd writes, "
+        f"max_concurrency {args.concurrency}, queue_depth {args.queue_depth}, "
         f"{'cold' if cold_reads else 'page-cache'} reads; medians of {args.repeats} interleaved "
         "repeats"
     )
@@ -134,11 +159,14 @@ def main() -> None:
         f"read {limits['read_gbps']:.2f} GB/s "
         f"[{fio['read_gbps']['min']:.2f}-{fio['read_gbps']['max']:.2f}]"
     )
-    print(f"{'config':<22}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}")
+    print(
+        f"{'config':<30}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}"
+        f"{'mixed GB/s':>12}"
+    )
     for c, v in table.items():
         print(
-            f"{c:<22}{v['write_gbps']:>11.2f}{v['write_efficiency']:>6.2f}"
-            f"{v['read_gbps']:>11.2f}{v['read_efficiency']:>6.2f}"
+            f"{c:<30}{v['write_gbps']:>11.2f}{v['write_efficiency']:>6.2f}"
+            f"{v['read_gbps']:>11.2f}{v['read_efficiency']:>6.2f}{v['mixed_gbps']:>12.2f}"
         )
     result = {"args": vars(args), "cold_reads": cold_reads, "fio": limits, "results": table}
     write_json(args.json, result)
