@@ -50,7 +50,12 @@ class FileTier:
       io_submit: how ``"posix"`` hands requests to the kernel: ``"aio"`` (default: Linux
         kernel AIO from C++, DeepSpeed's libaio path; falls back to threads, with a warning,
         where the kernel refuses it) or ``"threads"`` (a thread per request in flight).
-      sync: fsync every blob write before it counts as durable.
+      sync: ``fdatasync`` every blob write before it counts as done. Off by default: a tier
+        holds working state, never restored from (a restart deletes its blob files and restores
+        a checkpoint, whose files are synced), so a flush buys no recoverability. A ``kill -9``
+        loses no written blob either way (O_DIRECT writes are in the device, page-cache writes
+        outlive the process); a power loss or kernel crash may lose tier writes, and the run
+        then resumes from its last checkpoint, as it would anyway.
       read_bandwidth, write_bandwidth: the tier's bandwidth in bytes/s for placement (e.g.
         ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
       node_max_concurrency: blobs in flight on this tier across all processes of the node
@@ -74,7 +79,7 @@ class FileTier:
     io_mode: str | None = None
     queue_depth: int = 8
     io_submit: str = "aio"
-    sync: bool = True
+    sync: bool = False
     read_bandwidth: int | str | None = None
     write_bandwidth: int | str | None = None
     node_max_concurrency: int | None = None

@@ -107,6 +107,7 @@ TIER_ERRORS = [
     ("io_mode-memmap-posix", dict(io_mode="memmap"), r"io_mode='memmap' .*io_engine='posix'"),
     ("io_engine", dict(io_engine="aio"), r"FileTier\.io_engine='aio' for /t: must be 'posix'"),
     ("queue_depth-zero", dict(queue_depth=0), r"FileTier\.queue_depth=0 for /t: .*>= 1"),
+    ("io_submit", dict(io_submit="uring"), r"FileTier\.io_submit='uring' for /t: must be 'aio'"),
     ("concurrency-zero", dict(max_concurrency=0), r"FileTier\.max_concurrency=0 for /t: .*>= 1"),
     ("concurrency-float", dict(max_concurrency=2.0), r"FileTier\.max_concurrency=2\.0"),
     ("cap-zero", dict(bandwidth_cap=0), r"FileTier\.bandwidth_cap=0 for /t: must be positive"),
@@ -237,7 +238,7 @@ def test_from_dict_with_nested_tiers(tmp_path):
         subgroup_size=1000,
         prefetch_depth=1,
     )  # fmt: skip
-    assert config.tiers[1].max_concurrency == 4 and config.tiers[1].sync is True
+    assert config.tiers[1].max_concurrency == 4 and config.tiers[1].sync is False
 
 
 def test_from_dict_defaults():

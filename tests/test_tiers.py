@@ -23,7 +23,8 @@ from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.submit import ALIGN, aligned_empty
 
 CRC = 4  # bytes the crc32c codec appends to every chunk file (tensorstore engine)
-ENGINES = ["posix", "tensorstore"]
+# "posix-threads": the posix engine with a thread per request instead of kernel AIO
+ENGINES = ["posix", "posix-threads", "tensorstore"]
 LOCK_MODULE = Path(__file__).resolve().parents[1] / "jax_mlpo" / "tiers" / "lock.py"
 
 
@@ -36,9 +37,15 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
+def tier_config(path, io_engine: str = "posix", **tier_kwargs) -> FileTier:
+    if io_engine == "posix-threads":
+        io_engine, tier_kwargs["io_submit"] = "posix", "threads"
+    return FileTier(str(path), io_engine=io_engine, **tier_kwargs)
+
+
 def open_store(path, lengths, **tier_kwargs) -> FileTierStore:
     """A store holding ``"state"`` blobs of the given lengths, one slot each."""
-    tier = FileTier(str(path), **tier_kwargs)
+    tier = tier_config(path, **tier_kwargs)
     permits = TierPermits(tier.path, tier.max_concurrency, tier.max_concurrency)
     return FileTierStore(tier, {"state": list(lengths)}, permits)
 
@@ -51,7 +58,7 @@ def posix_file_bytes(n: int, chunk_bytes: int = 8 << 20) -> int:
 
 
 def blob_file_bytes(engine: str, n: int) -> int:
-    return posix_file_bytes(n) if engine == "posix" else 4 * n + CRC
+    return posix_file_bytes(n) if engine.startswith("posix") else 4 * n + CRC
 
 
 def fd_count() -> int:
@@ -82,7 +89,7 @@ def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(engine, a
             out = buffer(len(blob))
             store.read(slot, out).result()
             assert same_bytes(out, blob), f"slot {slot}"
-        if engine == "posix":
+        if engine.startswith("posix"):
             (path,) = store.blob_files(0)
             assert store._blobs._direct  # /tmp supports O_DIRECT here; tmpfs would not
             assert os.path.getsize(path) == posix_file_bytes(10_000, 4096)
@@ -218,7 +225,7 @@ def test_requests_in_flight_bounded_per_direction(tmp_path):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_blob_kinds_are_separate(engine, tmp_path):
-    tier = FileTier(str(tmp_path / "tier"), sync=False, io_engine=engine)
+    tier = tier_config(tmp_path / "tier", sync=False, io_engine=engine)
     kinds = {"state": [30, 30, 9], "grad": [10, 10, 3]}
     store = FileTierStore(tier, kinds, TierPermits(tier.path, 2, 2))
     try:
@@ -256,6 +263,7 @@ CORRUPTIONS = {
         ("trailer-crc", lambda n, size: size - 2),
     ],
 }
+CORRUPTIONS["posix-threads"] = CORRUPTIONS["posix"]
 CORRUPTION_CASES = [(e, n, w) for e, cases in CORRUPTIONS.items() for n, w in cases]
 
 
@@ -361,12 +369,14 @@ def test_posix_tier_without_o_direct_uses_the_page_cache(tmp_path, caplog, monke
         store.close()
 
 
-def test_reads_are_served_before_queued_writes(tmp_path):
+@pytest.mark.parametrize("engine", ["posix", "posix-threads"])
+def test_reads_are_served_before_queued_writes(engine, tmp_path):
     # One request in flight: reads submitted after a burst of writes still go first.
     n, slots = 4096, 6
     store = open_store(
         tmp_path / "tier",
         [n] * 2 * slots,
+        io_engine=engine,
         max_concurrency=8,
         queue_depth=1,
         chunk_bytes=4096,

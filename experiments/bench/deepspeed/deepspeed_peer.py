@@ -65,14 +65,20 @@ from experiments.bench.harness import (
     spread,
     write_json,
 )
-from experiments.bench.sysio import drop_page_cache, filesystem, fio_bandwidth, proc_io
+from experiments.bench.sysio import (
+    drop_page_cache,
+    filesystem,
+    fio_bandwidth,
+    fio_mixed,
+    proc_io,
+)
 
 logger = logging.getLogger("bench.deepspeed_peer")
 
 MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
 SYSTEMS = (
     "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
-    "jax-bf16-moments", "jax-q8-moments",
+    "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads",
 )  # fmt: skip
 LABELS = {
     "ds-partitioned": "deepspeed partitioned",
@@ -82,6 +88,7 @@ LABELS = {
     "jax-all-1dir": "jax_mlpo all (1 dir)",
     "jax-bf16-moments": "jax_mlpo all (1 dir), bf16 m and v",
     "jax-q8-moments": "jax_mlpo all (1 dir), q8 m and v",
+    "jax-all-1dir-threads": "jax_mlpo all (1 dir), threads",
 }
 
 
@@ -103,8 +110,17 @@ def jax_worker(args) -> dict:
     ntiers = 2 if args.worker == "jax-all-2dirs" else 1
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
+    # "-threads": the tier's requests on a thread each instead of kernel AIO (the A/B of issue 20)
+    io_submit = "threads" if args.worker.endswith("-threads") else "aio"
     tiers = tuple(
-        jax_mlpo.FileTier(os.path.join(args.dir, f"tier{k}"), io_mode=args.io_mode)
+        jax_mlpo.FileTier(
+            os.path.join(args.dir, f"tier{k}"),
+            io_mode=args.io_mode,
+            io_submit=io_submit,
+            chunk_bytes=args.chunk,
+            queue_depth=args.queue_depth,
+            sync=args.tier_sync == "on",
+        )
         for k in range(ntiers)
     )
     config = jax_mlpo.OffloadConfig(
@@ -175,6 +191,14 @@ def jax_worker(args) -> dict:
     return out
 
 
+def _step_bytes(system: str, step: dict) -> int:
+    """Bytes a step moved to and from the disk: the tiers' own count for jax_mlpo, the
+    process's I/O for DeepSpeed (its swapper's reads and writes)."""
+    if system.startswith("ds-"):
+        return step["bytes_read"] + step["bytes_written"]
+    return step["tier_bytes_read"] + step["tier_bytes_written"]
+
+
 # ---- hardware limits -------------------------------------------------------------------------
 
 
@@ -232,6 +256,12 @@ def run_system(system: str, args, directory: str) -> dict:
             str(args.jax_warmup),
             "--io-mode",
             args.io_mode,
+            "--chunk",
+            args.chunk,
+            "--queue-depth",
+            str(args.queue_depth),
+            "--tier-sync",
+            args.tier_sync,
             "--prefetch-depth",
             str(args.prefetch_depth),
             "--jax-dtype",
@@ -268,6 +298,10 @@ def main() -> None:
         "DeepSpeed); fp32 params stay with the caller and only m, v are offloaded (8 B/param)",
     )
     parser.add_argument("--io-mode", default="direct", help="jax_mlpo FileTier.io_mode")
+    parser.add_argument("--chunk", default="8MiB", help="jax_mlpo FileTier.chunk_bytes")
+    parser.add_argument("--queue-depth", type=int, default=8, help="jax_mlpo FileTier.queue_depth")
+    parser.add_argument("--tier-sync", choices=("on", "off"), default="off",
+                        help="jax_mlpo FileTier.sync")  # fmt: skip
     parser.add_argument("--q8-rounding", default="stochastic", choices=("nearest", "stochastic"),
                         help="jax-q8-moments' q8_rounding")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
@@ -278,6 +312,8 @@ def main() -> None:
     parser.add_argument(
         "--dir", default="/tmp/jax_mlpo-ds-peer", help="the one disk directory both systems use"
     )
+    parser.add_argument("--limit-block", default="32M", help="fio mixed request size (the limit)")
+    parser.add_argument("--limit-depth", type=int, default=32, help="fio mixed requests in flight")
     parser.add_argument("--json", default=None)
     # worker mode (internal)
     parser.add_argument("--worker", choices=[s for s in SYSTEMS if s.startswith("jax")])
@@ -306,14 +342,19 @@ def main() -> None:
         "disk_dir": args.dir,
         "filesystem": filesystem(os.path.dirname(args.dir)),
     }
-    limits = {"memory_start": memory_bandwidth(), "disk": []}
+    limits = {"memory_start": memory_bandwidth(), "disk": [], "mixed": []}
     logger.info("memory: %s", limits["memory_start"])
 
     def measure_disk(rnd: int) -> None:
         disk = fio_bandwidth(os.path.join(args.dir, "fio"))
+        # the limit an update is held to: fio's 50/50 random mix at the sweep's best point
+        # (experiments/bench/disk_limit.py; 32 MiB x 32 in flight on this disk)
+        mixed = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
+                          depth=args.limit_depth)  # fmt: skip
         shutil.rmtree(args.dir, ignore_errors=True)
         limits["disk"].append(disk)
-        logger.info("round %d disk: %s", rnd, disk)
+        limits["mixed"].append(mixed)
+        logger.info("round %d disk: %s mixed: %s", rnd, disk, mixed)
 
     def run(system: str, rnd: int) -> dict:
         out = run_system(system, args, os.path.join(args.dir, system))
@@ -386,6 +427,20 @@ def main() -> None:
         if per_round:
             rows[system]["tier_efficiency"] = spread(per_round)
 
+    # the disk throughput of a step (bytes read + written / the step's time: DeepSpeed's
+    # optimizer step, jax_mlpo's whole jitted update) against the round's mixed limit
+    for system, outs in runs.items():
+        gbps, of_limit = [], []
+        for o in outs:
+            moved = statistics.median(_step_bytes(system, st) / st["update_s"] for st in o["steps"])
+            gbps.append(moved / 1e9)
+            limit = limits["mixed"][o["round"]].get("mixed_gbps")
+            if limit:
+                of_limit.append(moved / 1e9 / limit)
+        rows[system]["disk_gbps"] = spread(gbps)
+        if of_limit:
+            rows[system]["of_mixed_limit"] = spread(of_limit)
+
     ratios = {}
     for narrow in ("bf16", "q8"):  # the same system, narrower state
         if f"jax-{narrow}-moments" in runs and "jax-all-1dir" in runs:
@@ -403,6 +458,7 @@ def main() -> None:
     for jax_sys, tag in (
         ("jax-all-2dirs", ""),
         ("jax-all-1dir", "_1dir"),
+        ("jax-all-1dir-threads", "_1dir_threads"),
         ("jax-baseline", "_baseline"),
         ("jax-bf16-moments", "_bf16_moments"),
         ("jax-q8-moments", "_q8_moments"),
@@ -472,6 +528,18 @@ def main() -> None:
             f"{row['bytes_read_per_step'] / 1e9:>9.2f}{row['bytes_written_per_step'] / 1e9:>9.2f}"
         )
     print("disk (fio O_DIRECT 1 MiB QD8):", json.dumps(limits["disk_summary"]))
+    mixed = [d["mixed_gbps"] for d in limits["mixed"] if "mixed_gbps" in d]
+    if mixed:
+        print(
+            f"mixed limit (fio 50/50 randrw, {args.limit_block} x {args.limit_depth}): "
+            f"{format_spread(spread(mixed))} GB/s"
+        )
+    for row in rows.values():
+        print(
+            f"disk GB/s during the step {row['label']}: {format_spread(row['disk_gbps'])}"
+            + (f", of the mixed limit {format_spread(row['of_mixed_limit'])}"
+               if "of_mixed_limit" in row else "")
+        )  # fmt: skip
     for row in rows.values():
         if "tier_efficiency" in row:
             print(f"tier_efficiency {row['label']}: {format_spread(row['tier_efficiency'])}")

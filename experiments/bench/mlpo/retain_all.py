@@ -9,7 +9,7 @@ the same disk, steps interleaved A B B A A B ... (the disk is shared and its spe
 the page cache dropped before every step (root; otherwise a warning), each step timed as
 DeepSpeed's is in ``deepspeed_peer.py``: the jitted ``tx.update`` plus ``Engine.drain()``.
 "(no sync)" is the default engine without its fdatasync per blob write (``FileTier(sync=False)``;
-the other two run with the default ``sync=True``): each fdatasync on ext4 flushes the
+the other two with ``sync=True``, the default before issue 20): each fdatasync on ext4 flushes the
 disk's write cache and so waits for every write in flight, which makes a burst of write-backs
 complete all at once (seen in the tiers' request traces); whether that costs step time is what
 this measures.

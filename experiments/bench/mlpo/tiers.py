@@ -160,8 +160,7 @@ def main() -> None:
         f"[{fio['read_gbps']['min']:.2f}-{fio['read_gbps']['max']:.2f}]"
     )
     print(
-        f"{'config':<30}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}"
-        f"{'mixed GB/s':>12}"
+        f"{'config':<30}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}{'mixed GB/s':>12}"
     )
     for c, v in table.items():
         print(
