@@ -58,7 +58,13 @@ from experiments.bench.deepspeed.peer import (
 )
 from experiments.bench.harness import format_spread as fmt
 from experiments.bench.harness import interleave, medians, ratio_spread, spread, write_json
-from experiments.bench.sysio import drop_page_cache, filesystem, fio_bandwidth, proc_io
+from experiments.bench.sysio import (
+    drop_page_cache,
+    filesystem,
+    fio_bandwidth,
+    fio_mixed,
+    proc_io,
+)
 
 logger = logging.getLogger("bench.deepspeed_e2e")
 
@@ -307,6 +313,8 @@ def main() -> None:
     def measure_disk(rnd: int) -> None:
         if not args.no_fio:
             d = fio_bandwidth(os.path.join(directory, "fio"))
+            # and the mixed limit of issue 20 (fio 50/50 randrw at the sweep's best point)
+            d["mixed"] = fio_mixed(os.path.join(directory, "fio"), block="32M", depth=32)
             disk.append(d)
             logger.info("round %d disk: %s, load %s", rnd, d, os.getloadavg())
 
@@ -415,7 +423,7 @@ def main() -> None:
             f"host_cache {r['host_cache'] / 2**20:.0f} MiB"
         )
     if disk:
-        lines.append("disk (fio O_DIRECT 1 MiB QD8): " + json.dumps(disk))
+        lines.append("disk (fio O_DIRECT 1 MiB QD8, and mixed 32 MiB x 32): " + json.dumps(disk))
     for k, v in ratios.items():
         lines.append(f"{k} = {fmt(v)}")
     if len(versions) > 1:

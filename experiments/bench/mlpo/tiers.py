@@ -7,6 +7,8 @@ permitted (root), so reads come from the disk. Each configuration (I/O engine an
 ``--repeats`` times, interleaved with fio (O_DIRECT, 1 MiB requests, queue depth 8: the raw
 sequential bandwidth, as DeepSpeed's aio config uses it) on the same directory; the table gives
 medians and ``tier_efficiency`` = tier GB/s / fio GB/s of the same repeat (median over repeats).
+A mixed pass reads half the blobs while writing the other half (an update's pattern); its
+efficiency is against fio's 50/50 random mix at 32 MiB x 32 in flight (issue 20's limit).
 
 Usage:
   python -m experiments.bench.mlpo.tiers --dir /tmp/jax_mlpo-tierbench --blob-mib 96 \
@@ -22,7 +24,7 @@ import shutil
 import time
 
 from experiments.bench.harness import interleave, medians, spread, write_json
-from experiments.bench.sysio import drop_page_cache, fio_bandwidth
+from experiments.bench.sysio import drop_page_cache, fio_bandwidth, fio_mixed
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.permits import TierPermits
@@ -31,9 +33,7 @@ from jax_mlpo.tiers.submit import aligned_empty
 logger = logging.getLogger("bench.tiers")
 
 
-def run_once(
-    directory: str, config: str, args: argparse.Namespace
-) -> tuple[float, float, float, bool]:
+def run_once(directory: str, config: str, args: argparse.Namespace) -> dict:
     """GB/s of writing, reading, then reading half the blobs while writing the other half
     (the update's pattern) with one tier configuration: ``engine:mode[:submit[:nosync]]``."""
     engine, mode, *rest = config.split(":")
@@ -62,6 +62,7 @@ def run_once(
         for i, b in enumerate(bufs):
             b.fill(i)
         total = blob_elems * 4 * args.blobs
+        cpu0 = _cpu_s()
         t0 = time.perf_counter()
         for f in [store.write(i, bufs[i % len(bufs)]) for i in range(args.blobs)]:
             f.result()
@@ -85,11 +86,25 @@ def run_once(
         for f in futures:
             f.result()
         mixed_s = time.perf_counter() - t0
+        cpu_s = _cpu_s() - cpu0  # page-cache drops included: a few ms
     finally:
         store.close()
         shutil.rmtree(directory, ignore_errors=True)
     mixed_bytes = blob_elems * 4 * 2 * (args.blobs // 2)
-    return total / write_s / 1e9, total / read_s / 1e9, mixed_bytes / mixed_s / 1e9, cold
+    return {
+        "w": total / write_s / 1e9,
+        "r": total / read_s / 1e9,
+        "m": mixed_bytes / mixed_s / 1e9,
+        "cpu_s_per_gb": cpu_s / ((2 * total + mixed_bytes) / 1e9),
+        "cold": cold,
+    }
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds, all threads, user and system (the I/O's own cost: the
+    submission, copies and checksums, not the device's time)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def main() -> None:
@@ -116,14 +131,18 @@ def main() -> None:
         raw = fio_bandwidth(os.path.join(args.dir, "fio"))
         if "error" in raw:
             raise SystemExit(raw["error"])
+        # the mixed limit (issue 20): fio's 50/50 random mix at the sweep's best point
+        raw["mixed_gbps"] = fio_mixed(os.path.join(args.dir, "fio"), block="32M", depth=32)[
+            "mixed_gbps"
+        ]
         disk.append(raw)
         logger.info("repeat %d/%d: fio %s", rep + 1, args.repeats, raw)
 
     def run(config: str, rep: int) -> dict[str, float]:
-        w, r, m, cold = run_once(os.path.join(args.dir, "tier"), config, args)
+        out = run_once(os.path.join(args.dir, "tier"), config, args)
         raw = disk[rep]
-        return {"w": w, "r": r, "m": m, "w_eff": w / raw["write_gbps"],
-                "r_eff": r / raw["read_gbps"], "cold": cold}  # fmt: skip
+        return out | {"w_eff": out["w"] / raw["write_gbps"], "r_eff": out["r"] / raw["read_gbps"],
+                      "m_eff": out["m"] / raw["mixed_gbps"]}  # fmt: skip
 
     # interleaved with fio and each other: slow phases of the disk hit every config
     results = interleave(configs, args.repeats, run, before_round=measure_disk)
@@ -132,7 +151,7 @@ def main() -> None:
     for c, rows in results.items():
         w, r = spread(x["w"] for x in rows), spread(x["r"] for x in rows)
         m = spread(x["m"] for x in rows)
-        eff = medians(rows, ("w_eff", "r_eff"))
+        eff = medians(rows, ("w_eff", "r_eff", "m_eff", "cpu_s_per_gb"))
         table[c] = {
             "write_gbps": w["median"],
             "read_gbps": r["median"],
@@ -142,8 +161,10 @@ def main() -> None:
             "mixed_range": [m["min"], m["max"]],
             "write_efficiency": eff["w_eff"],
             "read_efficiency": eff["r_eff"],
+            "mixed_efficiency": eff["m_eff"],
+            "cpu_s_per_gb": eff["cpu_s_per_gb"],
         }
-    fio = {k: spread(d[k] for d in disk) for k in ("write_gbps", "read_gbps")}
+    fio = {k: spread(d[k] for d in disk) for k in ("write_gbps", "read_gbps", "mixed_gbps")}
     limits = {k: v["median"] for k, v in fio.items()} | {
         f"{k}_range": [v["min"], v["max"]] for k, v in fio.items()
     }
@@ -157,15 +178,19 @@ def main() -> None:
         f"raw (fio O_DIRECT 1 MiB QD8): write {limits['write_gbps']:.2f} GB/s "
         f"[{fio['write_gbps']['min']:.2f}-{fio['write_gbps']['max']:.2f}], "
         f"read {limits['read_gbps']:.2f} GB/s "
-        f"[{fio['read_gbps']['min']:.2f}-{fio['read_gbps']['max']:.2f}]"
+        f"[{fio['read_gbps']['min']:.2f}-{fio['read_gbps']['max']:.2f}]; "
+        f"mixed limit (fio 50/50 randrw, 32 MiB x 32) {limits['mixed_gbps']:.2f} GB/s "
+        f"[{fio['mixed_gbps']['min']:.2f}-{fio['mixed_gbps']['max']:.2f}]"
     )
     print(
-        f"{'config':<30}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}{'mixed GB/s':>12}"
+        f"{'config':<30}{'write GB/s':>11}{'eff':>6}{'read GB/s':>11}{'eff':>6}"  # fmt: skip
+        f"{'mixed GB/s':>12}{'eff':>6}{'CPU s/GB':>10}"
     )
     for c, v in table.items():
         print(
             f"{c:<30}{v['write_gbps']:>11.2f}{v['write_efficiency']:>6.2f}"
             f"{v['read_gbps']:>11.2f}{v['read_efficiency']:>6.2f}{v['mixed_gbps']:>12.2f}"
+            f"{v['mixed_efficiency']:>6.2f}{v['cpu_s_per_gb']:>10.3f}"
         )
     result = {"args": vars(args), "cold_reads": cold_reads, "fio": limits, "results": table}
     write_json(args.json, result)
