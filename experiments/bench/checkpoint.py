@@ -61,7 +61,7 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def child(params_mi: int, cache: str, root: str) -> dict:
+def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict:
     """One round, in this process; returns its figures."""
     import jax
     import jax.numpy as jnp
@@ -80,7 +80,9 @@ def child(params_mi: int, cache: str, root: str) -> dict:
 
     def new_tx() -> optax.GradientTransformation:
         config = jax_mlpo.OffloadConfig(
-            host_cache=cache, tiers=[jax_mlpo.FileTier(tier)], subgroup_size=SUBGROUP
+            host_cache=cache,
+            tiers=[jax_mlpo.FileTier(tier, io_submit=io_submit)],
+            subgroup_size=SUBGROUP,
         )
         return jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
 
@@ -258,11 +260,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cache", default="256MiB", help="host_cache")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp/jax_mlpo_ckpt_bench", help="tier + checkpoints")
+    ap.add_argument("--io-submit", default="aio", choices=("aio", "threads"),
+                    help="the tier's FileTier.io_submit")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        result = child(args.params_mi, args.cache, args.dir)
+        result = child(args.params_mi, args.cache, args.dir, args.io_submit)
         print("RESULT " + json.dumps(result), flush=True)
         return result
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         os.makedirs(args.dir)
         cmd = [sys.executable, "-m", "experiments.bench.checkpoint", "--child",
                f"--params-mi={args.params_mi}", f"--cache={args.cache}",
-               f"--dir={args.dir}"]  # fmt: skip
+               f"--dir={args.dir}", f"--io-submit={args.io_submit}"]  # fmt: skip
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         finally:
