@@ -32,7 +32,7 @@ import tensorstore as ts
 from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jax_mlpo.checkpoint.shard_file import open_direct
-from jax_mlpo.tiers.submit import ALIGN, aligned_empty, pwrite_full
+from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
 
 class _NoOcdbtMerge(logging.Filter):
@@ -117,7 +117,7 @@ class ArrayWriter:
         buffers = self._buffers.get()  # a producer's own
         free, pending = list(buffers), {}
         try:
-            os.posix_fallocate(fd, 0, _pages(raw.nbytes))  # a full disk fails here, first
+            os.posix_fallocate(fd, 0, round_up_pages(raw.nbytes))  # a full disk fails here, first
             for start in range(0, raw.nbytes, PIECE_BYTES):
                 piece = raw[start : start + PIECE_BYTES]
                 if not free:
@@ -125,7 +125,7 @@ class ArrayWriter:
                     for f in done:
                         free.append(pending.pop(f))
                         f.result()
-                buffer, n = free.pop(), _pages(piece.nbytes)
+                buffer, n = free.pop(), round_up_pages(piece.nbytes)
                 buffer[: piece.nbytes] = piece
                 buffer[piece.nbytes : n] = 0  # O_DIRECT writes whole pages; cut off below
                 pending[self._pool.submit(_write_piece, fd, buffer[:n], start, path)] = buffer
@@ -144,10 +144,6 @@ class ArrayWriter:
     def close(self) -> None:
         self._producers.shutdown()
         self._pool.shutdown()
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:

@@ -40,16 +40,12 @@ import numpy as np
 from jax_mlpo.config import FileTier
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
-from jax_mlpo.tiers.submit import ALIGN, Chunk, submitter
+from jax_mlpo.tiers.submit import ALIGN, Chunk, round_up_pages, submitter
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"JXMLPOB\x01"
 _HEADER = struct.Struct("<8sQQI")  # magic, blob bytes, chunk bytes, chunk count
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class PosixBlobs:
@@ -91,12 +87,12 @@ class PosixBlobs:
     def _layout(self, nbytes: int) -> tuple[int, int, int]:
         """(chunk count, trailer offset, trailer bytes) of a blob of ``nbytes``."""
         count = len(self._chunks(nbytes))
-        return count, _round_up(nbytes), _round_up(_HEADER.size + 4 * count + 4)
+        return count, round_up_pages(nbytes), round_up_pages(_HEADER.size + 4 * count + 4)
 
     def _requests(self, view: np.ndarray) -> list[Chunk]:
         """The chunk requests of a blob's bytes; the last one moves the padding too."""
         return [
-            Chunk(view[o : o + n], o, _round_up(n) if o + n == view.nbytes else n)
+            Chunk(view[o : o + n], o, round_up_pages(n) if o + n == view.nbytes else n)
             for o, n in self._chunks(view.nbytes)
         ]
 

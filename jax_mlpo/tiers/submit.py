@@ -47,6 +47,11 @@ def aligned_empty(n: int, dtype: Any = np.float32) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), np.dtype(dtype), count=n)
 
 
+def round_up_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what an O_DIRECT request moves)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 class Chunk(NamedTuple):
     """One request of a blob: ``data`` (uint8) at file ``offset``, moving ``moved`` bytes
     (``data.nbytes``, or that padded to a page with zeros)."""
@@ -158,11 +163,12 @@ class ThreadSubmitter:
             buf = self._local.buf = aligned_empty(max(nbytes, ALIGN), np.uint8)
         return buf[:nbytes]
 
-    def _direct(self, chunk: Chunk) -> bool:
+    def _in_place(self, chunk: Chunk) -> bool:
+        """Whether the request can move the caller's buffer itself (no bounce buffer)."""
         return chunk.moved == chunk.data.nbytes and chunk.data.ctypes.data % ALIGN == 0
 
     def _read(self, fd: int, chunk: Chunk) -> int:
-        buf = chunk.data if self._direct(chunk) else self._bounce(chunk.moved)
+        buf = chunk.data if self._in_place(chunk) else self._bounce(chunk.moved)
         _checked(chunk, pread_full(fd, buf, chunk.offset), write=False)
         if buf is not chunk.data:
             chunk.data[:] = buf[: chunk.data.nbytes]
@@ -170,7 +176,7 @@ class ThreadSubmitter:
 
     def _write(self, fd: int, chunk: Chunk) -> int:
         buf = chunk.data
-        if not self._direct(chunk):
+        if not self._in_place(chunk):
             buf = self._bounce(chunk.moved)
             buf[: chunk.data.nbytes] = chunk.data
             buf[chunk.data.nbytes :] = 0
