@@ -450,7 +450,7 @@ def test_every_flipped_byte_is_detected(tmp_path):
             try:
                 restored = checkpoint.restore(reader, fresh, opt_state)
             except checkpoint.CorruptCheckpointError:
-                outcomes[path].append("sha256")
+                outcomes[path].append("digest")
             except Exception:  # noqa: BLE001 - orbax or tensorstore refused to read it
                 outcomes[path].append("orbax")
             else:
@@ -465,16 +465,16 @@ def test_every_flipped_byte_is_detected(tmp_path):
                 jax_mlpo.close(opt_state)
                 _, _, fresh, opt_state = start_job(target)
     for item in ("params", "opt_state", "extra"):
-        assert set(outcomes[step_dir / item / checkpoint.CHECKSUMS_FILE]) == {"sha256"}
+        assert set(outcomes[step_dir / item / checkpoint.CHECKSUMS_FILE]) == {"digest"}
     # zarr3's array files have no checksum: flips in the params' data are caught by the manifest
     # (the optimizer state's orbax part is a few scalars; its arrays are streamed: below)
     data = max((p for p in files if p.relative_to(step_dir).parts[0] == "params"
                 and "c" in p.relative_to(step_dir).parts),
                key=lambda p: p.stat().st_size)  # fmt: skip
-    assert "sha256" in outcomes[data], outcomes[data]
-    # the offloaded state's arrays: every flip in a chunk is caught by its sha256
+    assert "digest" in outcomes[data], outcomes[data]
+    # the offloaded state's arrays: every flip in a chunk is caught by its digest
     chunks = [p for p in files if "jax_mlpo_state" in p.parts and p.parent.name == "c"]
-    assert chunks and all(set(outcomes[p]) == {"sha256"} for p in chunks), chunks
+    assert chunks and all(set(outcomes[p]) == {"digest"} for p in chunks), chunks
     # and the untouched checkpoint still restores
     restored = checkpoint.restore(checkpoint.manager(spec["ckpt"]), fresh, opt_state)
     assert_states_equal(logical_state(restored.opt_state), saved_state)

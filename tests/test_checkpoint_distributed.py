@@ -106,7 +106,7 @@ def test_the_checkpoint_is_the_global_state_written_by_each_process(runs):
                 ]
     assert leaves["tree/1/count"]["shape"] == []
     params = checkpoint.OffloadCheckpointHandler().metadata(step / "params")
-    assert len(params["tree/w1"]["shards"]) == 2 and "sha256" in params["tree/odd"]
+    assert len(params["tree/w1"]["shards"]) == 2 and "digest" in params["tree/odd"]
 
 
 @pytest.mark.parametrize("nproc", [1, 4])

@@ -8,6 +8,7 @@ chunks straddle subgroups and leaves.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import signal
@@ -33,7 +34,7 @@ from test_checkpoint import (
 
 import jax_mlpo
 from jax_mlpo import checkpoint
-from jax_mlpo.checkpoint import state_reader, stream
+from jax_mlpo.checkpoint import digest, host_arrays, state_reader, stream
 from jax_mlpo.checkpoint.blocks import Region, full, volume
 from jax_mlpo.layout import build_layout, gather_state, scatter_state
 
@@ -54,7 +55,7 @@ def test_a_state_8x_the_host_cache_restores_exactly(tmp_path, monkeypatch):
     item = Path(spec["ckpt"]) / "2" / "opt_state"
     record = checkpoint.OffloadCheckpointHandler().metadata(item)["tree/2/mu/2"]  # w1's
     (shard,) = record["shards"]
-    assert (shard["size"], shard["chunk"], len(shard["sha256"])) == (131072, 4096, 32)
+    assert (shard["size"], shard["chunk"], len(shard["digest"])) == (131072, 4096, 32)
     # a zarr3 array any tensorstore user reads
     w1 = ts.open(
         {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(item / shard["array"])}}
@@ -90,6 +91,75 @@ def test_a_corrupt_chunk_fails_the_restore_before_the_state_is_used(tmp_path):
     # the engine's state is partly replaced: it refuses to go on
     with pytest.raises(jax_mlpo.EngineFailedError, match="Restore from your last checkpoint"):
         jax_mlpo.engine_of(opt_state).state_dict()
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
+class _Sha256:
+    """What formats 3 and 4 digested with (``hashlib.sha256``, bare hex)."""
+
+    def __init__(self, header: bytes = b"") -> None:
+        self._hash = hashlib.sha256(header)
+
+    def update(self, data) -> None:
+        self._hash.update(data)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _as_format_4(value):
+    """A manifest's body as format 4 recorded it: every ``digest`` key named ``sha256``."""
+    if isinstance(value, dict):
+        return {("sha256" if k == "digest" else k): _as_format_4(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_format_4(v) for v in value]
+    return value
+
+
+def test_a_format_4_checkpoint_of_sha256s_still_restores_and_is_checked(tmp_path, monkeypatch):
+    """A checkpoint written before the digests became CRC-32C (format 5) restores exactly, its
+    sha256s checked: a flipped byte in a piece is still caught."""
+
+    def sha256_of(data, header=b""):
+        h = _Sha256(header)
+        h.update(data)
+        return h.hexdigest()
+
+    spec = spec_for(tmp_path / "a", "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
+    saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
+    mngr = checkpoint.manager(spec["ckpt"], async_save=False)
+    with monkeypatch.context() as m:  # the writers digest as format 4 did
+        m.setattr(digest, "of", sha256_of)
+        m.setattr(host_arrays, "Digest", _Sha256)
+        checkpoint.save(mngr, 2, params, opt_state)
+    jax_mlpo.close(opt_state)
+    step = Path(spec["ckpt"]) / "2"
+    for item in ("params", "opt_state", "extra"):
+        path = step / item / checkpoint.CHECKSUMS_FILE
+        body = {k: v for k, v in json.loads(path.read_text()).items() if k != "sha256"}
+        assert body["format"] == 5
+        body = {**_as_format_4(body), "format": 4}
+        sealed = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        path.write_text(json.dumps({**body, "sha256": sealed}))
+    record = checkpoint.OffloadCheckpointHandler().metadata(step / "opt_state")["tree/2/mu/2"]
+    assert len(record["shards"][0]["sha256"][0]) == 64  # a bare sha256, as format 4 had
+
+    _, _, fresh, opt_state = start_job(spec_for(tmp_path / "b", "float32", 1, "none", False))
+    restored = checkpoint.restore(mngr, fresh, opt_state)
+    assert_states_equal(logical_state(restored.opt_state), saved_state)
+    assert_bits_equal(job.as_bits(restored.params), saved_params)
+    jax_mlpo.close(restored.opt_state)
+
+    chunk = step / "opt_state" / "jax_mlpo_state" / "0" / "process_0" / "mu.2" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 4
+    chunk.write_bytes(bytes(data))
+    _, _, fresh, opt_state = start_job(spec_for(tmp_path / "c", "float32", 1, "none", False))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"mu\.2: piece 0 does not match"):
+        checkpoint.restore(mngr, fresh, opt_state)
     jax_mlpo.close(opt_state)
     mngr.close()
 

@@ -5,11 +5,12 @@ Each round runs in a fresh process: bf16 params (leaves of 16Mi elements) under
 same disk:
 
 * ``fio``: 50/50 random read/write, O_DIRECT, 8 MiB requests, 16 in flight, on one laid-out
-  file (the disk's mixed limit; a save reads the tier and writes the checkpoint at once, a
-  restore the reverse: issue 15's reference), and ``fio_copy``: a sequential read of a file and
-  a sequential write of a new, preallocated one at once, 8 in flight each (a checkpoint's own
-  pattern: new files are written, and ext4 serialises direct writes into newly allocated
-  space within a file);
+  file, and ``fio_limit``: the same at 32 MiB x 32 (the best point of issue 20's sweep here).
+  The better of the two is the disk's mixed limit (a save reads the tier and writes the
+  checkpoint at once, a restore the reverse: issue 15's reference); ``fio_copy``: a
+  sequential read of a file and a sequential write of a new, preallocated one at once, 8 in
+  flight each (a checkpoint's own pattern: new files are written, and ext4 serialises direct
+  writes into newly allocated space within a file);
 * two **synchronous saves** (``blocking=True``), after updates 2 and 3 (the process's first
   save is ~2x slower here: both are reported): time, the bytes moved (state read from the tier
   + checkpoint written, ``/proc/self/io``) per second, and the peak RSS growth over the steady
@@ -26,8 +27,9 @@ same disk:
 
 Before each save the last update's write-behind is drained (it is the update's I/O).
 
-Issue 15's targets: RSS growth <= 512 MiB in each, throughput >= 80% of fio's mixed figure, the
-stall <= 10% of the synchronous save's time. Medians over rounds, the spread beside them.
+Issue 15's targets: RSS growth <= 512 MiB in each, throughput >= 80% of the disk's mixed limit (the
+better fio mixed figure), the stall <= 10% of the synchronous save's time. Medians over rounds,
+the spread beside them.
 
     python -m experiments.bench.checkpoint --params-mi 344 --cache 256MiB --rounds 2 \
         --dir /var/tmp/jax_mlpo_ckpt --json experiments/results/checkpoint.json
@@ -108,6 +110,7 @@ def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict
     jax.block_until_ready(params)
     out: dict = {"params": n, "state_bytes": state_bytes}
     out["fio"] = sysio.fio_mixed(root, size="4GiB", runtime_s=10)
+    out["fio_limit"] = sysio.fio_mixed(root, size="4GiB", block="32M", depth=32, runtime_s=10)
     out["fio_copy"] = sysio.fio_copy(root, size="4GiB", runtime_s=10)
 
     holder = {}
@@ -214,7 +217,12 @@ def summarize(rounds: list[dict]) -> dict:
     def ratio(r: dict, phase: str, fio: str = "fio") -> float:
         return r[phase]["moved_bytes"] / r[phase]["seconds"] / 1e9 / r[fio]["mixed_gbps"]
 
+    def vs_limit(r: dict, phase: str) -> float:  # against the better mixed figure
+        return min(ratio(r, phase, fio) for fio in ("fio", "fio_limit") if fio in r)
+
     s = {
+        "sync_save_vs_mixed_limit": spread(vs_limit(r, "sync") for r in rounds),
+        "restore_vs_mixed_limit": spread(vs_limit(r, "restore") for r in rounds),
         "sync_save_vs_fio_mixed": spread(ratio(r, "sync") for r in rounds),
         "first_sync_save_vs_fio_mixed": spread(ratio(r, "sync_first") for r in rounds),
         "restore_vs_fio_mixed": spread(ratio(r, "restore") for r in rounds),
@@ -241,14 +249,15 @@ def summarize(rounds: list[dict]) -> dict:
             for phase in ("sync_first", "sync", "async", "restore")
         },
         "fio_mixed_gbps": spread(r["fio"]["mixed_gbps"] for r in rounds),
+        "fio_mixed_32m_x32_gbps": spread(r["fio_limit"]["mixed_gbps"] for r in rounds),
         "fio_copy_gbps": spread(r["fio_copy"]["mixed_gbps"] for r in rounds),
         "resume_bitwise_equal": all(r["resume_bitwise_equal"] for r in rounds),
     }
     growth = max(s["rss_growth_mib"][p]["median"] for p in s["rss_growth_mib"])
     s["targets_met"] = {
         "rss_growth_le_512MiB": growth <= 512,
-        "save_ge_0.8_fio": s["sync_save_vs_fio_mixed"]["median"] >= 0.8,
-        "restore_ge_0.8_fio": s["restore_vs_fio_mixed"]["median"] >= 0.8,
+        "save_ge_0.8_fio": s["sync_save_vs_mixed_limit"]["median"] >= 0.8,
+        "restore_ge_0.8_fio": s["restore_vs_mixed_limit"]["median"] >= 0.8,
         "stall_le_0.1_sync": s["stall_vs_sync_save"]["median"] <= 0.1,
     }
     return s
@@ -287,10 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
         rounds.append(json.loads(lines[-1][len("RESULT ") :]))
         x = rounds[-1]
         logger.info(
-            "round %d: fio mixed %.2f GB/s; sync save %.1f s (%.2f GB/s moved), stall %.2f s, "
-            "restore %.1f s (%.2f GB/s moved); RSS growth sync %.0f / async %.0f / restore %.0f "
-            "MiB; bitwise resume %s; fio copy pattern %.2f GB/s",
-            r, x["fio"]["mixed_gbps"], x["sync"]["seconds"],
+            "round %d: fio mixed %.2f (32 MiB x 32: %.2f) GB/s; sync save %.1f s (%.2f GB/s "
+            "moved), stall %.2f s, restore %.1f s (%.2f GB/s moved); RSS growth sync %.0f / "
+            "async %.0f / restore %.0f MiB; bitwise resume %s; fio copy pattern %.2f GB/s",
+            r, x["fio"]["mixed_gbps"], x["fio_limit"]["mixed_gbps"], x["sync"]["seconds"],
             x["sync"]["moved_bytes"] / x["sync"]["seconds"] / 1e9, x["async"]["stall_seconds"],
             x["restore"]["seconds"], x["restore"]["moved_bytes"] / x["restore"]["seconds"] / 1e9,
             x["sync"]["rss_growth_bytes"] / 2**20, x["async"]["rss_growth_bytes"] / 2**20,

@@ -14,7 +14,7 @@ checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
   flattening: a range of the whole leaf with one device per process, a whole block with params
   on a mesh;
 - the save reads the state from the host cache and the tiers subgroup by subgroup
-  (:mod:`jax_mlpo.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a sha256 per
+  (:mod:`jax_mlpo.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a CRC-32C per
   piece; host memory beyond ``host_cache``: two read-ahead blobs and at most 8 pieces in flight,
   whatever the state's size.
 
@@ -40,7 +40,8 @@ the way orbax writes sharded ``jax.Array``s (each process the zarr3 chunks of it
 offloaded state by each process into its own arrays (replicated leaves once, by
 process 0). On restore each process reads only the saved shards that overlap its own.
 
-Each item also holds ``jax_mlpo_checksums.json``: a sha256 of every orbax leaf as saved (or of
+Each item also holds ``jax_mlpo_checksums.json``: a digest (CRC-32C,
+:mod:`~jax_mlpo.checkpoint.digest`; a sha256 before format 5) of every orbax leaf as saved (or of
 every shard of a leaf saved sharded) and of every piece of every streamed array, the manifest
 itself sealed by a sha256. Orbax's array files carry no checksum of their own; restore
 recomputes the digest of every shard and piece it reads, before using it, and raises
@@ -83,7 +84,8 @@ Modules, one concept each:
 - :mod:`~jax_mlpo.checkpoint.pieces`: which saved pieces fill a restoring subgroup, across
   shards cut into other blocks;
 - :mod:`~jax_mlpo.checkpoint.space`: the free space a save needs;
-- :mod:`~jax_mlpo.checkpoint.manifest`: the sha256 manifest, written and verified;
+- :mod:`~jax_mlpo.checkpoint.manifest`: the checksum manifest, written and verified;
+- :mod:`~jax_mlpo.checkpoint.digest`: the digests it records (CRC-32C) and checks;
 - :mod:`~jax_mlpo.checkpoint.restore_plan`: what each process reads of every leaf;
 - :mod:`~jax_mlpo.checkpoint.load`: what was read, into the target and its engines;
 - :mod:`~jax_mlpo.checkpoint.blocks` and :mod:`~jax_mlpo.checkpoint.tree`: the shard index

@@ -2,7 +2,7 @@
 
 A leaf saved by several processes is a set of shards, each a block of the global array; a
 process restoring it reads some of those blocks (a union of whole saved shards, so that each
-can be checked against its sha256) and cuts the parts it needs out of them. An
+can be checked against its digest) and cuts the parts it needs out of them. An
 :data:`Index` names a block by its ``[start, stop)`` range in each dimension; unlike jax's
 tuples of slices it is hashable, comparable and JSON-friendly.
 """

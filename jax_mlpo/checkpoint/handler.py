@@ -71,7 +71,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     copy-on-write where ``concurrent``), writes the large host arrays
     (:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler`) and hands the rest to orbax's
     ``PyTreeCheckpointHandler``; in the background it streams the offloaded states (once
-    :func:`streams_held` lets them) and writes the sha256 manifest.
+    :func:`streams_held` lets them) and writes the checksum manifest.
     ``restore`` needs the target tree (for the engines to load into) except for trees without
     offloaded states; it verifies every shard and piece it reads.
     """
@@ -172,7 +172,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
           The restored tree, of ``target``'s structure.
 
         Raises:
-          CorruptCheckpointError: a leaf or shard, or the manifest, does not match its sha256
+          CorruptCheckpointError: a leaf or shard, or the manifest, does not match its digest
             (on every process, whichever found it).
           ValueError: the checkpoint's leaves, dtypes or shapes differ from the target's.
         """
@@ -203,7 +203,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         return load(target, plan.leaves["tree"], reads["tree"], plan.streams, directory)
 
     def metadata(self, directory: epath.Path) -> dict[str, Any]:
-        """The saved leaves' and streamed arrays' dtypes, shapes and sha256s by path, without
+        """The saved leaves' and streamed arrays' dtypes, shapes and digests by path, without
         reading arrays."""
         body = manifest.read_manifest(directory)
         return {**body["leaves"], **body["streamed"]}

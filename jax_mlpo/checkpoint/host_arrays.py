@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
-import hashlib
 import logging
 import os
 import queue
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from jax_mlpo.checkpoint.digest import Digest
 from jax_mlpo.checkpoint.shard_file import open_direct
 from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
@@ -84,7 +84,7 @@ class ArrayWriter:
     """Writes arrays as zarr3 arrays of one raw chunk, in pieces, with O_DIRECT.
 
     :data:`PRODUCERS` arrays are written at once, each by a thread that copies its pieces into
-    page-aligned buffers and digests them in order (sha256: 1.8 GB/s a core here) while
+    page-aligned buffers and digests them in order (:mod:`~jax_mlpo.checkpoint.digest`) while
     :data:`IO_THREADS` threads write them. The threads and buffers (``IO_THREADS`` of 8 MiB per
     producer) are kept between arrays and saves: memory a process touches for the first
     time was slow to come here (a first copy of 704 MiB took 7 s, the next 0.27 s; stop 28).
@@ -98,11 +98,11 @@ class ArrayWriter:
             self._buffers.put([aligned_empty(PIECE_BYTES, np.uint8) for _ in range(IO_THREADS)])
 
     def write_all(self, paths: Sequence[str], values: Sequence[np.ndarray]) -> list[str]:
-        """Writes each of ``values`` at its path (see :meth:`write`); returns their sha256s."""
+        """Writes each of ``values`` at its path (see :meth:`write`); returns their digests."""
         return list(self._producers.map(self.write, paths, values))
 
     def write(self, path: str, value: np.ndarray) -> str:
-        """Writes ``value`` as the zarr3 array at ``path``; returns its sha256 (the manifest's,
+        """Writes ``value`` as the zarr3 array at ``path``; returns its digest (the manifest's,
         over dtype, shape and bytes).
 
         Raises:
@@ -112,7 +112,7 @@ class ArrayWriter:
         data = os.path.join(path, "c", *(["0"] * value.ndim))
         os.makedirs(os.path.dirname(data), exist_ok=True)
         raw = value.reshape(-1).view(np.uint8)  # no copy: C-contiguous
-        digest = hashlib.sha256(f"{value.dtype.name}{value.shape}".encode())
+        digest = Digest(f"{value.dtype.name}{value.shape}".encode())
         fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         buffers = self._buffers.get()  # a producer's own
         free, pending = list(buffers), {}
@@ -154,7 +154,7 @@ def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:
 class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
     """orbax's ``NumpyHandler``, writing large arrays itself before ``serialize`` returns.
 
-    ``digests`` maps ``id(array)`` of each array it wrote to its sha256, for the manifest; the
+    ``digests`` maps ``id(array)`` of each array it wrote to its digest, for the manifest; the
     caller pops them while the arrays are alive.
     """
 

@@ -39,7 +39,7 @@ def load(
       The restored tree, of ``target``'s structure.
 
     Raises:
-      CorruptCheckpointError: a streamed chunk does not match its sha256 (the target's engine
+      CorruptCheckpointError: a streamed chunk does not match its digest (the target's engine
         is then failed: its state is partly replaced).
     """
 

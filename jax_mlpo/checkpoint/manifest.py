@@ -1,9 +1,10 @@
-"""The checksum manifest: a sha256 of every leaf or shard as saved, written and verified.
+"""The checksum manifest: a digest of every leaf or shard as saved, written and verified.
 
 Orbax's array files carry no checksum of their own: a flipped byte in an array's data reads
 back as a different value. Each item of a checkpoint therefore holds ``jax_mlpo_checksums.json``,
-a sha256 of every leaf as saved (dtype, shape and bytes) or, for a leaf saved sharded, of every
-shard (with its index), the manifest itself sealed by a sha256. Restore recomputes the digest of
+a digest (:mod:`~jax_mlpo.checkpoint.digest`: CRC-32C) of every leaf as saved (dtype, shape and
+bytes) or, for a leaf saved sharded, of every shard (with its index), the manifest itself sealed
+by a sha256. Restore recomputes the digest of
 every shard it reads, so what restores is bit for bit what was saved.
 
 With several processes, each writes the digests of what it wrote into
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from jax_mlpo.checkpoint import digest
 from jax_mlpo.checkpoint.blocks import (
     Index,
     Read,
@@ -39,11 +41,12 @@ from jax_mlpo.checkpoint.tree import leaves
 
 CHECKSUMS_FILE = "jax_mlpo_checksums.json"
 PROCESS_CHECKSUMS_FILE = "jax_mlpo_checksums.process_{}.json"  # merged into CHECKSUMS_FILE
-# 4: each streamed array records its block of the leaf ("box": params on a mesh); 3: offloaded
-# states streamed as arrays of their own ("streamed", a sha256 per chunk); 2: a leaf saved
-# sharded has a sha256 per shard ("shards"); 1: one per leaf
-FORMAT = 4
-READABLE_FORMATS = (3, 4)
+# 5: CRC-32C digests ("digest") in place of sha256s; 4: each streamed array records its block of
+# the leaf ("box": params on a mesh); 3: offloaded states streamed as arrays of their own
+# ("streamed", a sha256 per chunk); 2: a leaf saved sharded has a sha256 per shard ("shards");
+# 1: one per leaf
+FORMAT = 5
+READABLE_FORMATS = (3, 4, 5)
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -51,14 +54,14 @@ class CorruptCheckpointError(RuntimeError):
 
 
 def host_records(host: Any, digests: dict[int, str] | None = None) -> dict[str, Any]:
-    """The manifest's records of the host tree this process saves: dtype, shape and the sha256
+    """The manifest's records of the host tree this process saves: dtype, shape and the digest
     of each leaf or shard it writes.
 
     Computed when the save starts, before the caller's next update may change the arrays.
 
     Args:
       host: the snapshot being saved (see :func:`jax_mlpo.checkpoint.snapshot.snapshot`).
-      digests: sha256s already computed while writing, by ``id`` of the array written
+      digests: digests already computed while writing, by ``id`` of the array written
         (:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler`).
     """
     records = {}
@@ -136,8 +139,9 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
 
     Returns:
       The manifest's body: ``format``, ``leaves`` (by name: ``dtype``, ``shape`` and either
-      ``sha256`` or ``shards``) and ``streamed`` (the offloaded states' arrays by name:
-      ``dtype``, ``shape`` and ``shards``, each with its range and a sha256 per chunk).
+      ``digest`` (``sha256`` before format 5) or ``shards``) and ``streamed`` (the offloaded
+      states' arrays by name: ``dtype``, ``shape`` and ``shards``, each with its range and a
+      digest per chunk).
 
     Raises:
       CorruptCheckpointError: the manifest is missing, not valid, of an unknown format, does
@@ -176,14 +180,14 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
 
 
 def saved_shards(record: dict[str, Any]) -> list[tuple[Index, str]]:
-    """A manifest record's shards as (index, sha256); one covering the leaf if saved whole."""
+    """A manifest record's shards as (index, digest); one covering the leaf if saved whole."""
     if "shards" in record:
-        return [(as_index(s["index"]), s["sha256"]) for s in record["shards"]]
-    return [(full(record["shape"]), record["sha256"])]
+        return [(as_index(s["index"]), digest.recorded(s)) for s in record["shards"]]
+    return [(full(record["shape"]), digest.recorded(record))]
 
 
 def verify(reads: dict[str, Read], manifest: dict[str, Any], directory: Any) -> None:
-    """Checks every saved shard this process read against its sha256.
+    """Checks every saved shard this process read against its digest.
 
     Args:
       reads: what this process read of each leaf, by name.
@@ -191,7 +195,7 @@ def verify(reads: dict[str, Read], manifest: dict[str, Any], directory: Any) -> 
       directory: the item's directory, for error messages.
 
     Raises:
-      CorruptCheckpointError: a leaf or shard differs from its sha256, the leaves read are not
+      CorruptCheckpointError: a leaf or shard differs from its digest, the leaves read are not
         the manifest's, or a block read is not covered by the manifest's shards.
     """
     saved = manifest["leaves"]
@@ -204,14 +208,14 @@ def verify(reads: dict[str, Read], manifest: dict[str, Any], directory: Any) -> 
         shards = saved_shards(saved[name])
         for where, data in leaf.blocks:
             checked = 0
-            for index, sha256 in shards:
+            for index, expected in shards:
                 if not contains(where, index):
                     continue
-                part = data[relative(where, index)]
-                if _describe(part)["sha256"] != sha256:  # the digest covers dtype and shape
+                header, raw = _contents(data[relative(where, index)])
+                if not digest.matches(raw, expected, header):  # covers dtype and shape
                     shard = "" if index == full(saved[name]["shape"]) else f" (shard {index})"
                     raise CorruptCheckpointError(
-                        f"checkpoint {directory}: leaf {name}{shard} does not match its sha256 "
+                        f"checkpoint {directory}: leaf {name}{shard} does not match its digest "
                         "(the checkpoint is corrupt: a changed or half-written file). Restore "
                         "another step."
                     )
@@ -223,14 +227,18 @@ def verify(reads: dict[str, Read], manifest: dict[str, Any], directory: Any) -> 
                 )
 
 
-def _describe(leaf: Any) -> dict[str, Any]:
+def _contents(leaf: Any) -> tuple[bytes, np.ndarray | bytes]:
+    """What a leaf's digest covers: its dtype and shape (a header), then its bytes."""
     a = np.asarray(leaf)
-    digest = hashlib.sha256(f"{a.dtype.name}{a.shape}".encode())
+    header = f"{a.dtype.name}{a.shape}".encode()
     if a.dtype.kind in "OUS" or not a.flags.c_contiguous:
-        digest.update(a.tobytes())
-    else:  # no copy (bfloat16 has no buffer protocol of its own)
-        digest.update(a.reshape(-1).view(np.uint8))
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "sha256": digest.hexdigest()}
+        return header, a.tobytes()
+    return header, a.reshape(-1).view(np.uint8)  # no copy (bfloat16 has no buffer protocol)
+
+
+def _digest_of(leaf: Any) -> str:
+    header, raw = _contents(leaf)
+    return digest.of(raw, header)
 
 
 def _seal(body: dict[str, Any]) -> str:
@@ -238,7 +246,7 @@ def _seal(body: dict[str, Any]) -> str:
 
 
 def _written_shards(leaf: Any, digests: dict[int, str]) -> list[dict[str, Any]]:
-    """sha256s of the parts of ``leaf`` that this process writes (``digests``: by ``id`` of
+    """Digests of the parts of ``leaf`` that this process writes (``digests``: by ``id`` of
     host arrays, those computed while writing them).
 
     Follows orbax's rule of who writes what: a sharded array's shards are written by the
@@ -248,17 +256,17 @@ def _written_shards(leaf: Any, digests: dict[int, str]) -> list[dict[str, Any]]:
         return [
             {
                 "index": [list(r) for r in index_of(s.index, leaf.shape)],
-                "sha256": _describe(s.data)["sha256"],
+                "digest": _digest_of(s.data),
             }
             for s in leaf.addressable_shards
             if s.replica_id == 0
         ]
     if jax.process_index() != 0:
         return []
+    index = [list(r) for r in full(np.shape(leaf))]
     if id(leaf) in digests:
-        return [{"index": [list(r) for r in full(leaf.shape)], "sha256": digests.pop(id(leaf))}]
-    described = _describe(leaf)
-    return [{"index": [list(r) for r in full(described["shape"])], "sha256": described["sha256"]}]
+        return [{"index": index, "digest": digests.pop(id(leaf))}]
+    return [{"index": index, "digest": _digest_of(leaf)}]
 
 
 def _process_manifest(records: dict[str, Any], streamed: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +284,7 @@ def _process_manifest(records: dict[str, Any], streamed: dict[str, Any]) -> dict
 def _merge(partials: list[dict[str, Any]], where: Any) -> dict[str, Any]:
     """The manifest of a checkpoint from every writing process's digests, sealed.
 
-    A leaf written whole gets one sha256 (as in format 1); a leaf written in shards, a sha256
+    A leaf written whole gets one digest (as in format 1); a leaf written in shards, a digest
     per shard with its index.
 
     Raises:
@@ -308,7 +316,7 @@ def _merge(partials: list[dict[str, Any]], where: Any) -> dict[str, Any]:
                 f"({[s['index'] for s in shards][:8]})"
             )
         if len(shards) == 1:  # written whole
-            record["sha256"] = shards[0]["sha256"]
+            record["digest"] = shards[0]["digest"]
         else:
             record["shards"] = shards
     streamed: dict[str, dict[str, Any]] = {}

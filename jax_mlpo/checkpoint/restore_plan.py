@@ -3,7 +3,7 @@
 A restore starts from the target (params and a fresh ``tx.init``, with any offload config and
 process count) and the checkpoint's manifest. For every orbax leaf the plan settles the part of
 it this process needs and the sharding orbax reads it with: each process reads only the saved
-shards that overlap its own, whole (so that their sha256s can be checked), and with 2 processes
+shards that overlap its own, whole (so that their digests can be checked), and with 2 processes
 saved and 4 restoring each reads the saved half holding its quarter. A leaf it needs all of, or
 whose shards are not equal slices along the first dimension, is read whole. For every offloaded
 state it checks the streamed arrays against the engine (global shapes whose shards on this
@@ -235,12 +235,12 @@ def read_sharding(need: Need, shards: list[tuple[Index, str]]) -> jax.sharding.S
 
     Where the leaf was saved in ``s`` equal shards along its first dimension and is needed in
     ``t`` such shards, each device reads the block of ``1/gcd(s, t)`` of the leaf holding the
-    shard it needs: a union of whole saved shards (so their sha256s can be checked) and, with
+    shard it needs: a union of whole saved shards (so their digests can be checked) and, with
     ``s`` a multiple of ``t``, exactly what it needs.
 
     Args:
       need: what this process needs of the leaf.
-      shards: the leaf's saved shards, as (index, sha256).
+      shards: the leaf's saved shards, as (index, digest).
 
     Returns:
       That sharding, or None where every process reads the whole leaf (it needs it all, it was

@@ -2,7 +2,7 @@
 
 The reading side of :mod:`~jax_mlpo.checkpoint.stream`: for each subgroup of the restoring
 engine in order, the pieces that overlap its segments (in any saved shard) are read, each
-checked against its sha256 before any of its bytes is used, and copied into the subgroup's
+checked against its digest before any of its bytes is used, and copied into the subgroup's
 blob; the next subgroup's pieces are read meanwhile.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_mlpo.checkpoint import digest
 from jax_mlpo.checkpoint.blocks import Region, saved_region
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
@@ -25,7 +26,6 @@ from jax_mlpo.checkpoint.stream import (
     CHUNK_ELEMS,
     IO_THREADS,
     QUANTITIES,
-    piece_sha256,
     split_quantities,
 )
 from jax_mlpo.layout import Subgroup, store_f32
@@ -76,7 +76,7 @@ class StateReader:
         """Fills ``blob`` with subgroup ``sg``'s saved state (an ``Engine.load`` callback).
 
         Raises:
-          CorruptCheckpointError: a chunk does not match its sha256, or an array is missing
+          CorruptCheckpointError: a chunk does not match its digest, or an array is missing
             or not what the manifest says.
         """
         planned = self._planned
@@ -141,7 +141,7 @@ class StateReader:
         return got
 
     def _read(self, record: dict[str, Any], k: int, buffer: np.ndarray) -> np.ndarray:
-        """Reads piece ``k`` of ``record``'s array and checks it against its sha256."""
+        """Reads piece ``k`` of ``record``'s array and checks it against its digest."""
         where = os.path.join(self._directory, record["array"])
         chunk = record["chunk"]
         count = min(chunk, record["size"] - k * chunk)
@@ -150,9 +150,10 @@ class StateReader:
             data = file.read(k * chunk, buffer, count)
         except OSError as e:
             raise CorruptCheckpointError(f"{where}: piece {k} cannot be read ({e})") from e
-        if k >= len(record["sha256"]) or piece_sha256(data) != record["sha256"][k]:
+        expected = digest.recorded(record)
+        if k >= len(expected) or not digest.matches(data, expected[k]):
             raise CorruptCheckpointError(
-                f"{where}: piece {k} does not match its sha256 (the checkpoint is corrupt: a "
+                f"{where}: piece {k} does not match its digest (the checkpoint is corrupt: a "
                 "changed or half-written file). Restore another step, into a new tx.init."
             )
         return data

@@ -6,12 +6,12 @@ parameter leaf, each process writes its shard of ``mu``, ``nu`` and (bfloat16 le
 (:mod:`~jax_mlpo.checkpoint.shard_file`: uncompressed, readable with ``ts.open``), from an
 engine snapshot, subgroup by subgroup. Subgroups cover the leaves in order, so every array's
 data arrives in order: it is cut into pieces of ``chunk_elems``, each written with O_DIRECT
-once complete and digested (sha256) by the thread that writes it. Host memory: the pieces being
-filled (only a leaf that straddles two subgroups keeps its three open between them) and at most
-``MAX_IN_FLIGHT`` being written.
+once complete and digested (:mod:`~jax_mlpo.checkpoint.digest`) by the thread that writes it.
+Host memory: the pieces being filled (only a leaf that straddles two subgroups keeps its three
+open between them) and at most ``MAX_IN_FLIGHT`` being written.
 
 :mod:`~jax_mlpo.checkpoint.state_reader` reads them back. A shard's record (``start``,
-``size``, ``array``, ``chunk``: the piece length, ``sha256``: one per piece) goes into the
+``size``, ``array``, ``chunk``: the piece length, ``digest``: one per piece) goes into the
 checksum manifest.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_mlpo.checkpoint import digest
 from jax_mlpo.checkpoint.blocks import Region
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
@@ -43,10 +43,6 @@ QUANTITIES = ("mu", "nu", "master")
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best
 MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory they hold)
 IO_THREADS = 4  # each moves one piece at a time and digests it
-
-
-def piece_sha256(data: np.ndarray) -> str:
-    return hashlib.sha256(data.view(np.uint8)).hexdigest()  # releases the GIL on large data
 
 
 def split_quantities(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
@@ -136,7 +132,7 @@ class StateWriter:
 
         Returns:
           ``{(quantity, engine leaf): shard record}`` (its region's ``box``, ``start`` and
-          ``size``, ``array``, ``chunk``, ``sha256`` per chunk) for every array written.
+          ``size``, ``array``, ``chunk``, ``digest`` per chunk) for every array written.
 
         Raises:
           ValueError: tensorstore failed to write (the message says why: a full disk...).
@@ -158,7 +154,7 @@ class StateWriter:
             for future in self._finishing:
                 future.result()
             return {
-                key: {**record, "sha256": [d.result() for d in record["sha256"]]}
+                key: {**record, "digest": [d.result() for d in record["digest"]]}
                 for key, record in self._done.items()
             }
         except BaseException:
@@ -216,7 +212,7 @@ class StateWriter:
             del self._open[(name, leaf)]
             self._done[(name, leaf)] = {
                 **self._regions[leaf].record(), "chunk": array.chunk,
-                "array": self.array_path(name, leaf), "sha256": array.digests,
+                "array": self.array_path(name, leaf), "digest": array.digests,
             }  # fmt: skip
 
     def _settle(self) -> None:
@@ -230,9 +226,9 @@ class StateWriter:
 
 
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
-    digest = piece_sha256(buffer[:count])
+    piece = digest.of(buffer[:count])  # before the write zeroes the page padding beyond it
     file.write(start, buffer, count)
-    return digest
+    return piece
 
 
 STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>
