@@ -17,6 +17,7 @@ import pytest
 import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import host_arrays
+from jax_mlpo.tiers.submit import aligned_empty
 
 
 def make_job(root: Path):
@@ -176,3 +177,43 @@ def test_a_manager_creating_directories_asynchronously(tmp_path):
     assert bits(restored.params)["w"].tobytes() == saved["w"].tobytes()
     jax_mlpo.close(restored.opt_state)
     mngr.close()
+
+
+def test_every_array_file_and_directory_is_synced_after_its_data(tmp_path, monkeypatch):
+    """The arrays' metadata is written without tensorstore's own fsync (it stalled the stream
+    under the checkpoint's I/O): the writers make zarr.json and every directory entry down to
+    the data file durable themselves, after the data."""
+    from jax_mlpo.checkpoint import shard_file
+
+    synced: list[str] = []
+    fsync, fdatasync = os.fsync, os.fdatasync
+
+    def traced(sync, kind):
+        def call(fd):
+            synced.append(f"{kind} {os.readlink(f'/proc/self/fd/{fd}')}")
+            return sync(fd)
+
+        return call
+
+    monkeypatch.setattr(os, "fsync", traced(fsync, "fsync"))
+    monkeypatch.setattr(os, "fdatasync", traced(fdatasync, "fdatasync"))
+    writer = host_arrays.ArrayWriter()
+    param = tmp_path / "item" / "w"
+    (tmp_path / "item").mkdir()
+    writer.write(str(param), np.ones((4, 1 << 18), np.float32))
+    writer.close()
+    assert synced == [
+        f"fdatasync {param}/c/0/0", f"fsync {param}/zarr.json", f"fsync {param}/c/0",
+        f"fsync {param}/c", f"fsync {param}", f"fsync {tmp_path / 'item'}",
+    ]  # fmt: skip
+    synced.clear()
+    shard = shard_file.ShardWriter(str(tmp_path / "item" / "mu.0"), 1 << 20)
+    piece = aligned_empty(1 << 20)  # O_DIRECT: page-aligned
+    piece[:] = 1.0
+    shard.write(0, piece, 1 << 20)
+    shard.finish()
+    state = tmp_path / "item" / "mu.0"
+    assert synced == [
+        f"fdatasync {state}/c/0", f"fsync {state}/zarr.json", f"fsync {state}/c",
+        f"fsync {state}", f"fsync {tmp_path / 'item'}",
+    ]  # fmt: skip

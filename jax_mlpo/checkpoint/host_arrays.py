@@ -27,11 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jax_mlpo.checkpoint.digest import Digest
-from jax_mlpo.checkpoint.shard_file import open_direct
+from jax_mlpo.checkpoint.shard_file import create_metadata, open_direct, sync_array
 from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
 
@@ -108,7 +107,7 @@ class ArrayWriter:
         Raises:
           OSError: the file cannot be created or written (``ENOSPC``: a full disk).
         """
-        ts.open(_spec(path, value.shape, value.dtype), create=True, delete_existing=True).result()
+        create_metadata(_spec(path, value.shape, value.dtype))
         data = os.path.join(path, "c", *(["0"] * value.ndim))
         os.makedirs(os.path.dirname(data), exist_ok=True)
         raw = value.reshape(-1).view(np.uint8)  # no copy: C-contiguous
@@ -139,6 +138,7 @@ class ArrayWriter:
             concurrent.futures.wait(pending)  # no write may still use a buffer or the fd
             os.close(fd)
             self._buffers.put(buffers)
+        sync_array(path, data)
         return digest.hexdigest()
 
     def close(self) -> None:

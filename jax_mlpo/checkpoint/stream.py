@@ -32,6 +32,7 @@ from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
     ShardCreator,
     ShardWriter,
+    sync_directories,
     whole_pages,
 )
 from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32
@@ -43,6 +44,7 @@ QUANTITIES = ("mu", "nu", "master")
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best
 MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory they hold)
 IO_THREADS = 4  # each moves one piece at a time and digests it
+SYNC_THREADS = 2  # arrays being made durable at once
 
 
 def split_quantities(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
@@ -101,6 +103,8 @@ class StateWriter:
         ] = collections.deque()
         self._finishing: list[concurrent.futures.Future] = []  # files being made durable
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-write")
+        # fsyncs wait behind the writes queued in the disk: off the writing threads
+        self._syncs = concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, "jax_mlpo-ckpt-sync")
         self._files = ShardCreator(
             [((name, j), self._full_path(name, j), size) for name, j, size in self._arrays()]
         )
@@ -165,6 +169,7 @@ class StateWriter:
         finally:
             self._files.close()
             self._io.shutdown(wait=True)
+            self._syncs.shutdown(wait=True)
 
     def _array(self, name: str, leaf: int) -> _OpenArray:
         key = (name, leaf)
@@ -222,7 +227,7 @@ class StateWriter:
         array.pending -= 1
         if array.complete and not array.pending:
             self._unfinished.remove(array)
-            self._finishing.append(self._io.submit(array.file.finish))  # off the stream's thread
+            self._finishing.append(self._syncs.submit(array.file.finish))
 
 
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
@@ -256,6 +261,7 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
             )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
+            sync_directories(os.path.join(directory, prefix), os.fspath(directory))
             held: dict[int, list[int]] = {}  # each leaf's engine leaves in this process
             for j, region in enumerate(stream.regions):
                 held.setdefault(region.leaf, []).append(j)
