@@ -8,6 +8,7 @@ chunks straddle subgroups and leaves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -95,19 +96,6 @@ def test_a_corrupt_chunk_fails_the_restore_before_the_state_is_used(tmp_path):
     mngr.close()
 
 
-class _Sha256:
-    """What formats 3 and 4 digested with (``hashlib.sha256``, bare hex)."""
-
-    def __init__(self, header: bytes = b"") -> None:
-        self._hash = hashlib.sha256(header)
-
-    def update(self, data) -> None:
-        self._hash.update(data)
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
 def _as_format_4(value):
     """A manifest's body as format 4 recorded it: every ``digest`` key named ``sha256``."""
     if isinstance(value, dict):
@@ -121,19 +109,14 @@ def test_a_format_4_checkpoint_of_sha256s_still_restores_and_is_checked(tmp_path
     """A checkpoint written before the digests became CRC-32C (format 5) restores exactly, its
     sha256s checked: a flipped byte in a piece is still caught."""
 
-    def sha256_of(data, header=b""):
-        h = _Sha256(header)
-        h.update(data)
-        return h.hexdigest()
-
     spec = spec_for(tmp_path / "a", "float32", 1, "none", False)
     _, update, params, opt_state = start_job(spec)
     params, opt_state, _ = job.train(update, params, opt_state, 0, 2)
     saved_state, saved_params = logical_state(opt_state), job.as_bits(params)
     mngr = checkpoint.manager(spec["ckpt"], async_save=False)
     with monkeypatch.context() as m:  # the writers digest as format 4 did
-        m.setattr(digest, "of", sha256_of)
-        m.setattr(host_arrays, "Digest", _Sha256)
+        m.setattr(digest, "of", functools.partial(digest.of, kind=digest.Sha256Digest))
+        m.setattr(host_arrays, "Digest", digest.Sha256Digest)
         checkpoint.save(mngr, 2, params, opt_state)
     jax_mlpo.close(opt_state)
     step = Path(spec["ckpt"]) / "2"

@@ -12,16 +12,15 @@ Prints each run's wall and CPU seconds (the process's, all threads) and the medi
 from __future__ import annotations
 
 import argparse
-import hashlib
+import functools
 import json
 import logging
 import os
 import resource
-import shutil
 import statistics
-import subprocess
-import sys
 import time
+
+from experiments.bench.checkpoint_job import offloaded_job, run_child
 
 logger = logging.getLogger("bench.digest_ab")
 PHASES = ("save", "stall", "restore")
@@ -33,33 +32,16 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class _Sha256:
-    def __init__(self, header: bytes = b"") -> None:
-        self._hash = hashlib.sha256(header)
-
-    def update(self, data) -> None:
-        self._hash.update(data)
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
 def _use_sha256() -> None:
+    """Every digest the checkpoint writes becomes a sha256, as formats 3 and 4 wrote them."""
     from jax_mlpo.checkpoint import digest, host_arrays
 
-    def sha256_of(data, header=b""):
-        h = _Sha256(header)
-        h.update(data)
-        return h.hexdigest()
-
-    digest.of = sha256_of
-    host_arrays.Digest = _Sha256
+    digest.of = functools.partial(digest.of, kind=digest.Sha256Digest)
+    host_arrays.Digest = digest.Sha256Digest
 
 
 def child(params_mi: int, root: str, kind: str) -> dict:
     import jax
-    import jax.numpy as jnp
-    import optax
 
     import jax_mlpo
     from experiments.bench import sysio
@@ -67,26 +49,7 @@ def child(params_mi: int, root: str, kind: str) -> dict:
 
     if kind == "sha256":
         _use_sha256()
-    n, leaf = params_mi * 2**20, 16 * 2**20
-    make = jax.jit(lambda k: jax.random.normal(k, (leaf,), jnp.bfloat16))
-    keys = jax.random.split(jax.random.PRNGKey(0), n // leaf)
-    params = {f"w{i:03d}": make(k) for i, k in enumerate(keys)}
-    config = jax_mlpo.OffloadConfig(
-        host_cache="256MiB", tiers=[jax_mlpo.FileTier(os.path.join(root, "tier"))],
-        subgroup_size=4 * 2**20,
-    )  # fmt: skip
-    tx = jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
-    opt_state = tx.init(params)
-
-    def step(p, s, k):
-        grads = jax.tree.map(lambda x: jnp.sin(x * k).astype(x.dtype), p)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s
-
-    step = jax.jit(step, donate_argnums=(0,))
-    for k in (1.0, 2.0):
-        params, opt_state = step(params, opt_state, k)
-    jax.block_until_ready(params)
+    params, opt_state, step = offloaded_job(params_mi, root)
     mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=2)
     out = {}
     jax_mlpo.engine_of(opt_state).drain()
@@ -131,18 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {"crc32c": [], "sha256": []}
     for r in range(args.rounds):
         for kind in ("sha256", "crc32c") if r % 2 else ("crc32c", "sha256"):
-            shutil.rmtree(args.dir, ignore_errors=True)
-            os.makedirs(args.dir)
-            cmd = [sys.executable, "-m", "experiments.bench.digest_ab", f"--child={kind}",
-                   f"--params-mi={args.params_mi}", f"--dir={args.dir}"]  # fmt: skip
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            finally:
-                shutil.rmtree(args.dir, ignore_errors=True)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
-            runs[kind].append(json.loads(lines[-1][len("RESULT ") :]))
+            runs[kind].append(run_child("experiments.bench.digest_ab", [
+                f"--child={kind}", f"--params-mi={args.params_mi}", f"--dir={args.dir}",
+            ], args.dir))  # fmt: skip
             x = runs[kind][-1]
             logger.info("round %d %s: %s", r, kind, _line(x))
     medians = {

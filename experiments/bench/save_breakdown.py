@@ -19,18 +19,14 @@ import functools
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import time
+
+from experiments.bench.checkpoint_job import offloaded_job, run_child
 
 logger = logging.getLogger("bench.save_breakdown")
 
 
 def child(params_mi: int, root: str, synced: bool) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import optax
     import tensorstore as ts
 
     import jax_mlpo
@@ -75,27 +71,7 @@ def child(params_mi: int, root: str, synced: bool) -> dict:
     from jax_mlpo.checkpoint import handler
 
     handler.write_streams = stream.write_streams
-    n, leaf = params_mi * 2**20, 16 * 2**20
-    make = jax.jit(lambda k: jax.random.normal(k, (leaf,), jnp.bfloat16))
-    params = {
-        f"w{i:03d}": make(k) for i, k in enumerate(jax.random.split(jax.random.key(0), n // leaf))
-    }
-    config = jax_mlpo.OffloadConfig(
-        host_cache="256MiB", tiers=[jax_mlpo.FileTier(os.path.join(root, "tier"))],
-        subgroup_size=4 * 2**20,
-    )  # fmt: skip
-    tx = jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
-    opt_state = tx.init(params)
-
-    def step(p, s, k):
-        grads = jax.tree.map(lambda x: jnp.sin(x * k).astype(x.dtype), p)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s
-
-    step = jax.jit(step, donate_argnums=(0,))
-    for k in (1.0, 2.0):
-        params, opt_state = step(params, opt_state, k)
-    jax.block_until_ready(params)
+    params, opt_state, step = offloaded_job(params_mi, root)
     mngr = checkpoint.manager(os.path.join(root, "ckpt"))
     jax_mlpo.engine_of(opt_state).drain()
     sysio.drop_page_cache()
@@ -124,18 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
     kinds = ("unsynced", "synced") if args.rounds else ("unsynced",)
     for r in range(max(1, args.rounds)):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            shutil.rmtree(args.dir, ignore_errors=True)
-            os.makedirs(args.dir)
-            cmd = [sys.executable, "-m", "experiments.bench.save_breakdown", f"--child={kind}",
-                   f"--params-mi={args.params_mi}", f"--dir={args.dir}"]  # fmt: skip
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            finally:
-                shutil.rmtree(args.dir, ignore_errors=True)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
-            runs.append({"round": r, "metadata": kind, **json.loads(lines[-1][len("RESULT ") :])})
+            out = run_child("experiments.bench.save_breakdown", [
+                f"--child={kind}", f"--params-mi={args.params_mi}", f"--dir={args.dir}",
+            ], args.dir)  # fmt: skip
+            runs.append({"round": r, "metadata": kind, **out})
             logger.info("round %d, %s metadata: %s", r, kind, ", ".join(
                 f"{k} {v:.2f} s" for k, v in runs[-1].items() if isinstance(v, float)))  # fmt: skip
     if args.json:

@@ -1,0 +1,69 @@
+"""The job the checkpoint A/B benchmarks share, and their fresh-process runs.
+
+``offloaded_job`` builds bf16 params in leaves of 16Mi elements under ``jax_mlpo.adamw`` with
+all state on one disk tier and a 256 MiB host cache, after two updates; ``run_child`` runs one
+measurement in a fresh process and deletes its files whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+LEAF = 16 * 2**20  # elements per param leaf
+SUBGROUP = 4 * 2**20  # 48 MiB blobs with a bf16 master
+
+
+def offloaded_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
+    """``(params, opt_state, step)`` after two updates; ``step(params, opt_state, k)`` is jitted,
+    the params donated. The tier is ``<root>/tier``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jax_mlpo
+
+    make = jax.jit(lambda k: jax.random.normal(k, (LEAF,), jnp.bfloat16))
+    keys = jax.random.split(jax.random.PRNGKey(0), params_mi * 2**20 // LEAF)
+    params = {f"w{i:03d}": make(k) for i, k in enumerate(keys)}
+    config = jax_mlpo.OffloadConfig(
+        host_cache="256MiB", tiers=[jax_mlpo.FileTier(os.path.join(root, "tier"))],
+        subgroup_size=SUBGROUP,
+    )  # fmt: skip
+    tx = jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
+    opt_state = tx.init(params)
+
+    def step(p, s, k):
+        grads = jax.tree.map(lambda x: jnp.sin(x * k).astype(x.dtype), p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(step, donate_argnums=(0,))
+    for k in (1.0, 2.0):
+        params, opt_state = step(params, opt_state, k)
+    jax.block_until_ready(params)
+    return params, opt_state, step
+
+
+def run_child(module: str, args: list[str], directory: str) -> dict:
+    """Runs ``python -m module *args`` in a fresh process with ``directory`` new and empty
+    (deleted afterwards); returns the dict it printed as ``RESULT <json>``.
+
+    Raises:
+      RuntimeError: the run failed (its stderr's end in the message).
+    """
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                              text=True, check=False)  # fmt: skip
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
