@@ -4,8 +4,8 @@ Orbax's array files carry no checksum of their own: a flipped byte in an array's
 back as a different value. Each item of a checkpoint therefore holds ``jax_mlpo_checksums.json``,
 a digest (:mod:`~jax_mlpo.checkpoint.digest`: CRC-32C) of every leaf as saved (dtype, shape and
 bytes) or, for a leaf saved sharded, of every shard (with its index), the manifest itself sealed
-by a sha256. Restore recomputes the digest of
-every shard it reads, so what restores is bit for bit what was saved.
+by a sha256. Restore recomputes the digest of every shard it reads, so what restores is bit for
+bit what was saved.
 
 With several processes, each writes the digests of what it wrote into
 ``jax_mlpo_checksums.process_<k>.json``; process 0 merges them into the manifest when orbax
