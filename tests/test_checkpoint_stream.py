@@ -322,3 +322,22 @@ def test_shards_cut_into_other_blocks_restore_each_element(tmp_path, saved_cut, 
         for j, r in enumerate(restored_regions):
             if q != "master" or r.leaf == 1:
                 np.testing.assert_array_equal(got[q][j], _values(state[q], r), err_msg=f"{q} {j}")
+
+
+def test_a_process_that_writes_none_of_the_state_streams_nothing(tmp_path):
+    """With several processes, one whose leaves are all replicated (process 0 writes those)
+    writes no array of an offloaded state: its stream ends with no records and no error."""
+    from jax_mlpo.checkpoint.snapshot import snapshot
+
+    spec = spec_for(tmp_path / "a", "float32", 1, "none", False)
+    _, update, params, opt_state = start_job(spec)
+    params, opt_state, _ = job.train(update, params, opt_state, 0, 1)
+    _, streams = snapshot(opt_state)
+    (one,) = streams
+    one.skip = list(range(len(one.layout.shapes)))  # as a process > 0 with replicated leaves
+    item = tmp_path / "item"
+    item.mkdir()
+    records = stream.write_streams(item, streams)
+    assert records and all(r["shards"] == [] for r in records.values())  # process 0's to merge
+    assert not (item / stream.STATE_DIR).exists()
+    jax_mlpo.close(opt_state)

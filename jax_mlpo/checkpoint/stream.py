@@ -261,7 +261,9 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
             )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
-            sync_directories(os.path.join(directory, prefix), os.fspath(directory))
+            if shards:  # each array synced its entry in the process's directory; above it:
+                top = os.fspath(directory)
+                sync_directories(os.path.dirname(os.path.join(top, prefix)), top)
             held: dict[int, list[int]] = {}  # each leaf's engine leaves in this process
             for j, region in enumerate(stream.regions):
                 held.setdefault(region.leaf, []).append(j)
