@@ -41,20 +41,15 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 
 from experiments.bench import sysio
+from experiments.bench.checkpoint_job import LEAF, SUBGROUP, run_child
 from experiments.bench.harness import spread, write_json
 from experiments.host_memory import process_memory
 
 logger = logging.getLogger("bench.checkpoint")
-
-LEAF = 16 * 2**20  # elements per param leaf
-SUBGROUP = 4 * 2**20  # 48 MiB blobs with a bf16 master
 
 
 def reset_peak() -> None:
@@ -218,7 +213,7 @@ def summarize(rounds: list[dict]) -> dict:
         return r[phase]["moved_bytes"] / r[phase]["seconds"] / 1e9 / r[fio]["mixed_gbps"]
 
     def vs_limit(r: dict, phase: str) -> float:  # against the better mixed figure
-        return min(ratio(r, phase, fio) for fio in ("fio", "fio_limit") if fio in r)
+        return min(ratio(r, phase, "fio"), ratio(r, phase, "fio_limit"))
 
     s = {
         "sync_save_vs_mixed_limit": spread(vs_limit(r, "sync") for r in rounds),
@@ -281,20 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     rounds = []
     for r in range(args.rounds):
-        shutil.rmtree(args.dir, ignore_errors=True)
-        os.makedirs(args.dir)
-        cmd = [sys.executable, "-m", "experiments.bench.checkpoint", "--child",
-               f"--params-mi={args.params_mi}", f"--cache={args.cache}",
-               f"--dir={args.dir}", f"--io-submit={args.io_submit}"]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        finally:
-            shutil.rmtree(args.dir, ignore_errors=True)  # 4x the state on disk: never left
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"round {r} failed:\n{proc.stderr[-4000:]}")
-        rounds.append(json.loads(lines[-1][len("RESULT ") :]))
-        x = rounds[-1]
+        # 4x the state on disk: deleted after each round, whatever happens
+        x = run_child("experiments.bench.checkpoint", [
+            "--child", f"--params-mi={args.params_mi}", f"--cache={args.cache}",
+            f"--dir={args.dir}", f"--io-submit={args.io_submit}",
+        ], args.dir)  # fmt: skip
+        rounds.append(x)
         logger.info(
             "round %d: fio mixed %.2f (32 MiB x 32: %.2f) GB/s; sync save %.1f s (%.2f GB/s "
             "moved), stall %.2f s, restore %.1f s (%.2f GB/s moved); RSS growth sync %.0f / "

@@ -35,7 +35,7 @@ class Digest:
     """
 
     def __init__(self, header: bytes = b"") -> None:
-        self._crc = crc32c(header) if header else 0
+        self._crc = crc32c(header)
 
     def update(self, data: np.ndarray | bytes) -> None:
         self._crc = crc32c(data, self._crc)

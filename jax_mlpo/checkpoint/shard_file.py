@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_mlpo.tiers.submit import ALIGN, pread_full, pwrite_full
+from jax_mlpo.tiers.submit import ALIGN, pread_full, pwrite_full, round_up_pages
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def open_direct(path: str, flags: int) -> int:
 
 def whole_pages(elems: int) -> int:
     """``elems`` float32 rounded up to whole pages (what O_DIRECT moves)."""
-    return -(-elems // PAGE_ELEMS) * PAGE_ELEMS
+    return round_up_pages(4 * elems) // 4
 
 
 def _page_view(buffer: np.ndarray, count: int) -> np.ndarray:

@@ -231,7 +231,7 @@ class StateWriter:
 
 
 def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
-    piece = digest.of(buffer[:count])  # before the write zeroes the page padding beyond it
+    piece = digest.of(buffer[:count])
     file.write(start, buffer, count)
     return piece
 
