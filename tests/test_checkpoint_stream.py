@@ -26,6 +26,7 @@ from test_checkpoint import (
     WORKER,
     assert_bits_equal,
     assert_states_equal,
+    flip,
     logical_state,
     run_worker,
     spec_for,
@@ -137,9 +138,7 @@ def test_a_format_4_checkpoint_of_sha256s_still_restores_and_is_checked(tmp_path
     jax_mlpo.close(restored.opt_state)
 
     chunk = step / "opt_state" / "jax_mlpo_state" / "0" / "process_0" / "mu.2" / "c" / "0"
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 4
-    chunk.write_bytes(bytes(data))
+    flip(chunk, chunk.stat().st_size // 2)
     _, _, fresh, opt_state = start_job(spec_for(tmp_path / "c", "float32", 1, "none", False))
     with pytest.raises(checkpoint.CorruptCheckpointError, match=r"mu\.2: piece 0 does not match"):
         checkpoint.restore(mngr, fresh, opt_state)
