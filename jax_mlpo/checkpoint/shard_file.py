@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 DATA_FILE = os.path.join("c", "0")  # zarr3's default chunk key of chunk (0,)
 PAGE_ELEMS = ALIGN // 4  # float32 per page: O_DIRECT moves whole pages
 # tensorstore's file driver fsyncs every file it writes (its ``file_io_sync``): beside a
-# checkpoint's own I/O that took ~25 ms per array, and held the stream's thread 1.4-1.7 s of a
-# 5.5 s save (stop 30). The metadata is written unsynced, then made durable with the data.
+# checkpoint's own I/O that held the stream's thread 1.36-1.68 s of a 5.5-6.1 s save, ~25 ms
+# per array (stop 30, experiments/bench/save_breakdown.py). The metadata is written unsynced,
+# then made durable with the data.
 _UNSYNCED = ts.Context({"file_io_sync": False})
 
 
