@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_mlpo  # noqa: E402
 from jax_mlpo import checkpoint  # noqa: E402
 
+REWRITTEN = [0]  # files of deleted checkpoints a save took (with "recycle_bytes")
 SHAPES = {"b1": (1024,), "scale": (128,), "w1": (128, 1024), "w2": (1024, 128)}
 NUM_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())  # 263,296
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 100, 1e-3)
@@ -154,6 +155,18 @@ def main(spec: dict[str, Any]) -> None:
         from jax_mlpo.checkpoint import host_arrays
 
         host_arrays.DIRECT_BYTES = spec["direct_bytes"]
+    if spec.get("recycle_bytes"):  # arrays this large rewrite a deleted checkpoint's files
+        from jax_mlpo.checkpoint import recycle
+
+        recycle.MIN_BYTES = spec["recycle_bytes"]
+        take = recycle.SpareFiles.take
+
+        def counted_take(self, path, nbytes):
+            taken = take(self, path, nbytes)
+            REWRITTEN[0] += taken
+            return taken
+
+        recycle.SpareFiles.take = counted_take
     dtype = jnp.dtype(spec["dtype"])
     tx = make_tx(offload_config(spec))
     params = make_params(dtype)
@@ -179,7 +192,7 @@ def main(spec: dict[str, Any]) -> None:
     mngr.close()
     jax_mlpo.close(opt_state)
     np.savez(spec["out"], start=start, losses=np.asarray(losses, np.float64), **as_bits(params))
-    print("done", flush=True)
+    print(f"done, {REWRITTEN[0]} files of deleted checkpoints rewritten", flush=True)
 
 
 if __name__ == "__main__":

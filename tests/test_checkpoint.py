@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -44,7 +45,8 @@ def worker_env(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def run_worker(specs, env) -> None:
+def run_worker(specs, env) -> str:
+    """Runs the worker to its end; returns its output."""
     proc = subprocess.run(
         [sys.executable, str(WORKER), json.dumps(specs)],
         env=env,
@@ -53,6 +55,7 @@ def run_worker(specs, env) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def start_job(spec: dict, **adamw_kwargs):
@@ -245,6 +248,7 @@ def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
     spec = spec_for(tmp_path / "run", "bfloat16", 2, "part", True, steps=steps, save_every=1)
     spec["slow_writes"] = 0.03
     spec["direct_bytes"] = 64 << 10  # w1 and w2 (256 KiB) written by jax_mlpo, during save
+    spec["recycle_bytes"] = 64 << 10  # their arrays rewrite the files of deleted checkpoints
     rng = random.Random(0)
     resumed_at = []
     for trial in range(trials):
@@ -275,8 +279,10 @@ def test_kill_9_at_random_points_then_resume(tmp_path, worker_env):
         proc.stdout.close()
         # killed: neither finished nor failed (e.g. on a checkpoint it could not restore)
         assert proc.returncode == -signal.SIGKILL, (lines, stderr.read_text()[-3000:])
-    run_worker(spec, worker_env)
+    out = run_worker(spec, worker_env)
     assert resumed_at[0] == 0 and max(resumed_at) > 0, resumed_at  # it made progress
+    rewritten = int(re.search(r"done, (\d+) files of deleted", out).group(1))
+    assert rewritten > 0, out  # its saves rewrote the files of deleted checkpoints
 
     ref = spec_for(tmp_path / "ref", "bfloat16", 2, "part", True)
     _, update, params, opt_state = start_job(ref)

@@ -126,14 +126,14 @@ def test_an_async_save_streams_the_state_after_it_returns(tmp_path, monkeypatch)
     events: list[str] = []
     write, stream = host_arrays.ArrayWriter.write, handler.write_streams
 
-    def traced_write(self, path, value):
-        digest = write(self, path, value)
+    def traced_write(self, path, value, spares=None):
+        digest = write(self, path, value, spares)
         events.append("array written")
         return digest
 
-    def traced_stream(directory, streams):
+    def traced_stream(directory, streams, spares=None):
         events.append("stream starts")
-        return stream(directory, streams)
+        return stream(directory, streams, spares)
 
     monkeypatch.setattr(host_arrays.ArrayWriter, "write", traced_write)
     monkeypatch.setattr(handler, "write_streams", traced_stream)

@@ -11,18 +11,21 @@ same disk:
   sequential read of a file and a sequential write of a new, preallocated one at once, 8 in
   flight each (a checkpoint's own pattern: new files are written, and ext4 serialises direct
   writes into newly allocated space within a file);
-* two **synchronous saves** (``blocking=True``), after updates 2 and 3 (the process's first
-  save is ~2x slower here: both are reported): time, the bytes moved (state read from the tier
+* three **synchronous saves** (``blocking=True``), after updates 2, 3 and 4, with one
+  checkpoint kept (``max_to_keep=1``): the first two write new files, the third rewrites the
+  files of the checkpoint deleted before it (:mod:`jax_mlpo.checkpoint.recycle`), as every
+  save of a training run does from its third on. The third is "the" blocking save; the
+  second is reported beside it. For each: time, the bytes moved (state read from the tier
   + checkpoint written, ``/proc/self/io``) per second, and the peak RSS growth over the steady
   state (``VmHWM`` reset through ``/proc/self/clear_refs`` first);
-* an **asynchronous save** after update 4 while updates 5 and 6 run: the time ``save`` holds
-  the loop (the stall), and the peak RSS growth over the steady state's (an update's own peak
+* an **asynchronous save** (rewriting files too) after update 5 while updates 6 and 7 run:
+  the time ``save`` holds the loop (the stall), and the peak RSS growth over the steady state's (an update's own peak
   included) until the checkpoint is durable (the params are written before ``save`` returns,
   without a copy, and the state is streamed from the tiers once it has returned);
 * a **restore** of the asynchronous checkpoint into a fresh ``tx.init`` (page cache dropped
   first): time, bytes moved per second and peak RSS growth over the steady state of a process
   holding its initial params (the restore's target is their ``ShapeDtypeStruct`` s and the
-  initial params are dropped, so the restored ones take their place); then updates 5 and 6
+  initial params are dropped, so the restored ones take their place); then updates 6 and 7
   again, whose params must equal the uninterrupted run's bit for bit.
 
 Before each save the last update's write-behind is drained (it is the update's I/O).
@@ -118,17 +121,19 @@ def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict
     update_peak = steady_peak(lambda: one_update(2.5))  # an update's own peak, for the baseline
     params, opt_state = holder["p"], holder["s"]
     steady = process_memory()["rss_bytes"]
-    mngr = checkpoint.manager(ckpt, max_to_keep=3)
+    # one checkpoint kept: from the third save on, each rewrites the files of the one deleted
+    # before it (jax_mlpo.checkpoint.recycle), as a training run's saves do
+    mngr = checkpoint.manager(ckpt, max_to_keep=1)
 
     def io_bytes() -> int:
         io = sysio.proc_io()
         return io["read"] + io["write"]
 
-    # two synchronous saves: the process's first (measured ~2x slower here, cause not found)
-    # and a later one, after another update
-    for key, ckpt_step in (("sync_first", 3), ("sync", 4)):
-        if ckpt_step == 4:
-            params, opt_state = step(params, opt_state, 3.0)
+    # three synchronous saves, each after an update: the process's first, a second (both into
+    # new files) and the first into a deleted checkpoint's files
+    for key, ckpt_step in (("sync_first", 3), ("sync_new_files", 4), ("sync", 5)):
+        if ckpt_step > 3:
+            params, opt_state = step(params, opt_state, ckpt_step - 1.0)
             jax.block_until_ready(params)
         jax_mlpo.engine_of(opt_state).drain()  # the update's own write-behind is not the save's
         sysio.drop_page_cache()
@@ -150,7 +155,7 @@ def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict
     sysio.drop_page_cache()
     reset_peak()
     t0 = time.perf_counter()
-    checkpoint.save(mngr, 5, params, opt_state, blocking=False)
+    checkpoint.save(mngr, 6, params, opt_state, blocking=False)
     stall_s = time.perf_counter() - t0
     update_s = []
     for k in (4.0, 5.0):
@@ -189,7 +194,7 @@ def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict
     del fresh
     reset_peak()
     moved, t0 = io_bytes(), time.perf_counter()
-    restored = checkpoint.restore(mngr, target, opt_state, step=5)
+    restored = checkpoint.restore(mngr, target, opt_state, step=6)
     restore_s = time.perf_counter() - t0
     out["restore"] = {
         "seconds": restore_s, "moved_bytes": io_bytes() - moved,
@@ -220,6 +225,7 @@ def summarize(rounds: list[dict]) -> dict:
         "restore_vs_mixed_limit": spread(vs_limit(r, "restore") for r in rounds),
         "sync_save_vs_fio_mixed": spread(ratio(r, "sync") for r in rounds),
         "first_sync_save_vs_fio_mixed": spread(ratio(r, "sync_first") for r in rounds),
+        "sync_save_new_files_vs_mixed_limit": spread(vs_limit(r, "sync_new_files") for r in rounds),
         "restore_vs_fio_mixed": spread(ratio(r, "restore") for r in rounds),
         "sync_save_vs_fio_copy": spread(ratio(r, "sync", "fio_copy") for r in rounds),
         "restore_vs_fio_copy": spread(ratio(r, "restore", "fio_copy") for r in rounds),

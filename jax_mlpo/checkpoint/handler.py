@@ -36,6 +36,7 @@ from jax_mlpo.checkpoint.blocks import as_read
 from jax_mlpo.checkpoint.host_arrays import DirectNumpyHandler, tree_handler
 from jax_mlpo.checkpoint.load import load
 from jax_mlpo.checkpoint.manifest import FORMAT, CorruptCheckpointError
+from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.checkpoint.restore_plan import plan_restore
 from jax_mlpo.checkpoint.snapshot import OffloadedStream, snapshot
 from jax_mlpo.checkpoint.space import check_space
@@ -100,8 +101,10 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         concurrent = getattr(args, "concurrent", True)
         host, streams = _host_tree(args, kwargs, directory, concurrent=concurrent)
+        spares = args.spares
         try:
             self._arrays.digests.clear()
+            self._arrays.spares = spares
             # writes the large host arrays before it returns (they are not copied)
             futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
             records = manifest.host_records(host, self._arrays.digests)
@@ -110,19 +113,21 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
                 stream.snapshot.close()
             raise
         rest = ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_streams_and_manifest(directory, records, streams), name="jax_mlpo_state"
+            self._write_streams_and_manifest(directory, records, streams, spares),
+            name="jax_mlpo_state",
         )
         return [*(futures or []), rest]
 
     async def _write_streams_and_manifest(
-        self, directory: Any, records: dict[str, Any], streams: list[OffloadedStream]
-    ) -> None:
+        self, directory: Any, records: dict[str, Any], streams: list[OffloadedStream],
+        spares: SpareFiles | None,
+    ) -> None:  # fmt: skip
         try:
             if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
                 directory = await directory.await_creation()
             await asyncio.to_thread(_STREAMS_MAY_START.wait)
             # in a thread: the stream blocks on tier reads and tensorstore writes
-            streamed = await asyncio.to_thread(write_streams, directory, streams)
+            streamed = await asyncio.to_thread(write_streams, directory, streams, spares)
         finally:
             for stream in streams:
                 stream.snapshot.close()
@@ -149,9 +154,10 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         host, streams = _host_tree(args, kwargs, directory, concurrent=False)
         try:
             self._arrays.digests.clear()
+            self._arrays.spares = args.spares
             self._tree.save(directory, args=ocp.args.PyTreeSave(host))
             records = manifest.host_records(host, self._arrays.digests)
-            streamed = write_streams(directory, streams)
+            streamed = write_streams(directory, streams, args.spares)
         finally:
             for stream in streams:
                 stream.snapshot.close()
@@ -231,11 +237,14 @@ class OffloadSave(ocp.args.CheckpointArgs):
         shapes of the leaves whose shards each process's engine holds.
       concurrent: for an asynchronous save, whether updates may run while it is written
         (copy-on-write on the tiers); False: the caller waits for it before the next update.
+      spares: files of a deleted checkpoint for the save to rewrite
+        (:func:`~jax_mlpo.checkpoint.recycle.spare_files`), or None: new files.
     """
 
     item: Any
     params: Any = None
     concurrent: bool = True
+    spares: SpareFiles | None = None
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)

@@ -30,7 +30,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jax_mlpo.checkpoint.digest import Digest
-from jax_mlpo.checkpoint.shard_file import create_metadata, open_direct, sync_array
+from jax_mlpo.checkpoint.recycle import SpareFiles
+from jax_mlpo.checkpoint.shard_file import create_data_file, create_metadata, sync_array
 from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
 
@@ -96,13 +97,15 @@ class ArrayWriter:
         for _ in range(PRODUCERS):
             self._buffers.put([aligned_empty(PIECE_BYTES, np.uint8) for _ in range(IO_THREADS)])
 
-    def write_all(self, paths: Sequence[str], values: Sequence[np.ndarray]) -> list[str]:
+    def write_all(
+        self, paths: Sequence[str], values: Sequence[np.ndarray], spares: SpareFiles | None = None
+    ) -> list[str]:
         """Writes each of ``values`` at its path (see :meth:`write`); returns their digests."""
-        return list(self._producers.map(self.write, paths, values))
+        return list(self._producers.map(self.write, paths, values, [spares] * len(paths)))
 
-    def write(self, path: str, value: np.ndarray) -> str:
+    def write(self, path: str, value: np.ndarray, spares: SpareFiles | None = None) -> str:
         """Writes ``value`` as the zarr3 array at ``path``; returns its digest (the manifest's,
-        over dtype, shape and bytes).
+        over dtype, shape and bytes). ``spares``: files of a deleted checkpoint to rewrite.
 
         Raises:
           OSError: the file cannot be created or written (``ENOSPC``: a full disk).
@@ -112,11 +115,10 @@ class ArrayWriter:
         os.makedirs(os.path.dirname(data), exist_ok=True)
         raw = value.reshape(-1).view(np.uint8)  # no copy: C-contiguous
         digest = Digest(f"{value.dtype.name}{value.shape}".encode())
-        fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fd = create_data_file(data, round_up_pages(raw.nbytes), spares)  # a full disk fails here
         buffers = self._buffers.get()  # a producer's own
         free, pending = list(buffers), {}
         try:
-            os.posix_fallocate(fd, 0, round_up_pages(raw.nbytes))  # a full disk fails here, first
             for start in range(0, raw.nbytes, PIECE_BYTES):
                 piece = raw[start : start + PIECE_BYTES]
                 if not free:
@@ -161,6 +163,7 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
     def __init__(self) -> None:
         super().__init__(deepcopy_host_arrays=False)  # the snapshot copied what needs a copy
         self.digests: dict[int, str] = {}
+        self.spares: SpareFiles | None = None  # set for each save (files to rewrite)
         self._writer: ArrayWriter | None = None  # made at the first large array
 
     async def serialize(
@@ -179,7 +182,7 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
             await _created(infos[direct[0]].parent_dir)
             paths = [os.fspath(infos[k].parent_dir / infos[k].name) for k in direct]
             arrays = [values[k] for k in direct]
-            digests = await asyncio.to_thread(self._writer.write_all, paths, arrays)
+            digests = await asyncio.to_thread(self._writer.write_all, paths, arrays, self.spares)
             self.digests.update({id(a): d for a, d in zip(arrays, digests, strict=True)})
         written = set(direct)
         rest = [k for k in range(len(values)) if k not in written]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.tiers.submit import ALIGN, pread_full, pwrite_full, round_up_pages
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,32 @@ def open_direct(path: str, flags: int) -> int:
         return os.open(path, flags, 0o600)
 
 
+def create_data_file(path: str, nbytes: int, spares: SpareFiles | None = None) -> int:
+    """Opens a new data file for O_DIRECT writes of ``nbytes``, with its space reserved.
+
+    Where ``spares`` has a file of a deleted checkpoint at least as large, that file is renamed
+    to ``path`` and rewritten (:mod:`~jax_mlpo.checkpoint.recycle`); the writer overwrites every
+    byte up to its size and cuts the rest off.
+
+    Returns:
+      The file descriptor, write-only.
+
+    Raises:
+      OSError: the file cannot be created or its space reserved (``ENOSPC``: a full disk).
+    """
+    flags = os.O_WRONLY | os.O_CREAT
+    if spares is None or not spares.take(path, nbytes):
+        flags |= os.O_TRUNC
+    fd = open_direct(path, flags)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)  # a full disk fails here, before any write
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def whole_pages(elems: int) -> int:
     """``elems`` float32 rounded up to whole pages (what O_DIRECT moves)."""
     return round_up_pages(4 * elems) // 4
@@ -110,23 +137,18 @@ class ShardWriter:
     Args:
       path: the array's directory.
       size: the shard's elements.
+      spares: files of a deleted checkpoint to rewrite, or None.
 
     Raises:
       OSError: the file cannot be created or its space reserved (``ENOSPC``: a full disk).
     """
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, spares: SpareFiles | None = None) -> None:
         self.path, self.size = path, size
         create_metadata(array_spec(path, size))
         data = os.path.join(path, DATA_FILE)
         os.makedirs(os.path.dirname(data), exist_ok=True)
-        self._fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            if size:
-                os.posix_fallocate(self._fd, 0, 4 * whole_pages(size))  # a full disk fails here
-        except BaseException:
-            os.close(self._fd)
-            raise
+        self._fd = create_data_file(data, 4 * whole_pages(size), spares)
 
     def write(self, start: int, buffer: np.ndarray, count: int) -> None:
         """Writes ``buffer[:count]`` at element ``start``.
@@ -164,11 +186,16 @@ class ShardCreator:
 
     Args:
       wanted: ``(key, path, size)`` of every array, in the order they will be asked for.
+      spares: files of a deleted checkpoint to rewrite, or None.
       ahead: arrays created before they are asked for (files open at once).
     """
 
-    def __init__(self, wanted: Sequence[tuple[Hashable, str, int]], ahead: int = 8) -> None:
+    def __init__(
+        self, wanted: Sequence[tuple[Hashable, str, int]], spares: SpareFiles | None = None,
+        ahead: int = 8,
+    ) -> None:  # fmt: skip
         self._wanted, self._next = list(wanted), 0
+        self._spares = spares
         self._made: dict[Hashable, concurrent.futures.Future[ShardWriter]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jax_mlpo-ckpt-create")
         for _ in range(ahead):
@@ -178,7 +205,7 @@ class ShardCreator:
         if self._next < len(self._wanted):
             key, path, size = self._wanted[self._next]
             self._next += 1
-            self._made[key] = self._pool.submit(ShardWriter, path, size)
+            self._made[key] = self._pool.submit(ShardWriter, path, size, self._spares)
 
     def get(self, key: Hashable, path: str, size: int) -> ShardWriter:
         """The array ``key`` (at ``path``, of ``size`` elements), created ahead or now.
@@ -188,7 +215,7 @@ class ShardCreator:
         """
         future = self._made.pop(key, None)
         self._create_next()
-        return future.result() if future is not None else ShardWriter(path, size)
+        return future.result() if future is not None else ShardWriter(path, size, self._spares)
 
     def close(self) -> None:
         """Stops creating; closes the files created and not asked for."""

@@ -71,14 +71,25 @@ def space_needed(tree: Any, directory: Any, *, concurrent: bool) -> dict[str, in
     return dict(need.values())
 
 
-def check_space(tree: Any, directory: Any, *, concurrent: bool, margin: float = 1.05) -> None:
+def check_space(
+    tree: Any, directory: Any, *, concurrent: bool, reusable: int = 0, margin: float = 1.05
+) -> None:
     """Raises unless every file system has the space :func:`space_needed` says (plus 5%).
+
+    Args:
+      tree: the tree to save.
+      directory: where the checkpoint (item) goes.
+      concurrent: whether training goes on while it is written (copy-on-write on the tiers).
+      reusable: bytes of a deleted checkpoint's files the save rewrites, on the checkpoint's
+        file system (:mod:`~jax_mlpo.checkpoint.recycle`).
+      margin: the space needed is multiplied by it.
 
     Raises:
       CheckpointSpaceError: naming the file system, the figures and the fix.
     """
+    ckpt = os.stat(_existing(os.fspath(directory))).st_dev
     for path, nbytes in space_needed(tree, directory, concurrent=concurrent).items():
-        free = shutil.disk_usage(path).free
+        free = shutil.disk_usage(path).free + (reusable if os.stat(path).st_dev == ckpt else 0)
         if free < nbytes * margin:
             fix = (
                 "a synchronous save (jax_mlpo.checkpoint.save(..., blocking=True)) needs no "

@@ -28,6 +28,7 @@ import numpy as np
 
 from jax_mlpo.checkpoint import digest
 from jax_mlpo.checkpoint.blocks import Region
+from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.checkpoint.shard_file import (
     PAGE_ELEMS,
     ShardCreator,
@@ -85,11 +86,12 @@ class StateWriter:
       regions: where each engine leaf is in the parameter leaves.
       skip: engine leaves this process does not write (another process writes them).
       chunk_elems: the chunk length.
+      spares: files of a deleted checkpoint to rewrite (:mod:`~jax_mlpo.checkpoint.recycle`).
     """
 
     def __init__(
         self, directory: str | os.PathLike, prefix: str, layout: Layout, regions: list[Region],
-        skip: Iterable[int] = (), chunk_elems: int = CHUNK_ELEMS,
+        skip: Iterable[int] = (), chunk_elems: int = CHUNK_ELEMS, spares: SpareFiles | None = None,
     ) -> None:  # fmt: skip
         self._directory, self._prefix = os.fspath(directory), prefix
         self._layout, self._regions, self._skip = layout, regions, set(skip)
@@ -106,7 +108,8 @@ class StateWriter:
         # fsyncs wait behind the writes queued in the disk: off the writing threads
         self._syncs = concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, "jax_mlpo-ckpt-sync")
         self._files = ShardCreator(
-            [((name, j), self._full_path(name, j), size) for name, j, size in self._arrays()]
+            [((name, j), self._full_path(name, j), size) for name, j, size in self._arrays()],
+            spares,
         )
 
     def _arrays(self) -> list[tuple[str, int, int]]:
@@ -239,12 +242,15 @@ def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) 
 STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>
 
 
-def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str, dict[str, Any]]:
+def write_streams(
+    directory: str | os.PathLike, streams: list[Any], spares: SpareFiles | None = None
+) -> dict[str, dict[str, Any]]:
     """Writes the offloaded states' streams (closing their snapshots, whatever happens).
 
     Args:
       directory: the checkpoint item's directory.
       streams: :class:`~jax_mlpo.checkpoint.snapshot.OffloadedStream` s, open.
+      spares: files of a deleted checkpoint to rewrite, or None.
 
     Returns:
       The manifest's ``streamed`` records of this process: for each array leaf name
@@ -257,7 +263,7 @@ def write_streams(directory: str | os.PathLike, streams: list[Any]) -> dict[str,
         for k, stream in enumerate(streams):
             prefix = f"{STATE_DIR}/{k}/process_{jax.process_index()}"
             writer = StateWriter(
-                directory, prefix, stream.layout, stream.regions, stream.skip, CHUNK_ELEMS
+                directory, prefix, stream.layout, stream.regions, stream.skip, CHUNK_ELEMS, spares
             )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
+from jax_mlpo.checkpoint.recycle import RECYCLED, spare_files
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 
@@ -48,9 +49,12 @@ def manager(
       **options: more ``ocp.CheckpointManagerOptions`` fields.
 
     Returns:
-      The manager; it removes the temporary directories a killed save left behind.
+      The manager; it removes the temporary directories a killed save left behind, and moves
+      a checkpoint it deletes into ``jax_mlpo_recycled/`` for the next save to rewrite
+      (:mod:`~jax_mlpo.checkpoint.recycle`).
     """
     options.setdefault("cleanup_tmp_directories", True)  # leftovers of a killed save
+    options.setdefault("todelete_subdir", RECYCLED)
     # the params are written while save runs (host_arrays): their directory must exist then
     options.setdefault("async_options", ocp.AsyncOptions(create_directories_asynchronously=False))
     return ocp.CheckpointManager(
@@ -103,20 +107,24 @@ def save(
       CheckpointSpaceError: a file system has too little free space for the checkpoint.
     """
     check_savable(opt_state)  # before orbax starts a step directory
-    concurrent = mngr._options.enable_async_checkpointing and blocking is not True  # noqa: SLF001
+    options = mngr._options  # noqa: SLF001
+    concurrent = options.enable_async_checkpointing and blocking is not True
+    mngr.wait_until_finished()  # the last save may still delete a step into the recycled files
+    spares = spare_files(mngr.directory) if options.todelete_subdir == RECYCLED else None
+    reusable = spares.nbytes if spares is not None else 0
     target = os.path.join(os.fspath(mngr.directory), str(step))
     everything = (params, opt_state, extra)  # the items share the file system's free space
     if concurrent and blocking is None:
         try:
-            check_space(everything, target, concurrent=True)
+            check_space(everything, target, concurrent=True, reusable=reusable)
         except CheckpointSpaceError as e:
             logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
             concurrent = False
-    check_space(everything, target, concurrent=concurrent)  # before orbax starts the step
+    check_space(everything, target, concurrent=concurrent, reusable=reusable)
     args = ocp.args.Composite(
-        params=OffloadSave(params, concurrent=concurrent),
-        opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent),
-        extra=OffloadSave(dict(extra or {})),
+        params=OffloadSave(params, concurrent=concurrent, spares=spares),
+        opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent, spares=spares),
+        extra=OffloadSave(dict(extra or {}), spares=spares),
     )
     with streams_held() if concurrent else contextlib.nullcontext():
         started = mngr.save(step, args=args, force=force)

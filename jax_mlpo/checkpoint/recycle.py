@@ -1,0 +1,123 @@
+"""The data files of a deleted checkpoint, rewritten in place by the next save.
+
+A checkpoint's array files are new files, their space reserved with ``fallocate`` (unwritten
+extents), and on ext4 an O_DIRECT write into unwritten extents converts them in the journal as
+it completes: fio wrote 8 MiB requests into a new, preallocated file at 1.6-2.2 GB/s here,
+against 2.3-4.3 GB/s over the written blocks of an existing one (4 and 16 in flight, stop 31).
+A training run keeps its last ``max_to_keep`` checkpoints and deletes older ones, so the bytes
+of a deleted checkpoint are free to be rewritten: :func:`~jax_mlpo.checkpoint.manager` has
+orbax move a deleted step into :data:`RECYCLED` (its ``todelete_subdir``) instead of deleting
+it, and the next save renames that step's large files into its own arrays
+(:meth:`SpareFiles.take`, in :func:`~jax_mlpo.checkpoint.shard_file.create_data_file`) and
+overwrites them. Every byte of an array is written before it is
+published, and its file is cut to its size, so nothing of the old checkpoint remains in it.
+
+Disk: between saves the checkpoint directory holds the last deleted checkpoint besides the kept
+ones (it is what the next save rewrites); a save deletes the older leftovers before it starts
+(:func:`spare_files`) and counts the files it will rewrite as free space.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+import shutil
+import threading
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+RECYCLED = "jax_mlpo_recycled"  # orbax's todelete_subdir: <root>/jax_mlpo_recycled/<step>
+MIN_BYTES = 1 << 20  # smaller files are not worth a rename (metadata, small arrays)
+
+
+class SpareFiles:
+    """Large files of one deleted checkpoint, for a save to rename into its arrays.
+
+    Thread-safe: the params' writers and the state's streams take files at once. With several
+    processes each has its own list of the same files; a file another process renamed first is
+    skipped.
+
+    Args:
+      files: ``(bytes, path)`` of every file that may be taken.
+    """
+
+    def __init__(self, files: list[tuple[int, str]] = ()) -> None:
+        self._files = sorted(files)
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the files not taken yet."""
+        with self._lock:
+            return sum(n for n, _ in self._files)
+
+    def take(self, path: str, nbytes: int) -> bool:
+        """Renames the smallest spare file of at least ``nbytes`` to ``path``.
+
+        Files are for arrays of at least :data:`MIN_BYTES`, and at most twice as large as the
+        array (the rest would be cut off, where a larger array could have rewritten it).
+
+        Returns:
+          Whether one was (``path`` then holds the old bytes: overwrite them all, and cut the
+          file to its size).
+        """
+        if nbytes < MIN_BYTES:
+            return False
+        while True:
+            with self._lock:
+                k = bisect.bisect_left(self._files, (nbytes, ""))
+                if k == len(self._files) or self._files[k][0] > 2 * nbytes:
+                    return False
+                _, spare = self._files.pop(k)
+            try:
+                os.rename(spare, path)
+                return True
+            except FileNotFoundError:  # another process took it
+                continue
+
+
+def _step_number(name: str) -> int | None:
+    match = re.search(r"(\d+)$", name)
+    return int(match.group(1)) if match else None
+
+
+def spare_files(root: str | os.PathLike) -> SpareFiles:
+    """The files of the last checkpoint deleted from ``root``, for the next save.
+
+    Process 0 deletes what is left of earlier deleted checkpoints first (what the last save did
+    not take).
+
+    Args:
+      root: a checkpoint manager's directory.
+
+    Returns:
+      The large files of the deleted step with the highest number (none where nothing was
+      deleted, or the manager deletes for good).
+    """
+    recycled = os.path.join(os.fspath(root), RECYCLED)
+    try:
+        steps = [(n, e) for e in os.listdir(recycled) if (n := _step_number(e)) is not None]
+    except FileNotFoundError:
+        return SpareFiles()
+    if not steps:
+        return SpareFiles()
+    steps.sort()
+    if jax.process_index() == 0:
+        for _, name in steps[:-1]:
+            shutil.rmtree(os.path.join(recycled, name), ignore_errors=True)
+    files = []
+    for top, _, names in os.walk(os.path.join(recycled, steps[-1][1])):
+        for name in names:
+            path = os.path.join(top, name)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue
+            if size >= MIN_BYTES:
+                files.append((size, path))
+    logger.debug("jax_mlpo: %d files of a deleted checkpoint to rewrite", len(files))
+    return SpareFiles(files)
