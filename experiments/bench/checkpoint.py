@@ -19,9 +19,10 @@ same disk:
   + checkpoint written, ``/proc/self/io``) per second, and the peak RSS growth over the steady
   state (``VmHWM`` reset through ``/proc/self/clear_refs`` first);
 * an **asynchronous save** (rewriting files too) after update 5 while updates 6 and 7 run:
-  the time ``save`` holds the loop (the stall), and the peak RSS growth over the steady state's (an update's own peak
-  included) until the checkpoint is durable (the params are written before ``save`` returns,
-  without a copy, and the state is streamed from the tiers once it has returned);
+  the time ``save`` holds the loop (the stall), and the peak RSS growth over the steady
+  state's (an update's own peak included) until the checkpoint is durable (the params are
+  written before ``save`` returns, without a copy, and the state is streamed from the tiers
+  once it has returned);
 * a **restore** of the asynchronous checkpoint into a fresh ``tx.init`` (page cache dropped
   first): time, bytes moved per second and peak RSS growth over the steady state of a process
   holding its initial params (the restore's target is their ``ShapeDtypeStruct`` s and the

@@ -46,7 +46,9 @@ logging.getLogger("absl").addFilter(_NoOcdbtMerge())
 
 DIRECT_BYTES = 1 << 20  # smaller arrays: orbax's own path (a copy costs little there)
 PIECE_BYTES = 8 << 20  # requests as large as fio's best
-IO_THREADS = 4  # pieces being written at once
+# pieces being written at once: rewriting 672 MiB of params took 0.246 s with 8 against 0.303
+# with 4 (medians of 5, experiments/bench/params_write_ab.py, stop 31); buffers: 128 MiB
+IO_THREADS = 8
 PRODUCERS = 2  # arrays being copied and digested at once (a core each)
 
 
@@ -86,7 +88,7 @@ class ArrayWriter:
     :data:`PRODUCERS` arrays are written at once, each by a thread that copies its pieces into
     page-aligned buffers and digests them in order (:mod:`~jax_mlpo.checkpoint.digest`) while
     :data:`IO_THREADS` threads write them. The threads and buffers (``IO_THREADS`` of 8 MiB per
-    producer) are kept between arrays and saves: memory a process touches for the first
+    producer: 128 MiB) are kept between arrays and saves: memory a process touches for the first
     time was slow to come here (a first copy of 704 MiB took 7 s, the next 0.27 s; stop 28).
     """
 
