@@ -46,7 +46,8 @@ def manager(
       directory: where the step directories go (created).
       max_to_keep: checkpoints kept (oldest deleted first); None keeps all.
       async_save: write in the background (``save`` returns after the snapshot).
-      **options: more ``ocp.CheckpointManagerOptions`` fields.
+      **options: more ``ocp.CheckpointManagerOptions`` fields (``todelete_subdir=None``:
+        deleted checkpoints are deleted for good, and every save writes new files).
 
     Returns:
       The manager; it removes the temporary directories a killed save left behind, and moves
