@@ -47,6 +47,23 @@ def flip(path: str, pos: int) -> None:
         f.write(bytes([byte ^ 0x5A]))
 
 
+def counting_rewrites(min_bytes: int) -> list[int]:
+    """Has arrays of ``min_bytes`` or more rewrite deleted checkpoints' files; returns a counter
+    of the files taken."""
+    from jax_mlpo.checkpoint import recycle
+
+    recycle.MIN_BYTES = min_bytes
+    count, take = [0], recycle.SpareFiles.take
+
+    def counted(self, path: str, nbytes: int) -> bool:
+        taken = take(self, path, nbytes)
+        count[0] += taken
+        return taken
+
+    recycle.SpareFiles.take = counted
+    return count
+
+
 def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     spec = json.loads(sys.argv[4])
@@ -149,8 +166,13 @@ def main() -> None:
     params, opt_state = fresh()
     info: dict = {"process": pid}
     if spec["mode"] == "train":
+        rewritten = counting_rewrites(spec["recycle_bytes"]) if spec.get("recycle_bytes") else None
         for step in range(steps):
             params, opt_state, _ = dp_step(params, opt_state, *data(step, whole=False))
+            if rewritten is not None and steps - 3 <= step + 1 < steps:
+                # two kept: the first of these is deleted before the last save, which rewrites it
+                extra = {"step": step + 1, "seed": 7}
+                checkpoint.save(mngr, step + 1, params, opt_state, extra, blocking=True)
         saved = {"state": logical_state(opt_state), "params": gathered(params)}
         checkpoint.save(mngr, steps, params, opt_state, {"step": steps, "seed": 7})
     else:
@@ -189,6 +211,8 @@ def main() -> None:
     params, opt_state, _ = dp_step(params, opt_state, *data(steps + 1, whole=False))
     after_dp = gathered(params)
     mngr.wait_until_finished()
+    if spec["mode"] == "train" and rewritten is not None:
+        info["rewritten"] = rewritten[0]
     engine = jax_mlpo.engine_of(opt_state)
     info.update(
         step_count=engine.step_count,
@@ -203,7 +227,8 @@ def main() -> None:
         # A byte of the largest chunk of the offloaded state that process 1 wrote, flipped:
         # every process must refuse the checkpoint, whichever of them reads that chunk.
         files = sorted(
-            (os.path.join(root, f) for root, _, names in os.walk(spec["ckpt"]) for f in names
+            (os.path.join(root, f)
+             for root, _, names in os.walk(os.path.join(spec["ckpt"], str(steps))) for f in names
              if os.sep + "process_1" + os.sep in root and root.endswith(os.sep + "c")),
             key=os.path.getsize,
         )  # fmt: skip

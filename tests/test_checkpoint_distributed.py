@@ -4,7 +4,8 @@
 tests/ckpt_dist_worker.py runs the job (tests/dist_worker.py's MLP, data parallel under
 jax.distributed on CPU). The 2-process run trains 6 steps, saves, and takes two more steps
 while the checkpoint is written: an *exact* step (gradients of the whole batch computed by the
-same operations in any process count) and an ordinary data-parallel one. The 1- and 4-process
+same operations in any process count) and an ordinary data-parallel one (it saved at steps
+3-5 too, keeping two, so the last save rewrote the files of the first). The 1- and 4-process
 runs restore the checkpoint and take the same two steps; the 1-process run then restores a copy
 with a flipped byte in a file process 1 wrote, and the 4-process run does it on every process.
 """
@@ -59,8 +60,9 @@ def runs(tmp_path_factory) -> dict:
     def tiers(name: str, count: int) -> list[str]:
         return [str(base / name / f"tier{i}") for i in range(count)]
 
+    # three checkpoints before the last, which rewrites the files of the first (4 KiB arrays)
     trained = _run(2, base, {"mode": "train", "ckpt": ckpt, "tiers": tiers("train", 2),
-                             "subgroup_size": 64})  # fmt: skip
+                             "subgroup_size": 64, "recycle_bytes": 4096})  # fmt: skip
     one = _run(1, base, {"mode": "restore", "ckpt": ckpt, "tiers": tiers("one", 1),
                          "subgroup_size": 100, "corrupt": True})  # fmt: skip
     four = _run(4, base, {"mode": "restore", "ckpt": ckpt, "tiers": tiers("four", 3),
@@ -107,6 +109,9 @@ def test_the_checkpoint_is_the_global_state_written_by_each_process(runs):
     assert leaves["tree/1/count"]["shape"] == []
     params = checkpoint.OffloadCheckpointHandler().metadata(step / "params")
     assert len(params["tree/w1"]["shards"]) == 2 and "digest" in params["tree/odd"]
+    # the processes' saves rewrote the files of the checkpoint deleted before the last one
+    rewritten = [info["rewritten"] for info in runs[2]["infos"]]
+    assert sum(rewritten) > 0, rewritten
 
 
 @pytest.mark.parametrize("nproc", [1, 4])

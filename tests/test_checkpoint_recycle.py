@@ -12,7 +12,7 @@ import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import host_arrays, recycle, shard_file
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.submit import aligned_empty, round_up_pages
 from tests.test_checkpoint_host_arrays import bits, make_job
 
 
@@ -94,6 +94,27 @@ def test_a_larger_spare_file_is_overwritten_and_cut_to_the_array(tmp_path):
         assert spares.nbytes == 0
 
 
+def test_an_array_rewrites_the_file_of_its_last_save_whatever_its_size(tmp_path):
+    """A file is cut to its array's size, which need not be whole pages; it is offered as the
+    pages it holds, so the same array takes it at the next save."""
+    size = (3 << 18) + 5
+    old = np.arange(size, dtype=np.float32)
+    writer = host_arrays.ArrayWriter()
+    deleted = tmp_path / recycle.RECYCLED / "1"
+    deleted.mkdir(parents=True)
+    writer.write(str(deleted / "a"), old)
+    inode = os.stat(deleted / "a" / "c" / "0").st_ino
+    spares = recycle.spare_files(tmp_path)
+    assert spares.nbytes == round_up_pages(old.nbytes) > old.nbytes
+    new = -old
+    writer.write(str(tmp_path / "a"), new, spares)
+    writer.close()
+    assert spares.nbytes == 0
+    assert os.stat(tmp_path / "a" / "c" / "0").st_ino == inode
+    spec = host_arrays._spec(str(tmp_path / "a"), new.shape, new.dtype)  # noqa: SLF001
+    np.testing.assert_array_equal(ts.open(spec).result().read().result(), new)
+
+
 def test_spare_files_take_the_smallest_large_enough_and_skip_vanished_ones(tmp_path):
     small, large = tmp_path / "small", tmp_path / "large"
     small.write_bytes(b"s" * (2 << 20))
@@ -123,3 +144,23 @@ def test_the_space_check_counts_the_files_a_save_rewrites(small_disk):
     with pytest.raises(CheckpointSpaceError, match="needs 12.6 MB"):
         check_space(tree, small_disk / "ckpt" / "1", concurrent=False)
     check_space(tree, small_disk / "ckpt" / "1", concurrent=False, reusable=8 << 20)
+
+
+def test_a_step_the_policy_skips_does_not_wait_for_the_save_in_flight(tmp_path, monkeypatch):
+    """A save waits for the last one before looking for its files, but only when it saves."""
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    mngr = checkpoint.manager(tmp_path / "ckpt", save_interval_steps=5)
+    waits = []
+    wait = mngr.wait_until_finished
+    monkeypatch.setattr(mngr, "wait_until_finished", lambda: waits.append(1) or wait())
+    assert checkpoint.save(mngr, 5, params, opt_state, blocking=False)
+    waited = len(waits)
+    assert waited  # (orbax waits too)
+    params, opt_state = step(params, opt_state, 2.0)
+    assert not checkpoint.save(mngr, 6, params, opt_state, blocking=False)
+    assert len(waits) == waited
+    jax_mlpo.close(opt_state)
+    mngr.close()
+    assert mngr.all_steps() == [5]

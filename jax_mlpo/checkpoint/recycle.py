@@ -28,6 +28,8 @@ import threading
 
 import jax
 
+from jax_mlpo.tiers.submit import round_up_pages
+
 logger = logging.getLogger(__name__)
 
 RECYCLED = "jax_mlpo_recycled"  # orbax's todelete_subdir: <root>/jax_mlpo_recycled/<step>
@@ -42,7 +44,7 @@ class SpareFiles:
     skipped.
 
     Args:
-      files: ``(bytes, path)`` of every file that may be taken.
+      files: ``(bytes, path)`` of every file that may be taken (its size in whole pages).
     """
 
     def __init__(self, files: list[tuple[int, str]] = ()) -> None:
@@ -114,7 +116,8 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
         for name in names:
             path = os.path.join(top, name)
             try:
-                size = os.stat(path).st_size
+                # its blocks: writers move whole pages, then cut the file to the array's size
+                size = round_up_pages(os.stat(path).st_size)
             except FileNotFoundError:
                 continue
             if size >= MIN_BYTES:

@@ -108,6 +108,8 @@ def save(
       CheckpointSpaceError: a file system has too little free space for the checkpoint.
     """
     check_savable(opt_state)  # before orbax starts a step directory
+    if not force and not mngr.should_save(step):
+        return False  # without waiting for a save in flight
     options = mngr._options  # noqa: SLF001
     concurrent = options.enable_async_checkpointing and blocking is not True
     mngr.wait_until_finished()  # the last save may still delete a step into the recycled files
