@@ -18,6 +18,16 @@ LEAF = 16 * 2**20  # elements per param leaf
 SUBGROUP = 4 * 2**20  # 48 MiB blobs with a bf16 master
 
 
+def offloaded_tx(tier: str) -> Any:
+    """``jax_mlpo.adamw`` with all state on the disk tier ``tier`` and a 256 MiB host cache."""
+    import jax_mlpo
+
+    config = jax_mlpo.OffloadConfig(
+        host_cache="256MiB", tiers=[jax_mlpo.FileTier(tier)], subgroup_size=SUBGROUP
+    )
+    return jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
+
+
 def offloaded_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
     """``(params, opt_state, step)`` after two updates; ``step(params, opt_state, k)`` is jitted,
     the params donated. The tier is ``<root>/tier``."""
@@ -25,16 +35,10 @@ def offloaded_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
     import jax.numpy as jnp
     import optax
 
-    import jax_mlpo
-
     make = jax.jit(lambda k: jax.random.normal(k, (LEAF,), jnp.bfloat16))
     keys = jax.random.split(jax.random.PRNGKey(0), params_mi * 2**20 // LEAF)
     params = {f"w{i:03d}": make(k) for i, k in enumerate(keys)}
-    config = jax_mlpo.OffloadConfig(
-        host_cache="256MiB", tiers=[jax_mlpo.FileTier(os.path.join(root, "tier"))],
-        subgroup_size=SUBGROUP,
-    )  # fmt: skip
-    tx = jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
+    tx = offloaded_tx(os.path.join(root, "tier"))
     opt_state = tx.init(params)
 
     def step(p, s, k):
