@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
 
 import jax
 
@@ -47,7 +48,7 @@ class SpareFiles:
       files: ``(bytes, path)`` of every file that may be taken (its size in whole pages).
     """
 
-    def __init__(self, files: list[tuple[int, str]] = ()) -> None:
+    def __init__(self, files: Sequence[tuple[int, str]] = ()) -> None:
         self._files = sorted(files)
         self._lock = threading.Lock()
 
