@@ -7,15 +7,32 @@ measurement in a fresh process and deletes its files whatever happens.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 LEAF = 16 * 2**20  # elements per param leaf
 SUBGROUP = 4 * 2**20  # 48 MiB blobs with a bf16 master
+
+
+def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
+    """``f``, adding the seconds each call takes to ``waits[label]``."""
+
+    @functools.wraps(f)
+    def g(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            waits[label] += time.perf_counter() - t
+
+    return g
 
 
 def offloaded_tx(tier: str) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ import shutil
 import time
 
 from experiments.bench.checkpoint_job import offloaded_job, offloaded_tx
+from experiments.bench.checkpoint_job import timed as timed_into
 
 logger = logging.getLogger("bench.restore_breakdown")
 
@@ -57,17 +57,7 @@ def run(params_mi: int, rounds: int, root: str, settings: list[list[int]]) -> di
     waits: dict[str, float] = collections.defaultdict(float)
 
     def timed(owner, name: str, label: str) -> None:
-        f = getattr(owner, name)
-
-        @functools.wraps(f)
-        def g(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                waits[label] += time.perf_counter() - t
-
-        setattr(owner, name, g)
+        setattr(owner, name, timed_into(waits, label, getattr(owner, name)))
 
     timed(state_reader.StateReader, "fill", "fill_s")
     timed(state_reader.StateReader, "_chunk", "read_wait_s")

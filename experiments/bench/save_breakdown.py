@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import logging
 import os
 import time
 
 from experiments.bench.checkpoint_job import offloaded_job, run_child
+from experiments.bench.checkpoint_job import timed as timed_into
 
 logger = logging.getLogger("bench.save_breakdown")
 
@@ -38,15 +38,7 @@ def child(params_mi: int, root: str, synced: bool) -> dict:
     waits: dict[str, float] = collections.defaultdict(float)
 
     def timed(name, f):
-        @functools.wraps(f)
-        def g(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                waits[name] += time.perf_counter() - t
-
-        return g
+        return timed_into(waits, name, f)
 
     stream.ShardCreator.get = timed("array creation wait", stream.ShardCreator.get)
     stream.StateWriter._settle = timed("write wait", stream.StateWriter._settle)
