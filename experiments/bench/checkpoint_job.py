@@ -7,8 +7,10 @@ measurement in a fresh process and deletes its files whatever happens.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -68,6 +70,28 @@ def offloaded_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
         params, opt_state = step(params, opt_state, k)
     jax.block_until_ready(params)
     return params, opt_state, step
+
+
+def ab_parser(doc: str, rounds: int, directory: str) -> argparse.ArgumentParser:
+    """The in-process A/B benchmarks' arguments: ``--params-mi``, ``--rounds``, ``--dir`` (deleted
+    afterwards) and ``--json``; ``doc``'s first line describes them."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--params-mi", type=int, default=344)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--dir", default=directory)
+    parser.add_argument("--json")
+    return parser
+
+
+def run_in(directory: str, run: Callable[[], Any]) -> Any:
+    """``run()`` with INFO logging (orbax's per-save lines off), ``directory`` deleted after it
+    whatever happens."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    try:
+        return run()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_child(module: str, args: list[str], directory: str) -> dict:

@@ -17,13 +17,12 @@ stall, and their ratios recycled / new.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
 import time
 
-from experiments.bench.checkpoint_job import offloaded_job
+from experiments.bench.checkpoint_job import ab_parser, offloaded_job, run_in
 from experiments.bench.harness import spread, write_json
 
 logger = logging.getLogger("bench.recycle_ab")
@@ -102,18 +101,8 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-mi", type=int, default=344)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default="/var/tmp/jax_mlpo_recycle_ab")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
-    try:
-        out = run(args.params_mi, args.rounds, args.dir)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    args = ab_parser(__doc__, 3, "/var/tmp/jax_mlpo_recycle_ab").parse_args()
+    out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, args.dir))
     for name in ("recycled", "new"):
         f = out[name]
         logger.info(

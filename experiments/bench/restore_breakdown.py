@@ -15,7 +15,6 @@ fio's sequential O_DIRECT reads of a laid-out file at 8 MiB x 4 and 32 MiB x 32.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import logging
@@ -23,7 +22,7 @@ import os
 import shutil
 import time
 
-from experiments.bench.checkpoint_job import offloaded_job, offloaded_tx
+from experiments.bench.checkpoint_job import ab_parser, offloaded_job, offloaded_tx, run_in
 from experiments.bench.checkpoint_job import timed as timed_into
 
 logger = logging.getLogger("bench.restore_breakdown")
@@ -96,19 +95,11 @@ def run(params_mi: int, rounds: int, root: str, settings: list[list[int]]) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-mi", type=int, default=344)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = ab_parser(__doc__, 3, "/var/tmp/jax_mlpo_restore_breakdown")
     parser.add_argument("--settings", default="[[4, 1]]", help="[[read threads, ahead], ...]")
-    parser.add_argument("--dir", default="/var/tmp/jax_mlpo_restore_breakdown")
-    parser.add_argument("--json")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    try:
-        out = run(args.params_mi, args.rounds, args.dir, json.loads(args.settings))
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    settings = json.loads(args.settings)
+    out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, args.dir, settings))
     for setting in json.loads(args.settings):
         times = sorted(x["seconds"] for x in out["restores"] if x["setting"] == setting)
         logger.info("%s: restore %.2f s median [%.2f-%.2f]", setting, times[len(times) // 2],

@@ -26,14 +26,13 @@ first save (``VmHWM``, reset before each save).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
 import time
 
-from experiments.bench.checkpoint_job import offloaded_job
+from experiments.bench.checkpoint_job import ab_parser, offloaded_job, run_in
 from experiments.bench.harness import spread, write_json
 
 logger = logging.getLogger("bench.save_settings_ab")
@@ -111,21 +110,13 @@ def run(params_mi: int, rounds: int, settings: list[dict], root: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-mi", type=int, default=344)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser = ab_parser(__doc__, 4, "/var/tmp/jax_mlpo_save_settings_ab")
     parser.add_argument(
         "--settings", default='[{}, {"threads": 8, "in_flight": 16, "read_ahead": 4}]'
     )
-    parser.add_argument("--dir", default="/var/tmp/jax_mlpo_save_settings_ab")
-    parser.add_argument("--json")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
-    try:
-        out = run(args.params_mi, args.rounds, json.loads(args.settings), args.dir)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    settings = json.loads(args.settings)
+    out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, settings, args.dir))
     for name, ratio in out["seconds_over_first"].items():
         f = out[name]
         logger.info(
