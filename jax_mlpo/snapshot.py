@@ -33,27 +33,14 @@ from jax_mlpo.tiers.submit import aligned_empty
 logger = logging.getLogger(__name__)
 
 READ_AHEAD = 2  # a concurrent snapshot's buffers: one blob read while the last is consumed
-# Between steps (a blocking save) nothing else runs, and this disk moves more with more in
-# flight: blobs are read ahead up to this many bytes (at least READ_AHEAD blobs). With 6 blobs
-# of 48 MiB (and the stream's 8 writers x 16 pieces) blocking saves took 0.78-0.94x the time
-# of 2 blobs (and 4 x 8) in four runs, each save beside the other in one process
-# (experiments/bench/save_settings_ab.py, stop 32).
-BLOCKING_READ_AHEAD_BYTES = 256 * 2**20
 
 
-def blocking_read_ahead(layout: Layout) -> int:
-    """Blobs a snapshot between steps reads ahead: :data:`BLOCKING_READ_AHEAD_BYTES` of them."""
-    return max(READ_AHEAD, BLOCKING_READ_AHEAD_BYTES // (4 * layout.max_state_elems))
-
-
-def spare_buffers(
-    pool: HostBufferPool, layout: Layout, ahead: int = READ_AHEAD
-) -> list[np.ndarray]:
-    """Buffers for work between steps: the pool's free ones, topped up to ``ahead`` with
+def spare_buffers(pool: HostBufferPool, layout: Layout) -> list[np.ndarray]:
+    """Buffers for work between steps: the pool's free ones, topped up to ``READ_AHEAD`` with
     blobs beyond the pool (where dirty subgroups hold the rest), so that one subgroup's tier
     I/O overlaps the next one's use."""
     free = pool.free_buffers()
-    extra = max(0, ahead - len(free))
+    extra = max(0, READ_AHEAD - len(free))
     return free + [aligned_empty(layout.max_state_elems, np.float32) for _ in range(extra)]
 
 
@@ -97,7 +84,7 @@ class StateSnapshot:
             self._buffers = [aligned_empty(elems, np.float32) for _ in range(READ_AHEAD)]
             pool.write_kind = self._write_kind
         elif stores:
-            self._buffers = spare_buffers(pool, layout, blocking_read_ahead(layout))
+            self._buffers = spare_buffers(pool, layout)
 
     @property
     def host_bytes(self) -> int:

@@ -37,21 +37,19 @@ def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
     return g
 
 
-def offloaded_tx(tier: str, queue_depth: int = 8) -> Any:
-    """``jax_mlpo.adamw`` with all state on the disk tier ``tier`` (``queue_depth`` requests in
-    flight: ``FileTier``'s default 8) and a 256 MiB host cache."""
+def offloaded_tx(tier: str) -> Any:
+    """``jax_mlpo.adamw`` with all state on the disk tier ``tier`` and a 256 MiB host cache."""
     import jax_mlpo
 
     config = jax_mlpo.OffloadConfig(
-        host_cache="256MiB", subgroup_size=SUBGROUP,
-        tiers=[jax_mlpo.FileTier(tier, queue_depth=queue_depth)],
-    )  # fmt: skip
+        host_cache="256MiB", tiers=[jax_mlpo.FileTier(tier)], subgroup_size=SUBGROUP
+    )
     return jax_mlpo.adamw(1e-3, weight_decay=0.01, offload=config)
 
 
-def offloaded_job(params_mi: int, root: str, queue_depth: int = 8) -> tuple[Any, Any, Any]:
+def offloaded_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
     """``(params, opt_state, step)`` after two updates; ``step(params, opt_state, k)`` is jitted,
-    the params donated. The tier is ``<root>/tier`` (``queue_depth``: its requests in flight)."""
+    the params donated. The tier is ``<root>/tier``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -59,7 +57,7 @@ def offloaded_job(params_mi: int, root: str, queue_depth: int = 8) -> tuple[Any,
     make = jax.jit(lambda k: jax.random.normal(k, (LEAF,), jnp.bfloat16))
     keys = jax.random.split(jax.random.PRNGKey(0), params_mi * 2**20 // LEAF)
     params = {f"w{i:03d}": make(k) for i, k in enumerate(keys)}
-    tx = offloaded_tx(os.path.join(root, "tier"), queue_depth)
+    tx = offloaded_tx(os.path.join(root, "tier"))
     opt_state = tx.init(params)
 
     def step(p, s, k):

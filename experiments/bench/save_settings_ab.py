@@ -9,15 +9,11 @@ it). After two warm-up saves, each round makes one blocking save per setting (th
 reversed every other round; an update before each, its write-behind drained and the page cache
 dropped). A setting (JSON) may set:
 
-* ``threads`` / ``in_flight``: a blocking save's writer threads and pieces in flight
-  (``stream.BLOCKING_IO_THREADS``, ``stream.BLOCKING_IN_FLIGHT``, of 8 MiB; 4 and 8 until
-  stop 32, 8 and 16 since);
-* ``read_ahead``: tier blobs read ahead of the one being written (48 MiB each here; sets
-  ``snapshot.BLOCKING_READ_AHEAD_BYTES``: 2 blobs until stop 32, 256 MiB, 5 blobs, since);
+* ``threads`` / ``in_flight``: the state writer's I/O threads and pieces in flight
+  (``stream.IO_THREADS``, ``stream.MAX_IN_FLIGHT``; defaults 4 and 8, of 8 MiB);
+* ``read_ahead``: tier blobs read ahead of the one being written (``snapshot.READ_AHEAD``,
+  default 2, of 48 MiB here);
 * ``page_cache``: write the checkpoint's files through the page cache instead of O_DIRECT.
-
-``--queue-depth`` sets the tier's requests in flight (``FileTier.queue_depth``, default 8) for
-the whole run: the tier is made once, so compare depths across runs.
 
 Reported per setting: medians [min-max] of the save's time, bytes moved per second
 (``/proc/self/io``), CPU seconds (user + system) and peak RSS growth over the RSS before the
@@ -42,7 +38,7 @@ from experiments.bench.harness import spread, write_json
 logger = logging.getLogger("bench.save_settings_ab")
 
 
-def run(params_mi: int, rounds: int, settings: list[dict], root: str, queue_depth: int = 8) -> dict:
+def run(params_mi: int, rounds: int, settings: list[dict], root: str) -> dict:
     import jax
 
     import jax_mlpo
@@ -53,12 +49,10 @@ def run(params_mi: int, rounds: int, settings: list[dict], root: str, queue_dept
 
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
-    params, opt_state, step = offloaded_job(params_mi, root, queue_depth)
+    params, opt_state, step = offloaded_job(params_mi, root)
     engine = jax_mlpo.engine_of(opt_state)
     mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=1)
-    defaults = (stream.BLOCKING_IO_THREADS, stream.BLOCKING_IN_FLIGHT,
-                snapshot.BLOCKING_READ_AHEAD_BYTES)  # fmt: skip
-    blob_bytes = 4 * engine.layout.max_state_elems
+    defaults = (stream.IO_THREADS, stream.MAX_IN_FLIGHT, snapshot.READ_AHEAD)
     open_direct = shard_file.open_direct
     start_rss = process_memory()["rss_bytes"]
     names = [json.dumps(s, sort_keys=True) for s in settings]
@@ -72,11 +66,9 @@ def run(params_mi: int, rounds: int, settings: list[dict], root: str, queue_dept
         params, opt_state = step(params, opt_state, 2.0 + n / 2)
         jax.block_until_ready(params)
         engine.drain()  # the update's write-behind is not the save's
-        stream.BLOCKING_IO_THREADS = setting.get("threads", defaults[0])
-        stream.BLOCKING_IN_FLIGHT = setting.get("in_flight", defaults[1])
-        snapshot.BLOCKING_READ_AHEAD_BYTES = (
-            setting["read_ahead"] * blob_bytes if "read_ahead" in setting else defaults[2]
-        )
+        stream.IO_THREADS = setting.get("threads", defaults[0])
+        stream.MAX_IN_FLIGHT = setting.get("in_flight", defaults[1])
+        snapshot.READ_AHEAD = setting.get("read_ahead", defaults[2])
         shard_file.open_direct = (
             (lambda path, flags: os.open(path, flags, 0o600))
             if setting.get("page_cache") else open_direct
@@ -106,8 +98,7 @@ def run(params_mi: int, rounds: int, settings: list[dict], root: str, queue_dept
                 logger.info("round %d %s: %s", r, names[k],
                             {key: round(v, 2) for key, v in got.items()})  # fmt: skip
     finally:
-        stream.BLOCKING_IO_THREADS, stream.BLOCKING_IN_FLIGHT = defaults[:2]
-        snapshot.BLOCKING_READ_AHEAD_BYTES = defaults[2]
+        stream.IO_THREADS, stream.MAX_IN_FLIGHT, snapshot.READ_AHEAD = defaults
         shard_file.open_direct = open_direct
         mngr.close()
         jax_mlpo.close(opt_state)
@@ -123,11 +114,9 @@ def main() -> None:
     parser.add_argument(
         "--settings", default='[{}, {"threads": 8, "in_flight": 16, "read_ahead": 4}]'
     )
-    parser.add_argument("--queue-depth", type=int, default=8, help="the tier's, for the run")
     args = parser.parse_args()
     settings = json.loads(args.settings)
-    out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, settings, args.dir,
-                                       args.queue_depth))  # fmt: skip
+    out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, settings, args.dir))
     for name, ratio in out["seconds_over_first"].items():
         f = out[name]
         logger.info(

@@ -8,8 +8,7 @@ engine snapshot, subgroup by subgroup. Subgroups cover the leaves in order, so e
 data arrives in order: it is cut into pieces of ``chunk_elems``, each written with O_DIRECT
 once complete and digested (:mod:`~jax_mlpo.checkpoint.digest`) by the thread that writes it.
 Host memory: the pieces being filled (only a leaf that straddles two subgroups keeps its three
-open between them) and at most ``MAX_IN_FLIGHT`` being written (``BLOCKING_IN_FLIGHT`` in a
-blocking save).
+open between them) and at most ``MAX_IN_FLIGHT`` being written.
 
 :mod:`~jax_mlpo.checkpoint.state_reader` reads them back. A shard's record (``start``,
 ``size``, ``array``, ``chunk``: the piece length, ``digest``: one per piece) goes into the
@@ -46,10 +45,6 @@ QUANTITIES = ("mu", "nu", "master")
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best
 MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory they hold)
 IO_THREADS = 4  # each moves one piece at a time and digests it
-# A blocking save's (nothing runs beside it; the snapshot reads ahead more too, 64 MiB more
-# host memory here: jax_mlpo.snapshot.BLOCKING_READ_AHEAD_BYTES has the measurement)
-BLOCKING_IN_FLIGHT = 16
-BLOCKING_IO_THREADS = 8
 SYNC_THREADS = 2  # arrays being made durable at once
 
 
@@ -92,14 +87,11 @@ class StateWriter:
       skip: engine leaves this process does not write (another process writes them).
       chunk_elems: the chunk length.
       spares: files of a deleted checkpoint to rewrite (:mod:`~jax_mlpo.checkpoint.recycle`).
-      threads: pieces written at once.
-      in_flight: pieces written or waiting to be (the host memory they hold).
     """
 
     def __init__(
         self, directory: str | os.PathLike, prefix: str, layout: Layout, regions: list[Region],
         skip: Iterable[int] = (), chunk_elems: int = CHUNK_ELEMS, spares: SpareFiles | None = None,
-        threads: int = IO_THREADS, in_flight: int = MAX_IN_FLIGHT,
     ) -> None:  # fmt: skip
         self._directory, self._prefix = os.fspath(directory), prefix
         self._layout, self._regions, self._skip = layout, regions, set(skip)
@@ -112,8 +104,7 @@ class StateWriter:
             tuple[concurrent.futures.Future, _OpenArray, np.ndarray]
         ] = collections.deque()
         self._finishing: list[concurrent.futures.Future] = []  # files being made durable
-        self._max_in_flight = in_flight
-        self._io = concurrent.futures.ThreadPoolExecutor(threads, "jax_mlpo-ckpt-write")
+        self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jax_mlpo-ckpt-write")
         # fsyncs wait behind the writes queued in the disk: off the writing threads
         self._syncs = concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, "jax_mlpo-ckpt-sync")
         self._files = ShardCreator(
@@ -217,7 +208,7 @@ class StateWriter:
 
     def _flush_chunk(self, name: str, leaf: int, array: _OpenArray) -> None:
         start = (array.filled - 1) // array.chunk * array.chunk
-        while len(self._in_flight) >= self._max_in_flight:
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._settle()
         count = array.filled - start
         future = self._io.submit(_write_piece, array.file, start, array.buffer, count)
@@ -271,12 +262,9 @@ def write_streams(
     try:
         for k, stream in enumerate(streams):
             prefix = f"{STATE_DIR}/{k}/process_{jax.process_index()}"
-            between_steps = not stream.snapshot.concurrent  # a blocking save: deeper
             writer = StateWriter(
-                directory, prefix, stream.layout, stream.regions, stream.skip, CHUNK_ELEMS, spares,
-                BLOCKING_IO_THREADS if between_steps else IO_THREADS,
-                BLOCKING_IN_FLIGHT if between_steps else MAX_IN_FLIGHT,
-            )  # fmt: skip
+                directory, prefix, stream.layout, stream.regions, stream.skip, CHUNK_ELEMS, spares
+            )
             with stream.snapshot:
                 shards = writer.write(stream.snapshot.blobs())
             if shards:  # each array synced its entry in the process's directory; above it:
