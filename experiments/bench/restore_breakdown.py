@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = json.loads(args.settings)
     out = run_in(args.dir, lambda: run(args.params_mi, args.rounds, args.dir, settings))
-    for setting in json.loads(args.settings):
+    for setting in settings:
         times = sorted(x["seconds"] for x in out["restores"] if x["setting"] == setting)
         logger.info("%s: restore %.2f s median [%.2f-%.2f]", setting, times[len(times) // 2],
                     times[0], times[-1])  # fmt: skip

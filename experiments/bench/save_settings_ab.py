@@ -32,6 +32,7 @@ import os
 import shutil
 import time
 
+from experiments.bench.checkpoint import reset_peak
 from experiments.bench.checkpoint_job import ab_parser, offloaded_job, run_in
 from experiments.bench.harness import spread, write_json
 
@@ -74,8 +75,7 @@ def run(params_mi: int, rounds: int, settings: list[dict], root: str) -> dict:
             if setting.get("page_cache") else open_direct
         )  # fmt: skip
         sysio.drop_page_cache()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
+        reset_peak()
         io0, cpu0, t0 = sysio.proc_io(), os.times(), time.perf_counter()
         checkpoint.save(mngr, n, params, opt_state, blocking=True)
         seconds, io1, cpu1 = time.perf_counter() - t0, sysio.proc_io(), os.times()
