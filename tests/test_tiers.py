@@ -68,6 +68,36 @@ def fd_count() -> int:
 # -- data round trips ---------------------------------------------------------------------------
 
 
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+def test_io_buffers_are_private_and_advised_for_huge_pages(monkeypatch):
+    # Large buffers ask for transparent huge pages (larger requests reach the disk); a shared
+    # mapping would be shmem, which the advice does not cover.
+    from jax_mlpo.tiers import submit
+
+    large = aligned_empty(submit.HUGE_PAGE)  # 8 MiB of float32
+    small = aligned_empty(1000)
+    for buf in (large, small):
+        assert buf.ctypes.data % ALIGN == 0 and not buf.any()
+        assert "sh" not in vm_flags(buf.ctypes.data)  # private, not shared
+    assert "hg" in vm_flags(large.ctypes.data)
+    assert "hg" not in vm_flags(small.ctypes.data)
+    monkeypatch.setattr(submit, "HUGE_PAGES", False)
+    assert "hg" not in vm_flags(aligned_empty(submit.HUGE_PAGE).ctypes.data)
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_blobs_split_into_chunks_round_trip_and_every_chunk_is_checked(engine, aligned, tmp_path):
