@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -48,7 +49,8 @@ def test_a_save_rewrites_the_files_of_the_checkpoint_deleted_before_it(tmp_path)
     assert inodes[3] == inodes[1]
     assert inodes[4] == inodes[2]
     assert not inodes[1] & inodes[2]
-    # what step 3 did not take of step 1 was deleted before step 4
+    # what step 3 did not take of step 1 was deleted when step 4 started, in the background
+    recycle.wait_for_deletions()
     assert sorted(os.listdir(tmp_path / "ckpt" / recycle.RECYCLED)) == ["2", "3"]
     saved = bits(params)
     params, opt_state = step(params, opt_state, 5.0)
@@ -144,6 +146,30 @@ def test_the_space_check_counts_the_files_a_save_rewrites(small_disk):
     with pytest.raises(CheckpointSpaceError, match="needs 12.6 MB"):
         check_space(tree, small_disk / "ckpt" / "1", concurrent=False)
     check_space(tree, small_disk / "ckpt" / "1", concurrent=False, reusable=8 << 20)
+
+
+def test_a_failed_space_check_waits_for_the_leftovers_being_deleted(small_disk, monkeypatch):
+    from jax_mlpo.checkpoint import training
+
+    recycled = small_disk / "ckpt" / recycle.RECYCLED
+    (recycled / "1").mkdir(parents=True)
+    (recycled / "2").mkdir()
+    (recycled / "1" / "left").write_bytes(b"x" * (6 << 20))  # not taken by save 2
+    rmtree, started = recycle.shutil.rmtree, []
+
+    def slow_rmtree(path, **kwargs):
+        started.append(path)
+        time.sleep(0.5)  # still there when the save checks the space
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(recycle.shutil, "rmtree", slow_rmtree)
+    assert recycle.spare_files(small_disk / "ckpt").nbytes == 0  # step 2 has no files
+    tree = {"w": np.ones(1 << 20, np.float32)}  # 4 MiB: fits once the leftover is gone
+    with pytest.raises(CheckpointSpaceError):
+        check_space(tree, small_disk / "ckpt" / "3", concurrent=False)
+    training._check_space(tree, small_disk / "ckpt" / "3", concurrent=False, reusable=0)
+    assert started == [str(recycled / "1")] and not (recycled / "1").exists()
+    assert not recycle.wait_for_deletions()  # nothing left to wait for
 
 
 def test_a_step_the_policy_skips_does_not_wait_for_the_save_in_flight(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
-from jax_mlpo.checkpoint.recycle import RECYCLED, spare_files
+from jax_mlpo.checkpoint.recycle import RECYCLED, spare_files, wait_for_deletions
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 
@@ -119,11 +119,11 @@ def save(
     everything = (params, opt_state, extra)  # the items share the file system's free space
     if concurrent and blocking is None:
         try:
-            check_space(everything, target, concurrent=True, reusable=reusable)
+            _check_space(everything, target, concurrent=True, reusable=reusable)
         except CheckpointSpaceError as e:
             logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
             concurrent = False
-    check_space(everything, target, concurrent=concurrent, reusable=reusable)
+    _check_space(everything, target, concurrent=concurrent, reusable=reusable)
     args = ocp.args.Composite(
         params=OffloadSave(params, concurrent=concurrent, spares=spares),
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent, spares=spares),
@@ -134,6 +134,17 @@ def save(
     if not concurrent:
         mngr.wait_until_finished()
     return started
+
+
+def _check_space(tree: Any, target: str, *, concurrent: bool, reusable: int) -> None:
+    """:func:`~jax_mlpo.checkpoint.space.check_space`, once more after the older leftovers of
+    deleted checkpoints are gone, if they were still being deleted."""
+    try:
+        check_space(tree, target, concurrent=concurrent, reusable=reusable)
+    except CheckpointSpaceError:
+        if not wait_for_deletions():
+            raise
+        check_space(tree, target, concurrent=concurrent, reusable=reusable)
 
 
 def restore(
