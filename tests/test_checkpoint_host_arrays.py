@@ -84,6 +84,63 @@ def test_async_save_writes_large_params_before_it_returns(tmp_path):
     assert [c["name"] for c in meta["codecs"]] == ["bytes"]
 
 
+def test_a_restore_reads_the_large_params_itself_and_leaves_the_rest_to_orbax(
+    tmp_path, monkeypatch
+):
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    saved = bits(params)
+    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
+    checkpoint.save(mngr, 1, params, opt_state)
+    jax_mlpo.close(opt_state)
+    direct, by_orbax = [], []
+    read_all = host_arrays.read_all
+    orbax_read = ocp.type_handlers.NumpyHandler.deserialize
+
+    def traced_read_all(arrays):
+        direct.extend(Path(a[0]).parents[len(a[1])].name for a in arrays)  # <array>/c/0/0
+        return read_all(arrays)
+
+    async def traced_orbax_read(self, infos, args=None):
+        by_orbax.extend(info.name for info in infos)
+        return await orbax_read(self, infos, args)
+
+    monkeypatch.setattr(host_arrays, "read_all", traced_read_all)
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "deserialize", traced_orbax_read)
+    (tmp_path / "again").mkdir()
+    fresh, tx, _ = make_job(tmp_path / "again")
+    opt_state = tx.init(fresh)
+    restored = checkpoint.restore(mngr, fresh, opt_state)
+    assert direct == ["tree.w"]
+    assert "tree.w" not in by_orbax and "tree.b" in by_orbax
+    got = bits(restored.params)
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in saved.items()}
+    jax_mlpo.close(restored.opt_state)
+    mngr.close()
+
+
+def test_a_truncated_large_param_is_left_to_orbax_and_named(tmp_path):
+    params, tx, step = make_job(tmp_path)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
+    checkpoint.save(mngr, 1, params, opt_state)
+    jax_mlpo.close(opt_state)
+    array = tmp_path / "ckpt" / "1" / "params" / "tree.w"
+    assert host_arrays.one_raw_chunk(str(array)) is not None
+    data = array / "c" / "0" / "0"
+    os.truncate(data, data.stat().st_size - 4096)
+    assert host_arrays.one_raw_chunk(str(array)) is None  # not ours to read: orbax's error
+    (tmp_path / "again").mkdir()
+    fresh, tx, _ = make_job(tmp_path / "again")
+    opt_state = tx.init(fresh)
+    with pytest.raises(Exception, match="tree.w"):
+        checkpoint.restore(mngr, fresh, opt_state)
+    jax_mlpo.close(opt_state)
+    mngr.close()
+
+
 def test_a_flipped_byte_in_a_large_param_is_detected(tmp_path):
     params, tx, step = make_job(tmp_path)
     opt_state = tx.init(params)

@@ -41,7 +41,7 @@ HUGE_PAGES = True  # whether aligned_empty advises them (off: benchmarks' A/B on
 _READ, _WRITE = 0, 1  # request priorities: reads first
 
 
-def aligned_empty(n: int, dtype: Any = np.float32) -> np.ndarray:
+def aligned_empty(n: int, dtype: Any = np.float32, *, huge_pages: bool = True) -> np.ndarray:
     """A 1-D array of ``n`` elements whose data starts on a page (O_DIRECT-ready), zero-filled.
 
     Private anonymous ``mmap`` memory: page-aligned, and its pages are only committed when
@@ -52,11 +52,12 @@ def aligned_empty(n: int, dtype: Any = np.float32) -> np.ndarray:
     queue (256 requests) the bytes in flight, which set this disk's throughput, grew with them:
     a blocking save of 4 GiB of state moved 2.9-3.7 GB/s against 1.4-1.9 (stop 33,
     docs/benchmarks.md). ``mmap.mmap(-1, n)`` alone would be a *shared* mapping (shmem), which
-    ``MADV_HUGEPAGE`` does not cover.
+    ``MADV_HUGEPAGE`` does not cover. ``huge_pages=False``: 4 KiB pages, for memory touched
+    once, where faulting in fresh huge pages cost more than the larger requests gained.
     """
     nbytes = max(1, n * np.dtype(dtype).itemsize)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if HUGE_PAGES and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and HUGE_PAGES and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # a kernel without transparent huge pages refuses: 4 KiB pages, as before
         with contextlib.suppress(OSError):
             memory.madvise(mmap.MADV_HUGEPAGE)
