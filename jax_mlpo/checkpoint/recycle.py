@@ -14,8 +14,9 @@ published, and its file is cut to its size, so nothing of the old checkpoint rem
 
 Disk: between saves the checkpoint directory holds the last deleted checkpoint besides the kept
 ones (it is what the next save rewrites); a save deletes the older leftovers when it starts
-(:func:`spare_files`), in a background thread: unlinking them took 20-70 ms of the 0.3 s an
-asynchronous save holds the training loop (stop 33). It counts the files it will rewrite as
+(:func:`spare_files`), in a background thread: unlinking them was part of the time an
+asynchronous save holds the training loop (20-70 ms of about 0.3 s in exploratory timings,
+stop 33; docs/benchmarks.md has the stall measured). It counts the files it will rewrite as
 free space; where the space check fails, the save waits for those deletions and checks again
 (:func:`wait_for_deletions`).
 """
