@@ -163,11 +163,12 @@ def test_a_failed_space_check_waits_for_the_leftovers_being_deleted(small_disk, 
         rmtree(path, **kwargs)
 
     monkeypatch.setattr(recycle.shutil, "rmtree", slow_rmtree)
-    assert recycle.spare_files(small_disk / "ckpt").nbytes == 0  # step 2 has no files
+    spares = recycle.spare_files(small_disk / "ckpt")
+    assert spares.nbytes == 0  # step 2 has no files
     tree = {"w": np.ones(1 << 20, np.float32)}  # 4 MiB: fits once the leftover is gone
     with pytest.raises(CheckpointSpaceError):
         check_space(tree, small_disk / "ckpt" / "3", concurrent=False)
-    training._check_space(tree, small_disk / "ckpt" / "3", concurrent=False, reusable=0)
+    training._check_space(tree, small_disk / "ckpt" / "3", concurrent=False, spares=spares)
     assert started == [str(recycled / "1")] and not (recycled / "1").exists()
     assert not recycle.wait_for_deletions()  # nothing left to wait for
 

@@ -13,12 +13,11 @@ overwrites them. Every byte of an array is written before it is
 published, and its file is cut to its size, so nothing of the old checkpoint remains in it.
 
 Disk: between saves the checkpoint directory holds the last deleted checkpoint besides the kept
-ones (it is what the next save rewrites); a save deletes the older leftovers when it starts
-(:func:`spare_files`), in a background thread: unlinking them was part of the time an
-asynchronous save holds the training loop (20-70 ms of about 0.3 s in exploratory timings,
-stop 33; docs/benchmarks.md has the stall measured). It counts the files it will rewrite as
-free space; where the space check fails, the save waits for those deletions and checks again
-(:func:`wait_for_deletions`).
+ones (it is what the next save rewrites). A save lists that checkpoint's files and deletes the
+older leftovers in a background thread (:func:`spare_files`) while it starts: both were part of
+the time an asynchronous save holds the training loop (stop 33). Its space check counts the
+files it will rewrite as free only where it fails without them, and then waits for the listing
+and the deletions (:func:`wait_for_deletions`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -50,15 +49,49 @@ class SpareFiles:
 
     Args:
       files: ``(bytes, path)`` of every file that may be taken (its size in whole pages).
+      listing: instead of ``files``, a function that lists them, run in a background thread
+        (:attr:`thread`); :attr:`nbytes` and :meth:`take` wait for it.
+      then: run in that thread once the files are listed.
     """
 
-    def __init__(self, files: Sequence[tuple[int, str]] = ()) -> None:
+    def __init__(
+        self,
+        files: Sequence[tuple[int, str]] = (),
+        *,
+        listing: Callable[[], list[tuple[int, str]]] | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         self._files = sorted(files)
         self._lock = threading.Lock()
+        self._listed = threading.Event()
+        self.thread: threading.Thread | None = None
+        if listing is None:
+            self._listed.set()
+        else:
+            self.thread = threading.Thread(
+                target=self._list, args=(listing, then), name="jax_mlpo-recycle", daemon=True
+            )  # a daemon: an exit midway leaves a leftover, which the next save deletes
+            self.thread.start()
+
+    def _list(
+        self, listing: Callable[[], list[tuple[int, str]]], then: Callable[[], None] | None
+    ) -> None:
+        found: list[tuple[int, str]] = []
+        try:
+            found = listing()
+        except OSError as e:  # nothing to rewrite then: the save writes new files
+            logger.warning("jax_mlpo: could not list a deleted checkpoint's files: %s", e)
+        finally:
+            with self._lock:
+                self._files = sorted(found)
+            self._listed.set()
+        if then is not None:
+            then()
 
     @property
     def nbytes(self) -> int:
         """Bytes of the files not taken yet."""
+        self._listed.wait()
         with self._lock:
             return sum(n for n, _ in self._files)
 
@@ -74,6 +107,7 @@ class SpareFiles:
         """
         if nbytes < MIN_BYTES:
             return False
+        self._listed.wait()
         while True:
             with self._lock:
                 k = bisect.bisect_left(self._files, (nbytes, ""))
@@ -87,22 +121,11 @@ class SpareFiles:
                 continue
 
 
-_deletions: list[threading.Thread] = []  # deleting older leftovers (spare_files)
-
-
-def _delete_in_background(paths: list[str]) -> None:
-    def delete() -> None:
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
-
-    # a daemon: an exit mid-way leaves a leftover, which the next save deletes
-    thread = threading.Thread(target=delete, name="jax_mlpo-recycle-delete", daemon=True)
-    thread.start()
-    _deletions.append(thread)
+_deletions: list[threading.Thread] = []  # listing and deleting (spare_files)
 
 
 def wait_for_deletions() -> bool:
-    """Waits until the leftovers :func:`spare_files` started deleting are gone.
+    """Waits until the leftovers :func:`spare_files` deletes in the background are gone.
 
     Returns:
       Whether there were any deletions to wait for.
@@ -121,8 +144,10 @@ def _step_number(name: str) -> int | None:
 def spare_files(root: str | os.PathLike) -> SpareFiles:
     """The files of the last checkpoint deleted from ``root``, for the next save.
 
-    Process 0 starts deleting what is left of earlier deleted checkpoints (what the last save did
-    not take), in the background (:func:`wait_for_deletions`).
+    Listed in a background thread, which then (process 0) deletes what is left of earlier
+    deleted checkpoints (what the last save did not take; :func:`wait_for_deletions`), while
+    the save starts: with the dentries cold, listing took up to 80 ms of the time an
+    asynchronous save holds the training loop, in exploratory timings (stop 33).
 
     Args:
       root: a checkpoint manager's directory.
@@ -139,10 +164,22 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
     if not steps:
         return SpareFiles()
     steps.sort()
-    if jax.process_index() == 0 and len(steps) > 1:
-        _delete_in_background([os.path.join(recycled, name) for _, name in steps[:-1]])
+    older = [os.path.join(recycled, name) for _, name in steps[:-1]]
+
+    def delete_older() -> None:
+        for path in older if jax.process_index() == 0 else ():
+            shutil.rmtree(path, ignore_errors=True)
+
+    newest = os.path.join(recycled, steps[-1][1])
+    spares = SpareFiles(listing=lambda: _large_files(newest), then=delete_older)
+    _deletions.append(spares.thread)
+    return spares
+
+
+def _large_files(step: str) -> list[tuple[int, str]]:
+    """``(bytes in whole pages, path)`` of the files of at least :data:`MIN_BYTES` in ``step``."""
     files = []
-    for top, _, names in os.walk(os.path.join(recycled, steps[-1][1])):
+    for top, _, names in os.walk(step):
         for name in names:
             path = os.path.join(top, name)
             try:
@@ -153,4 +190,4 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
             if size >= MIN_BYTES:
                 files.append((size, path))
     logger.debug("jax_mlpo: %d files of a deleted checkpoint to rewrite", len(files))
-    return SpareFiles(files)
+    return files

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
-from jax_mlpo.checkpoint.recycle import RECYCLED, spare_files, wait_for_deletions
+from jax_mlpo.checkpoint.recycle import RECYCLED, SpareFiles, spare_files, wait_for_deletions
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 
@@ -114,16 +114,15 @@ def save(
     concurrent = options.enable_async_checkpointing and blocking is not True
     mngr.wait_until_finished()  # the last save may still delete a step into the recycled files
     spares = spare_files(mngr.directory) if options.todelete_subdir == RECYCLED else None
-    reusable = spares.nbytes if spares is not None else 0
     target = os.path.join(os.fspath(mngr.directory), str(step))
     everything = (params, opt_state, extra)  # the items share the file system's free space
     if concurrent and blocking is None:
         try:
-            _check_space(everything, target, concurrent=True, reusable=reusable)
+            _check_space(everything, target, concurrent=True, spares=spares)
         except CheckpointSpaceError as e:
             logger.warning("jax_mlpo: saving step %d synchronously: %s", step, e)
             concurrent = False
-    _check_space(everything, target, concurrent=concurrent, reusable=reusable)
+    _check_space(everything, target, concurrent=concurrent, spares=spares)
     args = ocp.args.Composite(
         params=OffloadSave(params, concurrent=concurrent, spares=spares),
         opt_state=OffloadSave(opt_state, params=params, concurrent=concurrent, spares=spares),
@@ -136,14 +135,17 @@ def save(
     return started
 
 
-def _check_space(tree: Any, target: str, *, concurrent: bool, reusable: int) -> None:
-    """:func:`~jax_mlpo.checkpoint.space.check_space`, once more after the older leftovers of
-    deleted checkpoints are gone, if they were still being deleted."""
+def _check_space(tree: Any, target: str, *, concurrent: bool, spares: SpareFiles | None) -> None:
+    """:func:`~jax_mlpo.checkpoint.space.check_space`, first without waiting for the files of a
+    deleted checkpoint to be listed (:mod:`~jax_mlpo.checkpoint.recycle`); where that fails,
+    once more with them counted as free and the older leftovers deleted."""
     try:
-        check_space(tree, target, concurrent=concurrent, reusable=reusable)
+        check_space(tree, target, concurrent=concurrent)
     except CheckpointSpaceError:
-        if not wait_for_deletions():
+        if spares is None:
             raise
+        reusable = spares.nbytes
+        wait_for_deletions()
         check_space(tree, target, concurrent=concurrent, reusable=reusable)
 
 
