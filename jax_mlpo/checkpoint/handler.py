@@ -100,7 +100,12 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
           ValueError: in a multi-process run, for an offloaded state without its params.
         """
         concurrent = getattr(args, "concurrent", True)
-        host, streams = _host_tree(args, kwargs, directory, concurrent=concurrent)
+        # In a thread: orbax runs the items' async_save concurrently, so the snapshot (which
+        # writes the retained subgroups to their tiers) overlaps the params item's writes
+        # instead of holding the event loop before them.
+        host, streams = await asyncio.to_thread(
+            _host_tree, args, kwargs, directory, concurrent=concurrent
+        )
         spares = args.spares
         try:
             self._arrays.digests.clear()

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 
@@ -49,8 +49,9 @@ class SpareFiles:
 
     Args:
       files: ``(bytes, path)`` of every file that may be taken (its size in whole pages).
-      listing: instead of ``files``, a function that lists them, run in a background thread
-        (:attr:`thread`); :attr:`nbytes` and :meth:`take` wait for it.
+      listing: instead of ``files``, a generator of them in batches, run in a background
+        thread (:attr:`thread`): each batch may be taken as soon as it is listed, and
+        :attr:`nbytes` waits for all.
       then: run in that thread once the files are listed.
     """
 
@@ -58,48 +59,52 @@ class SpareFiles:
         self,
         files: Sequence[tuple[int, str]] = (),
         *,
-        listing: Callable[[], list[tuple[int, str]]] | None = None,
+        listing: Callable[[], Iterator[list[tuple[int, str]]]] | None = None,
         then: Callable[[], None] | None = None,
     ) -> None:
         self._files = sorted(files)
-        self._lock = threading.Lock()
-        self._listed = threading.Event()
+        self._changed = threading.Condition()
+        self._listed = listing is None
         self.thread: threading.Thread | None = None
-        if listing is None:
-            self._listed.set()
-        else:
+        if listing is not None:
             self.thread = threading.Thread(
                 target=self._list, args=(listing, then), name="jax_mlpo-recycle", daemon=True
             )  # a daemon: an exit midway leaves a leftover, which the next save deletes
             self.thread.start()
 
     def _list(
-        self, listing: Callable[[], list[tuple[int, str]]], then: Callable[[], None] | None
+        self,
+        listing: Callable[[], Iterator[list[tuple[int, str]]]],
+        then: Callable[[], None] | None,
     ) -> None:
-        found: list[tuple[int, str]] = []
         try:
-            found = listing()
-        except OSError as e:  # nothing to rewrite then: the save writes new files
+            for batch in listing():
+                with self._changed:
+                    for file in batch:
+                        bisect.insort(self._files, file)
+                    self._changed.notify_all()
+        except OSError as e:  # the rest is not rewritten: the save writes new files instead
             logger.warning("jax_mlpo: could not list a deleted checkpoint's files: %s", e)
         finally:
-            with self._lock:
-                self._files = sorted(found)
-            self._listed.set()
+            with self._changed:
+                self._listed = True
+                self._changed.notify_all()
         if then is not None:
             then()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the files not taken yet."""
-        self._listed.wait()
-        with self._lock:
+        """Bytes of the files not taken yet (once all are listed)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._listed)
             return sum(n for n, _ in self._files)
 
     def take(self, path: str, nbytes: int) -> bool:
         """Renames the smallest spare file of at least ``nbytes`` to ``path``.
 
         Files are for arrays of at least :data:`MIN_BYTES`, and at most twice as large as the
-        array (the rest would be cut off, where a larger array could have rewritten it).
+        array (the rest would be cut off, where a larger array could have rewritten it). While
+        the files are being listed, it takes the first such file listed (waiting for one).
 
         Returns:
           Whether one was (``path`` then holds the old bytes: overwrite them all, and cut the
@@ -107,11 +112,11 @@ class SpareFiles:
         """
         if nbytes < MIN_BYTES:
             return False
-        self._listed.wait()
         while True:
-            with self._lock:
-                k = bisect.bisect_left(self._files, (nbytes, ""))
-                if k == len(self._files) or self._files[k][0] > 2 * nbytes:
+            with self._changed:
+                self._changed.wait_for(lambda: self._listed or self._fitting(nbytes) is not None)
+                k = self._fitting(nbytes)
+                if k is None:
                     return False
                 _, spare = self._files.pop(k)
             try:
@@ -119,6 +124,11 @@ class SpareFiles:
                 return True
             except FileNotFoundError:  # another process took it
                 continue
+
+    def _fitting(self, nbytes: int) -> int | None:
+        """The index of the smallest file listed of ``nbytes`` to twice that, if any."""
+        k = bisect.bisect_left(self._files, (nbytes, ""))
+        return k if k < len(self._files) and self._files[k][0] <= 2 * nbytes else None
 
 
 _deletions: list[threading.Thread] = []  # listing and deleting (spare_files)
@@ -176,10 +186,12 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
     return spares
 
 
-def _large_files(step: str) -> list[tuple[int, str]]:
-    """``(bytes in whole pages, path)`` of the files of at least :data:`MIN_BYTES` in ``step``."""
-    files = []
-    for top, _, names in os.walk(step):
+def _large_files(step: str) -> Iterator[list[tuple[int, str]]]:
+    """``(bytes in whole pages, path)`` of the files of at least :data:`MIN_BYTES` in ``step``,
+    a directory at a time, the params item's first (a save writes the params first)."""
+    tops = sorted(os.listdir(step), key=lambda name: name != "params")
+    for top, _, names in (w for name in tops for w in os.walk(os.path.join(step, name))):
+        files = []
         for name in names:
             path = os.path.join(top, name)
             try:
@@ -189,5 +201,5 @@ def _large_files(step: str) -> list[tuple[int, str]]:
                 continue
             if size >= MIN_BYTES:
                 files.append((size, path))
-    logger.debug("jax_mlpo: %d files of a deleted checkpoint to rewrite", len(files))
-    return files
+        if files:
+            yield files
