@@ -16,7 +16,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import checkpoint
-from jax_mlpo.checkpoint import host_arrays
+from jax_mlpo.checkpoint import host_arrays, host_reads
 from jax_mlpo.tiers.submit import aligned_empty
 
 
@@ -95,7 +95,7 @@ def test_a_restore_reads_the_large_params_itself_and_leaves_the_rest_to_orbax(
     checkpoint.save(mngr, 1, params, opt_state)
     jax_mlpo.close(opt_state)
     direct, by_orbax = [], []
-    read_all = host_arrays.read_all
+    read_all = host_reads.read_all
     orbax_read = ocp.type_handlers.NumpyHandler.deserialize
 
     def traced_read_all(arrays):
@@ -106,7 +106,7 @@ def test_a_restore_reads_the_large_params_itself_and_leaves_the_rest_to_orbax(
         by_orbax.extend(info.name for info in infos)
         return await orbax_read(self, infos, args)
 
-    monkeypatch.setattr(host_arrays, "read_all", traced_read_all)
+    monkeypatch.setattr(host_reads, "read_all", traced_read_all)
     monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "deserialize", traced_orbax_read)
     (tmp_path / "again").mkdir()
     fresh, tx, _ = make_job(tmp_path / "again")
@@ -128,10 +128,10 @@ def test_a_truncated_large_param_is_left_to_orbax_and_named(tmp_path):
     checkpoint.save(mngr, 1, params, opt_state)
     jax_mlpo.close(opt_state)
     array = tmp_path / "ckpt" / "1" / "params" / "tree.w"
-    assert host_arrays.one_raw_chunk(str(array)) is not None
+    assert host_reads.one_raw_chunk(str(array)) is not None
     data = array / "c" / "0" / "0"
     os.truncate(data, data.stat().st_size - 4096)
-    assert host_arrays.one_raw_chunk(str(array)) is None  # not ours to read: orbax's error
+    assert host_reads.one_raw_chunk(str(array)) is None  # not ours to read: orbax's error
     (tmp_path / "again").mkdir()
     fresh, tx, _ = make_job(tmp_path / "again")
     opt_state = tx.init(fresh)

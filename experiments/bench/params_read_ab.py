@@ -1,16 +1,18 @@
 """How a restore reads the params: through orbax, or by jax_mlpo over huge or 4 KiB pages (stop 33).
 
 The params' large arrays are zarr3 arrays of one raw chunk that jax_mlpo wrote itself
-(``checkpoint.host_arrays``). A restore reads them with ``host_arrays.read_all`` (O_DIRECT
-pieces straight into the new arrays), or leaves them to orbax's ``NumpyHandler`` (tensorstore,
-through the page cache). One process builds ``--params-mi`` bf16 params with all state on one
-disk tier (``checkpoint_job.offloaded_job``) and saves one blocking checkpoint; then each round
+(``checkpoint.host_arrays``). A restore reads them with ``host_reads.read_all`` (O_DIRECT
+pieces straight into the new arrays; from stop 33's last change on, started by
+``host_reads.prefetch`` while the offloaded state streams in), or leaves them to orbax's
+``NumpyHandler`` (tensorstore, through the page cache). One process builds ``--params-mi``
+bf16 params with all state on one disk tier (``checkpoint_job.offloaded_job``) and saves one
+blocking checkpoint; then each round
 restores it once per mode, into a fresh ``tx.init`` on a new tier (page cache dropped first, the
 restored state closed and its tier deleted after):
 
 * ``orbax``: every array read by orbax;
 * ``direct_huge``: ``read_all``, its arrays over transparent huge pages;
-* ``direct_4k``: ``read_all``, its arrays over 4 KiB pages (``host_arrays.READ_HUGE_PAGES``).
+* ``direct_4k``: ``read_all``, its arrays over 4 KiB pages (``host_reads.READ_HUGE_PAGES``).
 
 Reported per mode: medians [min-max] of the restore's time, of the time in orbax's tree restores
 (the params item, which reads the params, and the small rest) and of the offloaded state's
@@ -44,7 +46,7 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
     import jax_mlpo
     from experiments.bench import sysio
     from jax_mlpo import checkpoint
-    from jax_mlpo.checkpoint import handler, host_arrays
+    from jax_mlpo.checkpoint import handler, host_reads
 
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -57,7 +59,7 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
     del params
     waits: collections.Counter = collections.Counter()
     originals = (
-        host_arrays.one_raw_chunk, host_arrays.READ_HUGE_PAGES,
+        host_reads.one_raw_chunk, host_reads.READ_HUGE_PAGES,
         ocp.PyTreeCheckpointHandler.restore, handler.load,
     )  # fmt: skip
     ocp.PyTreeCheckpointHandler.restore = timed_into(waits, "orbax_tree", originals[2])
@@ -67,10 +69,10 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
         for r in range(rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
-                host_arrays.one_raw_chunk = (
+                host_reads.one_raw_chunk = (
                     (lambda *a, **k: None) if mode == "orbax" else originals[0]
                 )  # fmt: skip
-                host_arrays.READ_HUGE_PAGES = mode == "direct_huge"
+                host_reads.READ_HUGE_PAGES = mode == "direct_huge"
                 tier = os.path.join(root, "restored_tier")
                 fresh = offloaded_tx(tier).init(zeros)
                 sysio.drop_page_cache()
@@ -86,7 +88,7 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
                 logger.info("round %d %s: %s", r, mode,
                             {k: round(v[-1], 2) for k, v in figures[mode].items()})  # fmt: skip
     finally:
-        host_arrays.one_raw_chunk, host_arrays.READ_HUGE_PAGES = originals[:2]
+        host_reads.one_raw_chunk, host_reads.READ_HUGE_PAGES = originals[:2]
         ocp.PyTreeCheckpointHandler.restore, handler.load = originals[2:]
         mngr.close()
     out: dict = {m: {k: spread(v) for k, v in figures[m].items()} for m in MODES}

@@ -10,7 +10,7 @@ O_DIRECT from a few page-aligned buffers, digesting the array as it goes. It wri
 ``serialize`` returns, so an asynchronous save needs no copy of the params (the next update
 may donate them): their snapshot is on disk. The arrays keep orbax's ``np.ndarray`` type, so
 the item is read by plain orbax (its own ``NumpyHandler``, through tensorstore). jax_mlpo reads
-such arrays back itself (:func:`read_all`: O_DIRECT pieces straight into the arrays), since
+such arrays back itself (:mod:`~jax_mlpo.checkpoint.host_reads`), since
 a restore of 688 MiB of params and 4.3 GB of state took 2.90 s against 3.99 through
 tensorstore's reads (medians of 3, experiments/bench/params_read_ab.py, stop 33); any other
 array is left to orbax.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
-import json
 import logging
 import os
 import queue
@@ -34,15 +33,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from jax_mlpo.checkpoint import host_reads
 from jax_mlpo.checkpoint.digest import Digest
 from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.checkpoint.shard_file import (
     create_data_file,
     create_metadata,
-    open_direct,
     sync_array,
 )
-from jax_mlpo.tiers.submit import aligned_empty, pread_full, pwrite_full, round_up_pages
+from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
 
 class _NoOcdbtMerge(logging.Filter):
@@ -60,13 +59,6 @@ PIECE_BYTES = 8 << 20  # requests as large as fio's best
 # with 4 (medians of 5, experiments/bench/params_write_ab.py, stop 31); buffers: 128 MiB
 IO_THREADS = 8
 PRODUCERS = 2  # arrays being copied and digested at once (a core each)
-READ_PIECE_BYTES = PIECE_BYTES
-READ_THREADS = 32  # pieces being read at once: into the arrays themselves, so no memory
-# The arrays read are fresh memory, whose pages are faulted in as the reads land: orbax's tree
-# restores (688 MiB of params and the small rest) took 0.59 s [0.47-0.70] with 4 KiB pages,
-# 0.86 [0.43-0.91] with huge pages, 1.73 [0.91-3.40] through orbax's own reads (medians of 3
-# interleaved restores, experiments/bench/params_read_ab.py, stop 33).
-READ_HUGE_PAGES = False
 
 
 def writes_directly(value: Any) -> bool:
@@ -172,69 +164,6 @@ def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:
         raise OSError(errno.ENOSPC, f"{path}: short write at byte {offset} (is the disk full?)")
 
 
-def one_raw_chunk(path: str, dtype: Any = None) -> tuple[str, tuple[int, ...], np.dtype] | None:
-    """``(data file, shape, dtype)`` of the array at ``path`` where it is what
-    :class:`ArrayWriter` writes (a zarr3 array of one raw little-endian chunk, at least
-    :data:`DIRECT_BYTES`, its data file whole) and ``dtype`` (a restore's requested dtype, or
-    None) is its own; otherwise None, for orbax to read it (and report what is wrong with it)."""
-    try:
-        with open(os.path.join(path, "zarr.json")) as f:
-            meta = json.load(f)
-        shape = tuple(int(d) for d in meta["shape"])
-        saved = np.dtype(meta["data_type"])
-        grid = meta["chunk_grid"]["configuration"]["chunk_shape"]
-        codecs = meta["codecs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    nbytes = int(np.prod(shape, dtype=np.int64)) * saved.itemsize
-    raw = [c.get("name") for c in codecs] == ["bytes"] and codecs[0].get("configuration", {}).get(
-        "endian", "little"
-    ) in ("little", None)
-    data = os.path.join(path, "c", *(["0"] * len(shape)))
-    if (
-        not raw or list(grid) != list(shape) or not shape or nbytes < DIRECT_BYTES
-        or (dtype is not None and np.dtype(dtype) != saved)
-        or not os.path.isfile(data) or os.path.getsize(data) != nbytes
-    ):  # fmt: skip
-        return None
-    return data, shape, saved
-
-
-def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
-    """Each ``(data file, shape, dtype)`` of ``arrays`` (from :func:`one_raw_chunk`), read as
-    :class:`ArrayWriter` wrote it: O_DIRECT pieces of :data:`READ_PIECE_BYTES`,
-    :data:`READ_THREADS` at once, straight into each new (page-aligned) array, so no buffer
-    beyond the arrays themselves. The caller checks their digests (the manifest).
-
-    Raises:
-      OSError: a file cannot be opened or is shorter than its array (truncated).
-    """
-    out, fds, pieces = [], [], []
-    with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "jax_mlpo-arrays-read") as pool:
-        try:
-            for data, shape, dtype in arrays:
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                buffer = aligned_empty(round_up_pages(nbytes), np.uint8, huge_pages=READ_HUGE_PAGES)
-                fds.append(open_direct(data, os.O_RDONLY))
-                for start in range(0, nbytes, READ_PIECE_BYTES):
-                    n = min(READ_PIECE_BYTES, nbytes - start)
-                    view = buffer[start : start + round_up_pages(n)]
-                    pieces.append(pool.submit(_read_piece, fds[-1], view, start, n, data))
-                out.append(buffer[:nbytes].view(dtype).reshape(shape))
-            for piece in pieces:
-                piece.result()
-        finally:
-            concurrent.futures.wait(pieces)  # no read may still use an fd
-            for fd in fds:
-                os.close(fd)
-    return out
-
-
-def _read_piece(fd: int, view: np.ndarray, offset: int, count: int, path: str) -> None:
-    if pread_full(fd, view, offset) < count:
-        raise OSError(errno.EIO, f"{path}: short read at byte {offset} (truncated)")
-
-
 class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
     """orbax's ``NumpyHandler``, writing large arrays itself before ``serialize`` returns.
 
@@ -284,13 +213,18 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
         found = {}
         for k, (info, arg) in enumerate(zip(infos, args, strict=True)):
             await info.await_path_creation()
-            direct = one_raw_chunk(os.fspath(info.parent_dir / info.name), arg.dtype)
+            direct = host_reads.one_raw_chunk(os.fspath(info.parent_dir / info.name), arg.dtype)
             if direct is not None:
                 found[k] = direct
         out: list[Any] = [None] * len(infos)
-        if found:
-            arrays = await asyncio.to_thread(read_all, list(found.values()))
-            for k, array in zip(found, arrays, strict=True):
+        for k, (data, shape, dtype) in found.items():
+            array = await asyncio.to_thread(host_reads.take_prefetched, data)
+            if array is not None and array.shape == shape and array.dtype == dtype:
+                out[k] = array
+        unread = [k for k in found if out[k] is None]
+        if unread:
+            arrays = await asyncio.to_thread(host_reads.read_all, [found[k] for k in unread])
+            for k, array in zip(unread, arrays, strict=True):
                 out[k] = array
         rest = [k for k in range(len(infos)) if k not in found]
         if rest:

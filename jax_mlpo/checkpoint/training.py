@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import orbax.checkpoint as ocp
 
+from jax_mlpo.checkpoint import host_reads
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
 from jax_mlpo.checkpoint.recycle import RECYCLED, SpareFiles, spare_files, wait_for_deletions
 from jax_mlpo.checkpoint.snapshot import check_savable
@@ -179,5 +180,10 @@ def restore(
     args = ocp.args.Composite(
         params=OffloadRestore(params), opt_state=OffloadRestore(opt_state), extra=OffloadRestore()
     )
-    out = mngr.restore(step, args=args)
+    # the params are read while the offloaded state streams in (orbax restores opt_state first)
+    drop = host_reads.prefetch(os.path.join(os.fspath(mngr.directory), str(step), "params"))
+    try:
+        out = mngr.restore(step, args=args)
+    finally:
+        drop()
     return Restored(int(step), out["params"], out["opt_state"], dict(out["extra"]))

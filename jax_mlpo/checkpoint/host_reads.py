@@ -1,0 +1,148 @@
+"""The params' large arrays read back as :mod:`~jax_mlpo.checkpoint.host_arrays` wrote them.
+
+Each is a zarr3 array of one raw chunk: :func:`one_raw_chunk` recognises it, :func:`read_all`
+reads its data file with O_DIRECT pieces straight into a new array, and :func:`prefetch` starts
+that for a whole item while a restore streams the offloaded state, so that
+:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler` finds them read. Anything else
+(another layout, dtype, a missing or short file) is left to orbax, which says what is wrong.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_mlpo.checkpoint.shard_file import open_direct
+from jax_mlpo.tiers.submit import aligned_empty, pread_full, round_up_pages
+
+MIN_BYTES = 1 << 20  # host_arrays.DIRECT_BYTES: what it writes itself (smaller: orbax's)
+READ_PIECE_BYTES = 8 << 20
+READ_THREADS = 32  # pieces being read at once: into the arrays themselves, so no memory
+# The arrays read are fresh memory, whose pages are faulted in as the reads land: orbax's tree
+# restores (688 MiB of params and the small rest) took 0.59 s [0.47-0.70] with 4 KiB pages,
+# 0.86 [0.43-0.91] with huge pages, 1.73 [0.91-3.40] through orbax's own reads (medians of 3
+# interleaved restores, experiments/bench/params_read_ab.py, stop 33).
+READ_HUGE_PAGES = False
+
+
+def one_raw_chunk(path: str, dtype: Any = None) -> tuple[str, tuple[int, ...], np.dtype] | None:
+    """``(data file, shape, dtype)`` of the array at ``path`` where it is what ``ArrayWriter``
+    writes (a zarr3 array of one raw little-endian chunk, at least :data:`MIN_BYTES`, its data
+    file whole) and ``dtype`` (a restore's requested dtype, or None) is its own; otherwise
+    None, for orbax to read it (and report what is wrong with it)."""
+    try:
+        with open(os.path.join(path, "zarr.json")) as f:
+            meta = json.load(f)
+        shape = tuple(int(d) for d in meta["shape"])
+        saved = np.dtype(meta["data_type"])
+        grid = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        codecs = meta["codecs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    nbytes = int(np.prod(shape, dtype=np.int64)) * saved.itemsize
+    raw = [c.get("name") for c in codecs] == ["bytes"] and codecs[0].get("configuration", {}).get(
+        "endian", "little"
+    ) in ("little", None)
+    data = os.path.join(path, "c", *(["0"] * len(shape)))
+    if (
+        not raw or list(grid) != list(shape) or not shape or nbytes < MIN_BYTES
+        or (dtype is not None and np.dtype(dtype) != saved)
+        or not os.path.isfile(data) or os.path.getsize(data) != nbytes
+    ):  # fmt: skip
+        return None
+    return data, shape, saved
+
+
+def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+    """Each ``(data file, shape, dtype)`` of ``arrays`` (from :func:`one_raw_chunk`), read as
+    ``ArrayWriter`` wrote it: O_DIRECT pieces of :data:`READ_PIECE_BYTES`, :data:`READ_THREADS`
+    at once, straight into each new (page-aligned) array, so no buffer beyond the arrays
+    themselves. The caller checks their digests (the manifest).
+
+    Raises:
+      OSError: a file cannot be opened or is shorter than its array (truncated).
+    """
+    out, fds, pieces = [], [], []
+    with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "jax_mlpo-arrays-read") as pool:
+        try:
+            for data, shape, dtype in arrays:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                buffer = aligned_empty(round_up_pages(nbytes), np.uint8, huge_pages=READ_HUGE_PAGES)
+                fds.append(open_direct(data, os.O_RDONLY))
+                for start in range(0, nbytes, READ_PIECE_BYTES):
+                    n = min(READ_PIECE_BYTES, nbytes - start)
+                    view = buffer[start : start + round_up_pages(n)]
+                    pieces.append(pool.submit(_read_piece, fds[-1], view, start, n, data))
+                out.append(buffer[:nbytes].view(dtype).reshape(shape))
+            for piece in pieces:
+                piece.result()
+        finally:
+            concurrent.futures.wait(pieces)  # no read may still use an fd
+            for fd in fds:
+                os.close(fd)
+    return out
+
+
+_prefetched: dict[str, concurrent.futures.Future] = {}  # data file -> its array, being read
+_prefetched_lock = threading.Lock()
+
+
+def prefetch(item: str) -> Callable[[], None]:
+    """Starts reading the arrays of the item directory ``item`` that :func:`read_all` reads, in
+    a background thread, for ``DirectNumpyHandler`` to take when orbax asks for them.
+
+    orbax restores a checkpoint's items in name order, so the offloaded state (``opt_state``)
+    streams into its engine before the ``params`` are read: read beside that stream, they cost
+    the restore no time of their own.
+
+    Returns:
+      A function that drops what was read and not taken (call it once the restore is over).
+    """
+    arrays = []
+    for name in sorted(os.listdir(item)) if os.path.isdir(item) else ():
+        found = one_raw_chunk(os.path.join(item, name))
+        if found is not None:
+            arrays.append(found)
+    futures = {data: concurrent.futures.Future() for data, _, _ in arrays}
+
+    def read() -> None:
+        try:
+            for (data, _, _), array in zip(arrays, read_all(arrays), strict=True):
+                futures[data].set_result(array)
+        except BaseException as e:  # noqa: BLE001 - the handler reads them again, and says why
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(e)
+
+    with _prefetched_lock:
+        _prefetched.update(futures)
+    if arrays:
+        threading.Thread(target=read, name="jax_mlpo-params-prefetch", daemon=True).start()
+
+    def drop() -> None:
+        with _prefetched_lock:
+            for data in futures:
+                _prefetched.pop(data, None)
+
+    return drop
+
+
+def take_prefetched(data: str) -> np.ndarray | None:
+    """The array :func:`prefetch` read from ``data``, if it did (waiting for it); else None."""
+    with _prefetched_lock:
+        future = _prefetched.pop(data, None)
+    if future is None or future.exception() is not None:
+        return None
+    return future.result()
+
+
+def _read_piece(fd: int, view: np.ndarray, offset: int, count: int, path: str) -> None:
+    if pread_full(fd, view, offset) < count:
+        raise OSError(errno.EIO, f"{path}: short read at byte {offset} (truncated)")
