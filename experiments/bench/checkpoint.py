@@ -32,8 +32,9 @@ same disk:
 Before each save the last update's write-behind is drained (it is the update's I/O). The page
 cache is dropped before the update that precedes each save (before the first save, just before
 it), not between them: a drop also evicts the process's own code (shared libraries, bytecode),
-and the first thread started after one waited 38-53 ms for its pages (stop 33), a cost no
-training loop pays between its update and its save. Tiers and checkpoint files are read and
+and the first thread started after one waited 14-49 ms for its pages (stop 33,
+``experiments/bench/stall_breakdown.py``), a cost no training loop pays between its update and
+its save. Tiers and checkpoint files are read and
 written with O_DIRECT, so the drop's effect on the data is the same.
 
 Issue 15's targets: RSS growth <= 512 MiB in each, throughput >= 80% of the disk's mixed limit (the
