@@ -10,10 +10,9 @@ O_DIRECT from a few page-aligned buffers, digesting the array as it goes. It wri
 ``serialize`` returns, so an asynchronous save needs no copy of the params (the next update
 may donate them): their snapshot is on disk. The arrays keep orbax's ``np.ndarray`` type, so
 the item is read by plain orbax (its own ``NumpyHandler``, through tensorstore). jax_mlpo reads
-such arrays back itself (:mod:`~jax_mlpo.checkpoint.host_reads`), since
-a restore of 688 MiB of params and 4.3 GB of state took 2.90 s against 3.99 through
-tensorstore's reads (medians of 3, experiments/bench/params_read_ab.py, stop 33); any other
-array is left to orbax.
+them back itself (:mod:`~jax_mlpo.checkpoint.host_reads`; any other array is left to orbax): a
+restore of 688 MiB of params and 4.3 GB of state took 2.90 s that way against 3.99 through
+tensorstore's reads (medians of 3, experiments/bench/params_read_ab.py, stop 33).
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ from orbax.checkpoint._src.serialization import type_handler_registry
 from jax_mlpo.checkpoint import host_reads
 from jax_mlpo.checkpoint.digest import Digest
 from jax_mlpo.checkpoint.recycle import SpareFiles
-from jax_mlpo.checkpoint.shard_file import (
-    create_data_file,
-    create_metadata,
-    sync_array,
-)
+from jax_mlpo.checkpoint.shard_file import create_data_file, create_metadata, sync_array
 from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
 
 

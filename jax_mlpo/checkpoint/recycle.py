@@ -182,6 +182,7 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
 
     newest = os.path.join(recycled, steps[-1][1])
     spares = SpareFiles(listing=lambda: _large_files(newest), then=delete_older)
+    _deletions[:] = [t for t in _deletions if t.is_alive()]  # not one per save forever
     _deletions.append(spares.thread)
     return spares
 
