@@ -41,6 +41,18 @@ def bits(params) -> dict[str, np.ndarray]:
     return {k: np.asarray(v).view(np.uint8).copy() for k, v in params.items()}
 
 
+def saved_checkpoint(root: Path):
+    """``(manager, the saved params' bits)``: ``make_job``'s state after one update, saved
+    synchronously as step 1 into ``root / "ckpt"``, its optimizer closed."""
+    params, tx, step = make_job(root)
+    opt_state = tx.init(params)
+    params, opt_state = step(params, opt_state, 1.0)
+    mngr = checkpoint.manager(root / "ckpt", async_save=False)
+    checkpoint.save(mngr, 1, params, opt_state)
+    jax_mlpo.close(opt_state)
+    return mngr, bits(params)
+
+
 def test_async_save_writes_large_params_before_it_returns(tmp_path):
     params, tx, step = make_job(tmp_path)
     opt_state = tx.init(params)
@@ -87,13 +99,7 @@ def test_async_save_writes_large_params_before_it_returns(tmp_path):
 def test_a_restore_reads_the_large_params_itself_and_leaves_the_rest_to_orbax(
     tmp_path, monkeypatch
 ):
-    params, tx, step = make_job(tmp_path)
-    opt_state = tx.init(params)
-    params, opt_state = step(params, opt_state, 1.0)
-    saved = bits(params)
-    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
-    checkpoint.save(mngr, 1, params, opt_state)
-    jax_mlpo.close(opt_state)
+    mngr, saved = saved_checkpoint(tmp_path)
     direct, by_orbax = [], []
     read_all = host_reads.read_all
     orbax_read = ocp.type_handlers.NumpyHandler.deserialize
@@ -121,12 +127,7 @@ def test_a_restore_reads_the_large_params_itself_and_leaves_the_rest_to_orbax(
 
 
 def test_a_truncated_large_param_is_left_to_orbax_and_named(tmp_path):
-    params, tx, step = make_job(tmp_path)
-    opt_state = tx.init(params)
-    params, opt_state = step(params, opt_state, 1.0)
-    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
-    checkpoint.save(mngr, 1, params, opt_state)
-    jax_mlpo.close(opt_state)
+    mngr, _ = saved_checkpoint(tmp_path)
     array = tmp_path / "ckpt" / "1" / "params" / "tree.w"
     assert host_reads.one_raw_chunk(str(array)) is not None
     data = array / "c" / "0" / "0"
@@ -142,12 +143,7 @@ def test_a_truncated_large_param_is_left_to_orbax_and_named(tmp_path):
 
 
 def test_a_flipped_byte_in_a_large_param_is_detected(tmp_path):
-    params, tx, step = make_job(tmp_path)
-    opt_state = tx.init(params)
-    params, opt_state = step(params, opt_state, 1.0)
-    mngr = checkpoint.manager(tmp_path / "ckpt", async_save=False)
-    checkpoint.save(mngr, 1, params, opt_state)
-    jax_mlpo.close(opt_state)
+    mngr, _ = saved_checkpoint(tmp_path)
     data = [p for p in (tmp_path / "ckpt" / "1" / "params" / "tree.w").rglob("*") if p.is_file()]
     data = [p for p in data if p.name != "zarr.json"]
     assert len(data) == 1

@@ -23,8 +23,8 @@ LEAF = 16 * 2**20  # elements per param leaf
 SUBGROUP = 4 * 2**20  # 48 MiB blobs with a bf16 master
 
 
-def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
-    """``f``, adding the seconds each call takes to ``waits[label]``."""
+def spanned(f: Callable, record: Callable[[float, float], None]) -> Callable:
+    """``f``, calling ``record(start, end)`` (``time.perf_counter``) after each call."""
 
     @functools.wraps(f)
     def g(*args, **kwargs):
@@ -32,9 +32,38 @@ def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
         try:
             return f(*args, **kwargs)
         finally:
-            waits[label] += time.perf_counter() - t
+            record(t, time.perf_counter())
 
     return g
+
+
+def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
+    """``f``, adding the seconds each call takes to ``waits[label]``."""
+
+    def add(start: float, end: float) -> None:
+        waits[label] += end - start
+
+    return spanned(f, add)
+
+
+def saved_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
+    """``(manager, target, zeros)``: ``offloaded_job``'s state saved as step 1 (blocking, one
+    checkpoint kept) and closed, the params' ``ShapeDtypeStruct`` s to restore into, and zeros of
+    the params' shapes for a fresh ``tx.init``. ``root`` is made anew."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_mlpo
+    from jax_mlpo import checkpoint
+
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    params, opt_state, _ = offloaded_job(params_mi, root)
+    mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=1)
+    checkpoint.save(mngr, 1, params, opt_state, blocking=True)
+    jax_mlpo.close(opt_state)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return mngr, target, jax.tree.map(jnp.zeros_like, params)
 
 
 def offloaded_tx(tier: str) -> Any:

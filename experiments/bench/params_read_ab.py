@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 
-from experiments.bench.checkpoint_job import ab_parser, offloaded_job, offloaded_tx, run_in
+from experiments.bench.checkpoint_job import ab_parser, offloaded_tx, run_in, saved_job
 from experiments.bench.checkpoint_job import timed as timed_into
 from experiments.bench.harness import spread, write_json
 
@@ -39,8 +39,6 @@ MODES = ("orbax", "direct_huge", "direct_4k")
 
 
 def run(params_mi: int, rounds: int, root: str) -> dict:
-    import jax
-    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     import jax_mlpo
@@ -48,15 +46,7 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
     from jax_mlpo import checkpoint
     from jax_mlpo.checkpoint import handler, host_reads
 
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    params, opt_state, _ = offloaded_job(params_mi, root)
-    mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=1)
-    checkpoint.save(mngr, 1, params, opt_state, blocking=True)
-    jax_mlpo.close(opt_state)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    del params
+    mngr, target, zeros = saved_job(params_mi, root)
     waits: collections.Counter = collections.Counter()
     originals = (
         host_reads.one_raw_chunk, host_reads.READ_HUGE_PAGES,

@@ -19,10 +19,9 @@ import collections
 import json
 import logging
 import os
-import shutil
 import time
 
-from experiments.bench.checkpoint_job import ab_parser, offloaded_job, offloaded_tx, run_in
+from experiments.bench.checkpoint_job import ab_parser, offloaded_tx, run_in, saved_job
 from experiments.bench.checkpoint_job import timed as timed_into
 
 logger = logging.getLogger("bench.restore_breakdown")
@@ -61,14 +60,7 @@ def run(params_mi: int, rounds: int, root: str, settings: list[list[int]]) -> di
     timed(state_reader.StateReader, "fill", "fill_s")
     timed(state_reader.StateReader, "_chunk", "read_wait_s")
     timed(host.HostBufferPool, "wait", "tier_write_wait_s")
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    params, opt_state, _ = offloaded_job(params_mi, root)
-    mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=1)
-    checkpoint.save(mngr, 1, params, opt_state, blocking=True)
-    jax_mlpo.close(opt_state)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    del params, opt_state
+    mngr, target, _ = saved_job(params_mi, root)
     out: dict = {"restores": []}
     for r in range(rounds * len(settings)):
         setting = settings[r % len(settings)]

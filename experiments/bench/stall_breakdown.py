@@ -15,7 +15,6 @@ subgroups written to their tiers) and the params' ``write_all``; then the save i
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -23,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from experiments.bench.checkpoint_job import ab_parser, offloaded_job, run_in
+from experiments.bench.checkpoint_job import ab_parser, offloaded_job, run_in, spanned
 from experiments.bench.harness import spread, write_json
 
 logger = logging.getLogger("bench.stall_breakdown")
@@ -42,15 +41,7 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
     start = [0.0]
 
     def traced(label: str, f: Callable) -> Callable:
-        @functools.wraps(f)
-        def g(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                events.append((label, t - start[0], time.perf_counter() - start[0]))
-
-        return g
+        return spanned(f, lambda a, b: events.append((label, a - start[0], b - start[0])))
 
     parts = [
         (host_arrays.ArrayWriter, "write_all"), (Engine, "flush"),
