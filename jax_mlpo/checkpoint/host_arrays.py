@@ -212,15 +212,9 @@ class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):
             if direct is not None:
                 found[k] = direct
         out: list[Any] = [None] * len(infos)
-        for k, (data, shape, dtype) in found.items():
-            array = await asyncio.to_thread(host_reads.take_prefetched, data)
-            if array is not None and array.shape == shape and array.dtype == dtype:
-                out[k] = array
-        unread = [k for k in found if out[k] is None]
-        if unread:
-            arrays = await asyncio.to_thread(host_reads.read_all, [found[k] for k in unread])
-            for k, array in zip(unread, arrays, strict=True):
-                out[k] = array
+        arrays = await asyncio.to_thread(host_reads.take_or_read, list(found.values()))
+        for k, array in zip(found, arrays, strict=True):
+            out[k] = array
         rest = [k for k in range(len(infos)) if k not in found]
         if rest:
             got = await super().deserialize([infos[k] for k in rest], [args[k] for k in rest])

@@ -3,7 +3,8 @@
 Each is a zarr3 array of one raw chunk: :func:`one_raw_chunk` recognises it, :func:`read_all`
 reads its data file with O_DIRECT pieces straight into a new array, and :func:`prefetch` starts
 that for a whole item while a restore streams the offloaded state, so that
-:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler` finds them read. Anything else
+:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler` finds them read
+(:func:`take_or_read`). Anything else
 (another layout, dtype, a missing or short file) is left to orbax, which says what is wrong.
 """
 
@@ -134,13 +135,20 @@ def prefetch(item: str) -> Callable[[], None]:
     return drop
 
 
-def take_prefetched(data: str) -> np.ndarray | None:
-    """The array :func:`prefetch` read from ``data``, if it did (waiting for it); else None."""
-    with _prefetched_lock:
-        future = _prefetched.pop(data, None)
-    if future is None or future.exception() is not None:
-        return None
-    return future.result()
+def take_or_read(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+    """Each of ``arrays`` (from :func:`one_raw_chunk`): the one :func:`prefetch` read (waiting
+    for it), or, where it did not (or failed: this read then says why), read now."""
+    out: list[np.ndarray | None] = []
+    for data, _, _ in arrays:
+        with _prefetched_lock:
+            future = _prefetched.pop(data, None)
+        ok = future is not None and future.exception() is None
+        out.append(future.result() if ok else None)
+    unread = [k for k, array in enumerate(out) if array is None]
+    if unread:
+        for k, array in zip(unread, read_all([arrays[k] for k in unread]), strict=True):
+            out[k] = array
+    return out
 
 
 def _read_piece(fd: int, view: np.ndarray, offset: int, count: int, path: str) -> None:
