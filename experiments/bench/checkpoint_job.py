@@ -46,12 +46,11 @@ def timed(waits: dict[str, float], label: str, f: Callable) -> Callable:
     return spanned(f, add)
 
 
-def saved_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
-    """``(manager, target, zeros)``: ``offloaded_job``'s state saved as step 1 (blocking, one
-    checkpoint kept) and closed, the params' ``ShapeDtypeStruct`` s to restore into, and zeros of
-    the params' shapes for a fresh ``tx.init``. ``root`` is made anew."""
+def saved_job(params_mi: int, root: str) -> tuple[Any, Any]:
+    """``(manager, target)``: ``offloaded_job``'s state saved as step 1 (blocking, one
+    checkpoint kept) and closed, and the params' ``ShapeDtypeStruct`` s to restore into.
+    ``root`` is made anew."""
     import jax
-    import jax.numpy as jnp
 
     import jax_mlpo
     from jax_mlpo import checkpoint
@@ -62,8 +61,7 @@ def saved_job(params_mi: int, root: str) -> tuple[Any, Any, Any]:
     mngr = checkpoint.manager(os.path.join(root, "ckpt"), max_to_keep=1)
     checkpoint.save(mngr, 1, params, opt_state, blocking=True)
     jax_mlpo.close(opt_state)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    return mngr, target, jax.tree.map(jnp.zeros_like, params)
+    return mngr, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
 def offloaded_tx(tier: str) -> Any:

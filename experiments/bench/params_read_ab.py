@@ -39,6 +39,8 @@ MODES = ("orbax", "direct_huge", "direct_4k")
 
 
 def run(params_mi: int, rounds: int, root: str) -> dict:
+    import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     import jax_mlpo
@@ -46,7 +48,8 @@ def run(params_mi: int, rounds: int, root: str) -> dict:
     from jax_mlpo import checkpoint
     from jax_mlpo.checkpoint import handler, host_reads
 
-    mngr, target, zeros = saved_job(params_mi, root)
+    mngr, target = saved_job(params_mi, root)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), target)
     waits: collections.Counter = collections.Counter()
     originals = (
         host_reads.one_raw_chunk, host_reads.READ_HUGE_PAGES,

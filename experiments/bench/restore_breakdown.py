@@ -60,7 +60,7 @@ def run(params_mi: int, rounds: int, root: str, settings: list[list[int]]) -> di
     timed(state_reader.StateReader, "fill", "fill_s")
     timed(state_reader.StateReader, "_chunk", "read_wait_s")
     timed(host.HostBufferPool, "wait", "tier_write_wait_s")
-    mngr, target, _ = saved_job(params_mi, root)
+    mngr, target = saved_job(params_mi, root)
     out: dict = {"restores": []}
     for r in range(rounds * len(settings)):
         setting = settings[r % len(settings)]
