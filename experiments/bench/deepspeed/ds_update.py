@@ -163,6 +163,7 @@ def main() -> None:
                     parameter=params[i], gradient_offsets=[0], gradient_tensors=[grads[i]]
                 )
             swapper.flush_gradients()
+        io_grads = proc_io()  # the step's own bytes start here: the grads were written before it
         t1 = time.perf_counter()
         adam_s = 0.0
         for i in range(n_sub):
@@ -180,6 +181,8 @@ def main() -> None:
             "adam_s": adam_s,
             "bytes_read": io1["read"] - io0["read"],
             "bytes_written": io1["write"] - io0["write"],
+            "step_bytes_read": io1["read"] - io_grads["read"],
+            "step_bytes_written": io1["write"] - io_grads["write"],
             "page_cache_dropped": dropped,
         }
         print(f"{args.swapper} step {step}: {json.dumps(row)}", file=sys.stderr)

@@ -203,7 +203,9 @@ def print_report(rows: dict, ratios: dict, limits: dict, args) -> None:
 
 def _step_bytes(system: str, step: dict) -> int:
     """Bytes a step moved to and from the disk: the tiers' own count for jax_mlpo, the
-    process's I/O for DeepSpeed (its swapper's reads and writes)."""
+    process's I/O during its optimizer step for DeepSpeed (its swapper's reads and writes; the
+    gradients its backward swapped out before the step are timed apart, ``grad_write_s``, and
+    so are not counted against the step's time)."""
     if system.startswith("ds-"):
-        return step["bytes_read"] + step["bytes_written"]
+        return step["step_bytes_read"] + step["step_bytes_written"]
     return step["tier_bytes_read"] + step["tier_bytes_written"]
