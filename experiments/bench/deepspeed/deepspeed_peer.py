@@ -76,7 +76,7 @@ logger = logging.getLogger("bench.deepspeed_peer")
 MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
 SYSTEMS = (
     "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
-    "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads",
+    "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads", "jax-all-1dir-4k",
 )  # fmt: skip
 
 
@@ -100,6 +100,10 @@ def jax_worker(args) -> dict:
     os.makedirs(args.dir)
     # "-threads": the tier's requests on a thread each instead of kernel AIO (the A/B of issue 20)
     io_submit = "threads" if args.worker.endswith("-threads") else "aio"
+    if args.worker.endswith("-4k"):  # the pool's buffers over 4 KiB pages (stop 33's A/B)
+        from jax_mlpo.tiers import submit
+
+        submit.HUGE_PAGES = False
     tiers = tuple(
         jax_mlpo.FileTier(
             os.path.join(args.dir, f"tier{k}"),
