@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import threading
-import time
 import types
 
 import numpy as np
@@ -175,63 +174,6 @@ def test_write_behind_keeps_the_slot_busy_until_the_write_finishes():
     hold.set()
     pool.drain()
     assert not pool.writes and set(pool.clean) == {0, 1, 2, 3}
-
-
-class HeldReadsTier(FakeTier):
-    """A FakeTier whose read of subgroup ``j`` finishes only once ``gates[j]`` is set."""
-
-    def __init__(self, path: str, hold: threading.Event, gates: dict[int, threading.Event]):
-        super().__init__(path, hold=hold)
-        self._gates = gates
-
-    def read(self, slot, out, kind="state"):
-        self.log.append(("read", slot))
-
-        def run():
-            if slot in self._gates:
-                self._gates[slot].wait(10)
-            out[:] = self.blobs[slot]
-
-        return self._pool.submit(run)
-
-
-def test_a_write_back_finishing_during_a_read_wait_starts_the_next_read_at_once():
-    hold, gate = threading.Event(), threading.Event()
-    tier = HeldReadsTier("/a", hold, {1: gate})
-    pool, _ = make_pool(3, 2, [tier])
-    pool.begin_step([0, 1, 2], StepMetrics(step=1))
-    first = pool.acquire(0)
-    pool.prefetch()  # the read of 1 takes the other slot
-    pool.await_reads(0, first)
-    pool.release(0, first.slot, keep=False)  # held: its slot stays busy
-    second = pool.acquire(1)
-    pool.prefetch()
-    assert ("read", 2) not in tier.log  # no slot for it yet
-    seen = {}
-
-    def finish_the_write_then_the_read():
-        hold.set()
-        deadline = time.monotonic() + 5
-        while ("read", 2) not in tier.log and time.monotonic() < deadline:
-            time.sleep(0.001)
-        seen["read 2 issued while 1 was awaited"] = ("read", 2) in tier.log
-        gate.set()
-
-    helper = threading.Thread(target=finish_the_write_then_the_read)
-    helper.start()
-    pool.await_reads(1, second)
-    helper.join()
-    assert seen["read 2 issued while 1 was awaited"]
-    np.testing.assert_array_equal(pool.blob(1, second.slot), 1.0)
-    pool.release(1, second.slot, keep=False)
-    third = pool.acquire(2)
-    assert not third.hit and third.slot == first.slot
-    pool.await_reads(2, third)
-    np.testing.assert_array_equal(pool.blob(2, third.slot), 2.0)
-    pool.release(2, third.slot, keep=False)
-    pool.drain()
-    assert tier.log == [("read", 0), ("read", 1), ("write", 0), ("read", 2), ("write", 1),
-                        ("write", 2)]  # fmt: skip
 
 
 def test_a_full_tier_moves_the_subgroup_to_another_and_keeps_its_state():

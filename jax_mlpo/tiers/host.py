@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 Future = concurrent.futures.Future
 STATE, STATE_ALT = "state", "state.alt"  # a subgroup's blob is one of two kinds (see kind_of)
-EARLY_READS = True  # await_reads issues prefetches as write-backs finish (off: benchmarks' A/B)
 
 
 def other_kind(kind: str) -> str:
@@ -170,23 +169,9 @@ class HostBufferPool:
                 break
 
     def await_reads(self, index: int, resident: Resident) -> None:
-        """Waits for the reads filling ``resident`` (time counted as read wait).
-
-        While it waits, a write-back that finishes frees its slot for the next prefetch at
-        once. Otherwise that read would start only after this subgroup's update, and the
-        update after it would wait for the whole read.
-        """
+        """Waits for the reads filling ``resident`` (time counted as read wait)."""
         t0 = time.monotonic()
         for future in resident.reads:
-            while EARLY_READS and self.writes and not future.done():
-                oldest = self.writes[0].future
-                done, _ = concurrent.futures.wait(
-                    (future, oldest), timeout=self._timeout, return_when="FIRST_COMPLETED"
-                )
-                if oldest not in done:  # the read is in, or nothing finished: wait tells
-                    break
-                self._reclaim(block=False)
-                self.prefetch()
             self.wait(future, index)
         self._metrics.read_wait_s += time.monotonic() - t0
 

@@ -77,7 +77,6 @@ MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers ru
 SYSTEMS = (
     "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
     "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads", "jax-all-1dir-4k",
-    "jax-all-1dir-late",
 )  # fmt: skip
 
 
@@ -105,10 +104,6 @@ def jax_worker(args) -> dict:
         from jax_mlpo.tiers import submit
 
         submit.HUGE_PAGES = False
-    if args.worker.endswith("-late"):  # reads issued only between subgroups (stop 34's A/B)
-        from jax_mlpo.tiers import host
-
-        host.EARLY_READS = False
     tiers = tuple(
         jax_mlpo.FileTier(
             os.path.join(args.dir, f"tier{k}"),

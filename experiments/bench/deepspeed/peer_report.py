@@ -21,7 +21,6 @@ LABELS = {
     "jax-q8-moments": "jax_mlpo all (1 dir), q8 m and v",
     "jax-all-1dir-threads": "jax_mlpo all (1 dir), threads",
     "jax-all-1dir-4k": "jax_mlpo all (1 dir), 4 KiB pages",
-    "jax-all-1dir-late": "jax_mlpo all (1 dir), late reads",
 }
 
 
@@ -110,7 +109,6 @@ def summarize(runs: dict[str, list[dict]], limits: dict) -> tuple[dict, dict]:
         ("jax-all-1dir", "_1dir"),
         ("jax-all-1dir-threads", "_1dir_threads"),
         ("jax-all-1dir-4k", "_1dir_4k"),
-        ("jax-all-1dir-late", "_1dir_late"),
         ("jax-baseline", "_baseline"),
         ("jax-bf16-moments", "_bf16_moments"),
         ("jax-q8-moments", "_q8_moments"),
