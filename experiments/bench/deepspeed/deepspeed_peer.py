@@ -100,7 +100,7 @@ def jax_worker(args) -> dict:
     os.makedirs(args.dir)
     # "-threads": the tier's requests on a thread each instead of kernel AIO (the A/B of issue 20)
     io_submit = "threads" if args.worker.endswith("-threads") else "aio"
-    if args.worker.endswith("-4k"):  # the pool's buffers over 4 KiB pages (stop 33's A/B)
+    if args.worker.endswith("-4k"):  # the pool's buffers over 4 KiB pages (stop 34)
         from jax_mlpo.tiers import submit
 
         submit.HUGE_PAGES = False
