@@ -32,11 +32,13 @@ def test_disk_throughput_against_the_rounds_mixed_limit_and_the_speedup():
         "jax-all-1dir": [_run("jax-all-1dir", r, 1.0, 0.8, 2_000_000_000) for r in (0, 1)],
     }
     disk = {"write_gbps": 1.0, "read_gbps": 1.0}
-    limits = {"disk": [disk, disk], "mixed": [{"mixed_gbps": 2.0}, {"mixed_gbps": 4.0}]}
+    limits = {"disk": [disk, disk], "mixed": [{"mixed_gbps": 2.0}, {"mixed_gbps": 4.0}],
+              "mixed_burst": [{"mixed_gbps": 4.0}, {"mixed_gbps": 4.0}]}  # fmt: skip
     rows, ratios = summarize(runs, limits)
     jax = rows["jax-all-1dir"]
     assert jax["disk_gbps"]["median"] == pytest.approx(2.0)
     assert (jax["of_mixed_limit"]["min"], jax["of_mixed_limit"]["max"]) == pytest.approx((0.5, 1.0))
+    assert jax["of_burst_limit"]["median"] == pytest.approx(0.5)
     assert rows["ds-pipelined"]["disk_gbps"]["median"] == pytest.approx(2.0)  # not 2.5
     assert ratios["speedup_vs_deepspeed_pipelined_1dir_host"]["median"] == pytest.approx(2.5)
     assert ratios["speedup_vs_deepspeed_pipelined_1dir_full"]["median"] == pytest.approx(2.0)

@@ -298,6 +298,8 @@ def main() -> None:
     )
     parser.add_argument("--limit-block", default="32M", help="fio mixed request size (the limit)")
     parser.add_argument("--limit-depth", type=int, default=32, help="fio mixed requests in flight")
+    parser.add_argument("--burst-runtime", type=int, default=2,
+                        help="seconds of the burst-length mixed figure (about a step)")  # fmt: skip
     parser.add_argument("--json", default=None)
     # worker mode (internal)
     parser.add_argument("--worker", choices=[s for s in SYSTEMS if s.startswith("jax")])
@@ -326,7 +328,7 @@ def main() -> None:
         "disk_dir": args.dir,
         "filesystem": filesystem(os.path.dirname(args.dir)),
     }
-    limits = {"memory_start": memory_bandwidth(), "disk": [], "mixed": []}
+    limits = {"memory_start": memory_bandwidth(), "disk": [], "mixed": [], "mixed_burst": []}
     logger.info("memory: %s", limits["memory_start"])
 
     def measure_disk(rnd: int) -> None:
@@ -335,10 +337,15 @@ def main() -> None:
         # (experiments/bench/disk_limit.py; 32 MiB x 32 in flight on this disk)
         mixed = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
                           depth=args.limit_depth)  # fmt: skip
+        # the same point for as long as a step lasts: this disk serves bursts faster than the
+        # sustained 10 s load (stop 34), and an update is a burst of about a second
+        burst = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
+                          depth=args.limit_depth, runtime_s=args.burst_runtime)  # fmt: skip
         shutil.rmtree(args.dir, ignore_errors=True)
         limits["disk"].append(disk)
         limits["mixed"].append(mixed)
-        logger.info("round %d disk: %s mixed: %s", rnd, disk, mixed)
+        limits["mixed_burst"].append(burst)
+        logger.info("round %d disk: %s mixed: %s burst: %s", rnd, disk, mixed, burst)
 
     def run(system: str, rnd: int) -> dict:
         out = run_system(system, args, os.path.join(args.dir, system))
