@@ -337,8 +337,9 @@ def main() -> None:
         # (experiments/bench/disk_limit.py; 32 MiB x 32 in flight on this disk)
         mixed = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
                           depth=args.limit_depth)  # fmt: skip
-        # the same point for as long as a step lasts: this disk serves bursts faster than the
-        # sustained 10 s load (stop 34), and an update is a burst of about a second
+        # the same point for as long as a step lasts, about a second or two: an update is a
+        # burst, and short fio runs moved more than 10 s ones in stop 34's exploratory runs
+        # (not in its run 4: docs/deepspeed.md)
         burst = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
                           depth=args.limit_depth, runtime_s=args.burst_runtime)  # fmt: skip
         shutil.rmtree(args.dir, ignore_errors=True)
