@@ -151,10 +151,10 @@ def main(spec: dict[str, Any]) -> None:
         _slow_tier_writes(spec["slow_writes"], os.getpid())
     if spec.get("slow_stream"):
         _slow_stream(spec["slow_stream"])
-    if spec.get("direct_bytes"):  # params this large are written by jax_mlpo, during save
-        from jax_mlpo.checkpoint import host_arrays
+    if spec.get("direct_bytes"):  # params this large are written (and read) by jax_mlpo
+        from jax_mlpo.checkpoint import host_reads
 
-        host_arrays.DIRECT_BYTES = spec["direct_bytes"]
+        host_reads.DIRECT_BYTES = spec["direct_bytes"]
     if spec.get("recycle_bytes"):  # arrays this large rewrite a deleted checkpoint's files
         from jax_mlpo.checkpoint import recycle
 

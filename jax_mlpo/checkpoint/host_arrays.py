@@ -4,15 +4,16 @@ orbax's ``NumpyHandler`` copies every host array before writing it (``deepcopy_h
 compresses it and has tensorstore write it through a new file per chunk: saving 688 MiB of
 bfloat16 params grew peak RSS by 883-1,201 MiB and took 2.4-12 s here (stop 28,
 docs/benchmarks.md). :class:`DirectNumpyHandler` is that handler with the copy off, and arrays
-of at least :data:`DIRECT_BYTES` written by itself: a zarr3 array of one uncompressed chunk
-(metadata by tensorstore), whose chunk file it writes in 8 MiB pieces with ``pwrite`` and
-O_DIRECT from a few page-aligned buffers, digesting the array as it goes. It writes them before
-``serialize`` returns, so an asynchronous save needs no copy of the params (the next update
-may donate them): their snapshot is on disk. The arrays keep orbax's ``np.ndarray`` type, so
-the item is read by plain orbax (its own ``NumpyHandler``, through tensorstore). jax_mlpo reads
-them back itself (:mod:`~jax_mlpo.checkpoint.host_reads`; any other array is left to orbax): a
-restore of 688 MiB of params and 4.3 GB of state took 2.90 s that way against 3.99 through
-tensorstore's reads (medians of 3, experiments/bench/params_read_ab.py, stop 33).
+of at least :data:`~jax_mlpo.checkpoint.host_reads.DIRECT_BYTES` written by itself: a zarr3
+array of one uncompressed chunk (metadata by tensorstore), whose chunk file it writes in 8 MiB
+pieces with ``pwrite`` and O_DIRECT from a few page-aligned buffers, digesting the array as it
+goes. It writes them before ``serialize`` returns, so an asynchronous save needs no copy of the
+params (the next update may donate them): their snapshot is on disk. The arrays keep orbax's
+``np.ndarray`` type, so the item is read by plain orbax (its own ``NumpyHandler``, through
+tensorstore). jax_mlpo reads them back itself (:mod:`~jax_mlpo.checkpoint.host_reads`; any
+other array is left to orbax): a restore of 688 MiB of params and 4.3 GB of state took 2.90 s
+that way against 3.99 through tensorstore's reads (medians of 3,
+experiments/bench/params_read_ab.py, stop 33).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class _NoOcdbtMerge(logging.Filter):
 
 logging.getLogger("absl").addFilter(_NoOcdbtMerge())
 
-DIRECT_BYTES = 1 << 20  # smaller arrays: orbax's own path (a copy costs little there)
 PIECE_BYTES = 8 << 20  # requests as large as fio's best
 # pieces being written at once: rewriting 672 MiB of params took 0.246 s with 8 against 0.303
 # with 4 (medians of 5, experiments/bench/params_write_ab.py, stop 31); buffers: 128 MiB
@@ -64,7 +64,7 @@ def writes_directly(value: Any) -> bool:
     return (
         isinstance(value, np.ndarray)
         and value.ndim > 0
-        and value.nbytes >= DIRECT_BYTES
+        and value.nbytes >= host_reads.DIRECT_BYTES
         and value.flags.c_contiguous
         and value.dtype.byteorder in "=<|"
         and (value.dtype.kind in "biuf" or value.dtype.name == "bfloat16")

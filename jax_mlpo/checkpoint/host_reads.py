@@ -23,7 +23,9 @@ import numpy as np
 from jax_mlpo.checkpoint.shard_file import open_direct
 from jax_mlpo.tiers.submit import aligned_empty, pread_full, round_up_pages
 
-MIN_BYTES = 1 << 20  # host_arrays.DIRECT_BYTES: what it writes itself (smaller: orbax's)
+# Arrays of at least this many bytes are written by host_arrays itself, and read back here;
+# smaller ones are orbax's both ways (a copy costs little there). One figure for both sides.
+DIRECT_BYTES = 1 << 20
 READ_PIECE_BYTES = 8 << 20
 READ_THREADS = 32  # pieces being read at once: into the arrays themselves, so no memory
 # The arrays read are fresh memory, whose pages are faulted in as the reads land: orbax's tree
@@ -35,7 +37,7 @@ READ_HUGE_PAGES = False
 
 def one_raw_chunk(path: str, dtype: Any = None) -> tuple[str, tuple[int, ...], np.dtype] | None:
     """``(data file, shape, dtype)`` of the array at ``path`` where it is what ``ArrayWriter``
-    writes (a zarr3 array of one raw little-endian chunk, at least :data:`MIN_BYTES`, its data
+    writes (a zarr3 array of one raw little-endian chunk, at least :data:`DIRECT_BYTES`, its data
     file whole) and ``dtype`` (a restore's requested dtype, or None) is its own; otherwise
     None, for orbax to read it (and report what is wrong with it)."""
     try:
@@ -53,7 +55,7 @@ def one_raw_chunk(path: str, dtype: Any = None) -> tuple[str, tuple[int, ...], n
     ) in ("little", None)
     data = os.path.join(path, "c", *(["0"] * len(shape)))
     if (
-        not raw or list(grid) != list(shape) or not shape or nbytes < MIN_BYTES
+        not raw or list(grid) != list(shape) or not shape or nbytes < DIRECT_BYTES
         or (dtype is not None and np.dtype(dtype) != saved)
         or not os.path.isfile(data) or os.path.getsize(data) != nbytes
     ):  # fmt: skip
