@@ -80,19 +80,20 @@ def summarize(runs: dict[str, list[dict]], limits: dict) -> tuple[dict, dict]:
     # optimizer step, jax_mlpo's whole jitted update) against the round's mixed limit, sustained
     # (10 s) and over a burst as long as a step
     for system, outs in runs.items():
-        gbps, of_limit = [], {"mixed": [], "mixed_burst": []}
-        for o in outs:
-            moved = statistics.median(_step_bytes(system, st) / st["update_s"] for st in o["steps"])
-            gbps.append(moved / 1e9)
-            for kind, ratios in of_limit.items():
-                per_round = limits.get(kind, [])  # no burst figure in runs before stop 34
-                limit = per_round[o["round"]].get("mixed_gbps") if per_round else None
-                if limit:
-                    ratios.append(moved / 1e9 / limit)
+        gbps = [
+            statistics.median(_step_bytes(system, st) / st["update_s"] for st in o["steps"]) / 1e9
+            for o in outs
+        ]
         rows[system]["disk_gbps"] = spread(gbps)
         for kind, key in (("mixed", "of_mixed_limit"), ("mixed_burst", "of_burst_limit")):
-            if of_limit[kind]:
-                rows[system][key] = spread(of_limit[kind])
+            per_round = limits.get(kind, [])  # no burst figure in runs before stop 34
+            of_limit = [
+                moved / limit
+                for moved, o in zip(gbps, outs, strict=True)
+                if per_round and (limit := per_round[o["round"]].get("mixed_gbps"))
+            ]
+            if of_limit:
+                rows[system][key] = spread(of_limit)
 
     ratios = {}
     for narrow in ("bf16", "q8"):  # the same system, narrower state
