@@ -45,7 +45,7 @@ def step_record(
     Args:
       step: the 1-based step.
       loss: the step's loss (the same in every process).
-      job: the step's figures over all processes (``jax_mlpo.metrics.aggregate``'s result).
+      job: the step's figures over all processes (``jax_mlpo.step_metrics.aggregate``'s result).
       tokens_per_step: tokens of the global batch.
       processes: processes of the run.
 

@@ -239,7 +239,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     every process calls it with the same config: params and optimizer state are sharded over
     the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
     the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
-    summary and plot, with the slowest process's step time (``jax_mlpo.metrics.aggregate``).
+    summary and plot, with the slowest process's step time (``jax_mlpo.step_metrics.aggregate``).
     Checkpoints are saved and restored by every process (each writes and reads its shards;
     :mod:`jax_mlpo.checkpoint`), so a run resumes on any process count; process 0 continues
     the metrics file.
@@ -366,7 +366,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 engine = None if use_optax else jax_mlpo.engine_of(opt_state).metrics[-1]
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.
-                job = jax_mlpo.metrics.aggregate(engine, timings, time_key="step_s")
+                job = jax_mlpo.step_metrics.aggregate(engine, timings, time_key="step_s")
                 loss_value = float(np.asarray(loss.addressable_data(0)))  # replicated
                 r = step_record(step + 1, loss_value, job, tokens_per_step, nproc)
                 if lead:

@@ -5,14 +5,17 @@ in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
 from jax_mlpo import checkpoint
+from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
-from jax_mlpo.metrics import StepMetrics
+from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.registry import close, closing, engine_of, metrics
+from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
-from jax_mlpo.transform import OffloadedAdamWState, adamw, close, engine_of
+from jax_mlpo.transform import adamw
 
 __version__ = "0.1.0"
 
@@ -22,6 +25,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EngineFailedError",
     "FileTier",
+    "MultiSteps",
     "ObjectTier",
     "OffloadConfig",
     "OffloadedAdamWState",
@@ -32,7 +36,9 @@ __all__ = [
     "adamw",
     "checkpoint",
     "close",
+    "closing",
     "engine_of",
+    "metrics",
     "parse_size",
     "return_freed_buffers",
 ]

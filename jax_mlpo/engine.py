@@ -23,10 +23,10 @@ from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
-from jax_mlpo.metrics import StepMetrics, TierIOWindow
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.snapshot import StateSnapshot, spare_buffers
+from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.tiers.file import FileTierStore, open_store
 from jax_mlpo.tiers.host import STATE, STATE_ALT, HostBufferPool, touched_buffer
 from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
@@ -49,7 +49,8 @@ class Engine:
     Args:
       layout: the subgroups of the params.
       config: the offload configuration (already validated).
-      b1, b2, eps, weight_decay: AdamW hyper-parameters fixed for the run.
+      b1, b2, eps, weight_decay: AdamW hyper-parameters given at construction (an update may
+        pass others in its :class:`~jax_mlpo.types.AdamWHyper`: optax.inject_hyperparams).
       stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
 
     Raises:
@@ -64,7 +65,7 @@ class Engine:
         self.layout, self.config = layout, config
         self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
         self.stochastic_rounding = bool(stochastic_rounding)  # of q8 moments
-        self._weight_decay = float(weight_decay)
+        self.weight_decay = float(weight_decay)
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
         self._snapshot: StateSnapshot | None = None
@@ -174,7 +175,7 @@ class Engine:
 
         Args:
           count: the optimizer step count in the state handed to update (0 for the first).
-          hyper: the step's scalars; its ``weight_decay`` is ignored (the layout's mask decides).
+          hyper: the step's scalars; its ``weight_decay`` applies where the layout's mask is set.
           grads: the gradient leaves, flattened (float32 or bfloat16).
           params: the param leaves, flattened (float32 or bfloat16).
           updates: the flat update leaves to write (XLA's buffers, ``updates[k]`` possibly
@@ -214,14 +215,15 @@ class Engine:
             raise RuntimeError("an update ran while a synchronous snapshot of its state was open")
         if count != self.step_count:
             raise StaleStateError(
-                f"update was called with an optimizer state at step {count}, but the offloaded "
-                f"state is at step {self.step_count}. jax_mlpo keeps AdamW's state on the host "
-                "and advances it on every update, so each update must receive the state returned "
-                "by the previous one. A wrapper that computes an update and then discards it "
-                "(optax.MultiSteps, a retried or skipped step) cannot be used around it."
+                f"update got an optimizer state at step {count}, but its offloaded state is at "
+                f"step {self.step_count}: each update must receive the state the previous one "
+                "returned. The state was restored from a checkpoint that does not hold the "
+                "offloaded state (use jax_mlpo.checkpoint.OffloadSave/OffloadRestore), an update "
+                "was computed and discarded (for optax.MultiSteps use jax_mlpo.MultiSteps), or a "
+                "step was retried."
             )
         leaves.check(self.layout)
-        hypers = (hyper._replace(weight_decay=0.0), hyper._replace(weight_decay=self._weight_decay))
+        hypers = (hyper._replace(weight_decay=0.0), hyper)  # masked out, decayed
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
         order = scheduler.step_order(len(self.layout.subgroups), count, self.config.order)
@@ -409,8 +411,13 @@ class Engine:
         self.pool.flush()
         self._window.reset()  # these writes belong to no update
 
-    def close(self) -> None:
-        """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent."""
+    def close(self, *, flush: bool = True) -> None:
+        """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent.
+
+        Args:
+          flush: write the retained subgroups to their tiers first; False where the state is
+            discarded (at interpreter exit: tiers are never read back by another process).
+        """
         if self._closed:
             return
         snapshot = self._snapshot
@@ -419,7 +426,7 @@ class Engine:
             snapshot.wait_closed()
         self._closed = True
         try:
-            if self.tiers and hasattr(self, "pool"):
+            if flush and self.tiers and hasattr(self, "pool"):
                 self.flush()
         finally:
             for tier in self.tiers:

@@ -20,8 +20,8 @@ import numpy as np
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import Leaves
-from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.replan import TierAssignment
+from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.host import Future, HostBufferPool, touched_buffer
 

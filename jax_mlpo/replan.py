@@ -14,8 +14,8 @@ import logging
 from collections.abc import Sequence
 
 from jax_mlpo import placement, scheduler
-from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.plan import TierSplit
+from jax_mlpo.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -10,26 +10,23 @@ alike. The call returns the next step count, so each update's data depends on th
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import itertools
-import logging
+import math
 import sys
-import threading
-from typing import Any, NamedTuple
+import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_mlpo import distributed
+from jax_mlpo import distributed, registry
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
 from jax_mlpo.kernels import AdamWHyper
 from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
-from jax_mlpo.mesh_update import DeviceCalls, MeshPlan, mesh_plan
+from jax_mlpo.mesh_update import MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import (
     DEFERRED,
@@ -37,141 +34,7 @@ from jax_mlpo.native.host_update import (
     host_update_call,
     set_host_update,
 )
-
-
-class OffloadedAdamWState(NamedTuple):
-    """What the accelerator holds; p, m and v live in the host cache and the file tiers."""
-
-    count: jax.Array  # shape=(), int32: updates applied so far
-    handle: jax.Array  # shape=(), int32: key of the host engine that owns p, m, v
-
-
-_ENGINES: dict[int, Engine] = {}
-# A mesh engine's handles, one per device of this process: where its calls meet, and its slot.
-_SLOTS: dict[int, tuple[DeviceCalls, int]] = {}
-_NEXT_HANDLE = itertools.count(1)
-_REGISTRY_LOCK = threading.Lock()
-
-
-def _register(engine: Engine) -> int:
-    with _REGISTRY_LOCK:
-        handle = next(_NEXT_HANDLE)
-        _ENGINES[handle] = engine
-    return handle
-
-
-def _register_mesh(engine: Engine, plan: MeshPlan) -> list[int]:
-    """One handle per device of ``plan`` (its slot), all naming ``engine``."""
-
-    def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
-        _step(engine, count, scalars, grads, params, updates, None)
-
-    calls = DeviceCalls(plan, run)
-    with _REGISTRY_LOCK:
-        handles = [next(_NEXT_HANDLE) for _ in plan.devices]
-        for slot, handle in enumerate(handles):
-            _ENGINES[handle] = engine
-            _SLOTS[handle] = (calls, slot)
-    return handles
-
-
-def _key(handle: Any) -> int:
-    # A multi-process state's handle is int32[processes], sharded: this process's is its shard.
-    if isinstance(handle, jax.Array) and not handle.is_fully_addressable:
-        handle = handle.addressable_shards[0].data
-    return int(np.asarray(handle).reshape(-1)[0])
-
-
-def _engine(handle: Any) -> Engine:
-    key = _key(handle)
-    try:
-        return _ENGINES[key]
-    except KeyError:
-        raise RuntimeError(
-            f"no jax_mlpo engine with handle {key} in this process: the optimizer state was "
-            "closed, or comes from another process. Restore it from a checkpoint instead."
-        ) from None
-
-
-def _unwrap(handle: Any) -> Any:
-    """The array inside a flax.nnx variable (nnx.Optimizer wraps state leaves), else itself."""
-    return handle.get_value() if hasattr(handle, "get_value") else handle
-
-
-def _states(opt_state: Any) -> list[OffloadedAdamWState]:
-    found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OffloadedAdamWState))
-    return [s for s in found if isinstance(s, OffloadedAdamWState)]
-
-
-def engine_of(opt_state: Any) -> Engine:
-    """The host engine behind the (first) offloaded AdamW state inside ``opt_state``.
-
-    Use it for metrics (``engine_of(opt_state).metrics[-1]``).
-    """
-    states = _states(opt_state)
-    if not states:
-        raise ValueError(
-            "opt_state contains no jax_mlpo OffloadedAdamWState (with flax.nnx, pass "
-            "optimizer.opt_state)"
-        )
-    return _engine(_unwrap(states[0].handle))
-
-
-def mesh_plan_of(state: OffloadedAdamWState) -> MeshPlan | None:
-    """The shards of an offloaded state over params on a mesh (:mod:`jax_mlpo.mesh_update`),
-    or None (one device per process)."""
-    slot = _SLOTS.get(_key(_unwrap(state.handle)))
-    return None if slot is None else slot[0].plan
-
-
-def close(opt_state: Any) -> None:
-    """Waits for the update in flight and the writes, releases the tier locks and forgets the
-    host state.
-
-    After this, ``opt_state`` cannot be updated any more.
-
-    Args:
-      opt_state: a state holding one or more offloaded AdamW states (with flax.nnx, pass
-        ``optimizer.opt_state``).
-
-    Raises:
-      ValueError: if ``opt_state`` holds no offloaded AdamW state.
-    """
-    states = _states(opt_state)
-    if not states:
-        raise ValueError(
-            "opt_state contains no jax_mlpo OffloadedAdamWState (with flax.nnx, pass "
-            "optimizer.opt_state)"
-        )
-    for state in states:
-        # the state's count is the last update's output: once it is ready, that update has run
-        with contextlib.suppress(Exception):  # a failed update: close what it left all the same
-            jax.block_until_ready(_unwrap(state.count))
-        key = _key(_unwrap(state.handle))
-        with _REGISTRY_LOCK:
-            engine = _ENGINES.pop(key, None)
-            for other in [h for h, e in _ENGINES.items() if e is engine]:  # a mesh's slots
-                del _ENGINES[other]
-                _SLOTS.pop(other, None)
-            _SLOTS.pop(key, None)
-        if engine is not None:
-            engine.close()
-
-
-@atexit.register
-def _close_all() -> None:
-    with _REGISTRY_LOCK:
-        engines = list({id(e): e for e in _ENGINES.values()}.values())
-        _ENGINES.clear()
-        _SLOTS.clear()
-    for engine in engines:
-        try:
-            engine.close()
-        except RuntimeError as e:  # the interpreter already shut the I/O thread pools down
-            logging.getLogger(__name__).warning(
-                "jax_mlpo: optimizer not closed before exit, retained subgroups not flushed (%s)",
-                e,
-            )
+from jax_mlpo.opt_state import OffloadedAdamWState
 
 
 def _refuse_discarding_wrappers() -> None:
@@ -183,9 +46,9 @@ def _refuse_discarding_wrappers() -> None:
             raise ValueError(
                 "jax_mlpo.adamw cannot be wrapped in optax.MultiSteps: MultiSteps runs the inner "
                 "update on every micro-step and discards all but the last, but jax_mlpo advances "
-                "its offloaded moments on every update it runs. Accumulate gradients in your "
-                "train step instead (e.g. average micro-batch gradients with jax.lax.scan) and "
-                "call the optimizer once per accumulated batch."
+                "its offloaded moments on every update it runs. Use jax_mlpo.MultiSteps(tx, "
+                "every_k_schedule=k) instead: optax.MultiSteps's signature and results, with the "
+                "inner update run only on the micro-step that applies it."
             )
         frame = frame.f_back
 
@@ -198,9 +61,17 @@ _NO_GPU_MESH = (
 
 
 def _hyper(engine: Engine, scalars: np.ndarray) -> AdamWHyper:
-    lr, bc1, bc2, scale = (float(x) for x in scalars)
+    """The step's scalars: lr, bc1, bc2, grad scale, then b1, b2, eps and weight decay where the
+    update was given them as arrays (optax.inject_hyperparams), NaN where they are the Python
+    floats the engine was made with (kept in double precision, as optax uses them)."""
+    lr, bc1, bc2, scale, *given = (float(x) for x in scalars)
+    b1, b2, eps, weight_decay = (
+        own if math.isnan(x) else x
+        for x, own in zip(given, (engine.b1, engine.b2, engine.eps, engine.weight_decay),
+                          strict=True)
+    )  # fmt: skip
     return AdamWHyper(
-        bc1=bc1, bc2=bc2, lr=lr, b1=engine.b1, b2=engine.b2, eps=engine.eps, weight_decay=0.0,
+        bc1=bc1, bc2=bc2, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
         grad_scale=scale,
     )  # fmt: skip
 
@@ -210,15 +81,51 @@ def _run_update(handle, count, scalars, grads, params, updates, stream, completi
     XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
     with params on a mesh, each device's call meets the others' and all but the last are
     deferred (:mod:`jax_mlpo.mesh_update`)."""
-    slot = _SLOTS.get(handle)
-    if slot is not None:
-        if stream is not None:
-            raise NotImplementedError(_NO_GPU_MESH)
-        calls, k = slot
-        deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
-        return DEFERRED if deferred else None
-    _step(_engine(handle), count, scalars, grads, params, updates, stream)
-    return None
+    try:
+        slot = registry.slot(handle)
+        if slot is not None:
+            if stream is not None:
+                raise NotImplementedError(_NO_GPU_MESH)
+            calls, k = slot
+            deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
+            return DEFERRED if deferred else None
+        _step(registry.engine(handle), count, scalars, grads, params, updates, stream)
+        return None
+    except BaseException as e:
+        registry.update_failed(e)
+        raise
+
+
+def run_on(engine: Engine):
+    """The runner of a mesh engine's update, once every device's call has arrived."""
+
+    def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
+        _step(engine, count, scalars, grads, params, updates, None)
+
+    return run
+
+
+# The configs already checked against the file systems and object stores, by id (with a weak
+# reference, so that a new config at a recycled id is checked again).
+_VALIDATED: dict[int, weakref.ref] = {}
+
+
+def _validate_once(offload: OffloadConfig) -> None:
+    """Checks ``offload``'s tiers once per config object: optax.inject_hyperparams re-creates
+    the transformation inside every update, and a check writes to every tier."""
+    ref = _VALIDATED.get(id(offload))
+    if ref is not None and ref() is offload:
+        return
+    offload.validate()
+    _VALIDATED[id(offload)] = weakref.ref(offload)
+
+
+def _concrete(value: Any) -> float:
+    """``value`` as a Python float; NaN for a traced one (an update then always passes it)."""
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        return math.nan
 
 
 def _step(engine, count, scalars, grads, params, updates, stream) -> None:
@@ -340,13 +247,18 @@ def adamw(
     """
     if not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
-    offload.validate()
-    b1, b2, eps, weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+    _validate_once(offload)
+    scalars_given = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    for name, value in scalars_given.items():
+        if not isinstance(value, int | float) and np.shape(value) != ():
+            raise ValueError(f"{name} must be a float or a scalar array, got shape "
+                             f"{np.shape(value)}")  # fmt: skip
     moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
     if q8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f'q8_rounding must be "nearest" or "stochastic", got {q8_rounding!r}')
-    hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                 stochastic_rounding=q8_rounding == "stochastic")  # fmt: skip
+    # the engine's own values: used where an update passes none (Python floats, kept double)
+    hyper = {name: _concrete(value) for name, value in scalars_given.items()}
+    hyper["stochastic_rounding"] = q8_rounding == "stochastic"
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
@@ -356,11 +268,12 @@ def adamw(
 
     # The plans of the states this transformation initialised on a mesh, by what an update
     # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
-    # not visible under jit.
+    # not visible under jit. A transformation re-created inside update (inject_hyperparams)
+    # finds them in the registry.
     mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
 
-    def plan_key(handle: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
-        return (tuple(np.shape(handle)), *(tuple(np.shape(p)) for p in param_leaves))
+    def plan_key(handle_shape: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
+        return (tuple(handle_shape), *(tuple(np.shape(p)) for p in param_leaves))
 
     def init_fn(params):
         _refuse_discarding_wrappers()
@@ -377,8 +290,9 @@ def adamw(
             if distributed.is_multiprocess():
                 config = distributed.process_config(offload, jax.process_index())
             engine = Engine(layout, config, **hyper)
-            handle = plan.handle_array(_register_mesh(engine, plan))
-            mesh_plans[plan_key(handle, jax.tree.leaves(params))] = plan
+            key = plan_key(plan.mesh.devices.shape, jax.tree.leaves(params))
+            handle = plan.handle_array(registry.register_mesh(engine, plan, run_on(engine), key))
+            mesh_plans[key] = plan
             return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)
         if distributed.is_multiprocess():
             # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
@@ -390,12 +304,13 @@ def adamw(
             engine = Engine(layout, config, **hyper)
             return OffloadedAdamWState(
                 count=distributed.replicated(np.int32(0), mesh),
-                handle=distributed.global_handle(_register(engine), mesh),
+                handle=distributed.global_handle(registry.register(engine), mesh),
             )
         layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params), moments)
         engine = Engine(layout, offload, **hyper)
         return OffloadedAdamWState(
-            count=jnp.zeros([], jnp.int32), handle=jnp.asarray(_register(engine), jnp.int32)
+            count=jnp.zeros([], jnp.int32),
+            handle=jnp.asarray(registry.register(engine), jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
@@ -404,24 +319,32 @@ def adamw(
                 "jax_mlpo.adamw needs params in update (tx.update(grads, state, params)): they "
                 "are read for weight decay and for the bfloat16 master copy"
             )
-        return jitted_update(updates, state, params)
+        # Arrays among the hyper-parameters (inject_hyperparams's, maybe traced) are arguments
+        # of the jitted update; Python floats stay constants of it, in double precision.
+        lr = None if callable(learning_rate) else learning_rate
+        arrays = {k: v for k, v in scalars_given.items() if not isinstance(v, int | float)}
+        return jitted_update(updates, state, params, lr, arrays)
 
     # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
     @jax.jit
-    def jitted_update(updates, state, params):
+    def jitted_update(updates, state, params, lr, arrays):
         count_inc = optax.safe_increment(state.count)
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        if lr is None:
+            lr = learning_rate(state.count)
+        hp = {**scalars_given, **arrays}
         # The same expressions optax evaluates, on the device, so the scalars match it bit for bit.
-        bc1 = 1 - b1**count_inc
-        bc2 = 1 - b2**count_inc
+        bc1 = 1 - hp["b1"] ** count_inc
+        bc2 = 1 - hp["b2"] ** count_inc
         scale = 1.0
         if max_grad_norm is not None:  # optax.clip_by_global_norm's rule, applied on the host
             g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates))
             scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
-        scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2, scale)])
+        given = [arrays.get(k, jnp.float32(jnp.nan)) for k in scalars_given]
+        scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (lr, bc1, bc2, scale, *given)])
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        plan = mesh_plans.get(plan_key(state.handle, param_leaves))
+        key = plan_key(np.shape(state.handle), param_leaves)
+        plan = mesh_plans.get(key) or registry.mesh_plan_for(key)
         if plan is not None:  # each device's call with its shards, one engine per process
             count_out, outs = distributed.sharded_update(
                 host_update, grads, param_leaves, state.handle, state.count, scalars,

@@ -9,7 +9,8 @@ import subprocess
 import jax.numpy as jnp
 import pytest
 
-from jax_mlpo import transform
+from jax_mlpo import registry
+from jax_mlpo.opt_state import OffloadedAdamWState
 
 
 @pytest.fixture(autouse=True)
@@ -20,13 +21,13 @@ def close_engines_left_open():
     locks and threads for the rest of the session (and its tier directory's lock could make a
     later test fail for the wrong reason).
     """
-    before = set(transform._ENGINES)  # the registry behind jax_mlpo.close (module fixtures')
+    before = set(registry._ENGINES)  # the registry behind jax_mlpo.close (module fixtures')
     yield
-    for handle in set(transform._ENGINES) - before:
-        state = transform.OffloadedAdamWState(
+    for handle in set(registry._ENGINES) - before:
+        state = OffloadedAdamWState(
             count=jnp.zeros([], jnp.int32), handle=jnp.asarray(handle, jnp.int32)
         )
-        transform.close(state)
+        registry.close(state)
 
 
 @pytest.fixture

@@ -8,6 +8,9 @@ With NUM_PROCESSES == 1 it is the single-process reference (no jax.distributed).
 writes the final params (gathered) to OUT_DIR/params.npz; every process writes
 OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
 
+MODE "inject": jax_mlpo.adamw wrapped in optax.inject_hyperparams (the transformation re-created
+inside every update).
+
 MODE "node-permits" or "process-permits": the slow tier gets max_concurrency=1 and a bandwidth
 cap (so that each request lasts a few ms), with node_max_concurrency=1 (permits shared by the
 processes, lock files in TIER_ROOT/../permits) or without; every process records its tiers'
@@ -59,19 +62,23 @@ def loss_fn(params, x, y):
     return jnp.mean((out - y) ** 2)
 
 
-def make_tx(offload, total_steps: int, fused_clip: bool = False):
+def make_tx(offload, total_steps: int, fused_clip: bool = False, inject: bool = False):
     """The job's optimizer: clipped jax_mlpo.adamw with a linear schedule and a decay mask.
 
     ``fused_clip``: the clipping is adamw's ``max_grad_norm`` instead of a chained
     ``optax.clip_by_global_norm`` (the norm is then taken over every process's shards).
+    ``inject``: adamw wrapped in ``optax.inject_hyperparams`` (the mask static).
     """
     import optax
 
     import jax_mlpo
 
     clip = 0.05  # below the gradients' norm: the clip is active
+    factory = jax_mlpo.adamw
+    if inject:
+        factory = optax.inject_hyperparams(jax_mlpo.adamw, static_args=("mask",))
     adamw = functools.partial(
-        jax_mlpo.adamw,
+        factory,
         optax.linear_schedule(1e-2, 1e-3, total_steps),
         weight_decay=0.1,
         mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
@@ -86,7 +93,7 @@ def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    if mode not in ("plain", "fused-clip", "node-permits", "process-permits", "s3"):
+    if mode not in ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3"):
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
         jax.distributed.initialize(
@@ -103,7 +110,7 @@ def main() -> None:
     from jax_mlpo import distributed
 
     slow = {}
-    if mode not in ("plain", "fused-clip", "s3"):
+    if mode not in ("plain", "fused-clip", "inject", "s3"):
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
@@ -128,7 +135,7 @@ def main() -> None:
         replan=False,  # no migrations: each subgroup's blob is on one tier only
         node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
-    tx = make_tx(offload, steps, fused_clip=mode == "fused-clip")
+    tx = make_tx(offload, steps, fused_clip=mode == "fused-clip", inject=mode == "inject")
     params = init_params()
     if nproc > 1:
         mesh = distributed.data_parallel_mesh()
@@ -159,7 +166,7 @@ def main() -> None:
     # Cross-process metrics: a made-up step time (process k: k + 1 s) makes the last process the
     # slowest; 2**40 + k checks that figures travel exactly (float64, not float32).
     last = engine.metrics[-1]
-    job = jax_mlpo.metrics.aggregate(
+    job = jax_mlpo.step_metrics.aggregate(
         last, {"step_s": pid + 1.0, "big": 2.0**40 + pid}, time_key="step_s"
     )
     info = {
@@ -169,7 +176,7 @@ def main() -> None:
             "timings": job.timings,
             "per_process": job.per_process,
             "metrics": job.metrics.as_dict(),
-            "own": jax_mlpo.metrics.flatten(last),
+            "own": jax_mlpo.step_metrics.flatten(last),
         },
         "process": pid,
         "state_bytes": engine.layout.state_bytes,
@@ -177,10 +184,11 @@ def main() -> None:
         "tiers": [t.tier.path for t in engine.tiers],
         "tier_bytes": {t.tier.path: t.bytes_written for t in engine.tiers},
         "step_count": engine.step_count,
+        "engines": len({id(e) for e in jax_mlpo.registry._ENGINES.values()}),
         "losses": losses,
         "host_only": engine.host_only,
         "traces": {
-            jax_mlpo.metrics.shared_tier_path(store.tier.path): [list(t) for t in store.trace]
+            jax_mlpo.step_metrics.shared_tier_path(store.tier.path): [list(t) for t in store.trace]
             for store in traced
         },
     }

@@ -16,8 +16,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from processes import run_workers
 
-from jax_mlpo import distributed, metrics
-from jax_mlpo.metrics import StepMetrics
+from jax_mlpo import distributed
+from jax_mlpo import step_metrics as metrics
+from jax_mlpo.step_metrics import StepMetrics
 
 WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
 STEPS = 20
@@ -102,6 +103,18 @@ def test_fused_clipping_takes_the_global_norm_over_processes(reference, tmp_path
     for name, ref in ref_params.items():
         np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(infos[0]["losses"], ref_info["losses"], rtol=1e-5)
+
+
+def test_inject_hyperparams_on_two_processes(reference, tmp_path):
+    """optax.inject_hyperparams(jax_mlpo.adamw) on 2 processes: each process's re-created
+    transformation finds its own engine (one per process, no new tiers), and the run is the
+    single-process one (the learning rate and weight decay now float32 arrays)."""
+    _, ref_params, ref_info = reference
+    params, infos, _ = _run(2, tmp_path, mode="inject")
+    assert [info["engines"] for info in infos] == [1, 1]
+    assert all(info["step_count"] == STEPS for info in infos)
+    for name, ref in ref_params.items():
+        np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -14,9 +14,9 @@ import types
 import numpy as np
 import pytest
 
-from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.plan import TierSplit
 from jax_mlpo.replan import TierAssignment
+from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 from jax_mlpo.tiers.host import HostBufferPool, PendingWrite, touched_buffer
 

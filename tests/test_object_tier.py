@@ -18,7 +18,7 @@ from test_transform import assert_matches_reference, offloaded_adamw, run_offloa
 
 import jax_mlpo
 from experiments.s3_server import S3Server, dummy_credentials, free_port
-from jax_mlpo.metrics import shared_tier_path
+from jax_mlpo.step_metrics import shared_tier_path
 from jax_mlpo.tiers.kvstore import LOCK_KEY
 
 SUBGROUP = 131_072

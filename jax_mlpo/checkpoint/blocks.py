@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
-from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
+from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.registry import engine_of, mesh_plan_of
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
 

@@ -18,8 +18,9 @@ import numpy as np
 from jax_mlpo.checkpoint.blocks import Read, index_of
 from jax_mlpo.checkpoint.restore_plan import StreamPlan
 from jax_mlpo.checkpoint.state_reader import StateReader
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, path_name, unwrap
-from jax_mlpo.transform import OffloadedAdamWState, engine_of
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, path_name
+from jax_mlpo.opt_state import count_of, with_count
+from jax_mlpo.registry import engine_of
 
 
 def load(
@@ -55,8 +56,7 @@ def load(
                 engine.load(count, reader.fill)
             finally:
                 reader.close()
-            count = like(unwrap(t.count), r["count"])
-            return OffloadedAdamWState(count=count, handle=t.handle)
+            return with_count(t, like(count_of(t), r["count"]))
         return like(t, r)
 
     return jax.tree_util.tree_map_with_path(restore, target, plans, reads, is_leaf=is_offloaded)

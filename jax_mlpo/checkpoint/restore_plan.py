@@ -28,7 +28,8 @@ from jax_mlpo.checkpoint.blocks import Index, Region, engine_regions, full, inde
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
 from jax_mlpo.checkpoint.stream import QUANTITIES
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
-from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
+from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.registry import engine_of, mesh_plan_of
 from jax_mlpo.types import F32
 
 

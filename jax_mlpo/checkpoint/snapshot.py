@@ -24,11 +24,12 @@ import numpy as np
 from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Region, engine_regions
 from jax_mlpo.checkpoint.host_arrays import writes_directly
-from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name, unwrap
+from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name
 from jax_mlpo.engine import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
+from jax_mlpo.opt_state import OffloadedAdamWState, count_of
+from jax_mlpo.registry import engine_of, mesh_plan_of
 from jax_mlpo.snapshot import StateSnapshot
-from jax_mlpo.transform import OffloadedAdamWState, engine_of, mesh_plan_of
 
 
 def check_savable(tree: Any) -> None:
@@ -54,7 +55,7 @@ def check_savable(tree: Any) -> None:
             )
         jax.effects_barrier()
     for state in states:
-        count, step = int(np.asarray(unwrap(state.count))), engine_of(state).step_count
+        count, step = int(np.asarray(count_of(state))), engine_of(state).step_count
         if count != step:
             raise StaleStateError(
                 f"the optimizer state to save is at step {count}, but its offloaded state is "
@@ -122,7 +123,7 @@ def snapshot(
             name = path_name(("tree", *path))
             state = engine.snapshot(concurrent=concurrent)
             streams.append(OffloadedStream(name, state, engine.layout, shapes, regions, skip))
-            return {"count": np.array(unwrap(x.count), np.int32)}
+            return {"count": np.array(count_of(x), np.int32)}
         if is_key(x):
             x = jax.random.key_data(x)
         if is_sharded(x):

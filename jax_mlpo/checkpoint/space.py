@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jax_mlpo.checkpoint.tree import is_offloaded
-from jax_mlpo.transform import engine_of
+from jax_mlpo.registry import engine_of
 
 
 class CheckpointSpaceError(OSError):

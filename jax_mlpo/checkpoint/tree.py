@@ -14,17 +14,9 @@ from typing import Any
 
 import jax
 
-from jax_mlpo.transform import OffloadedAdamWState
+from jax_mlpo.opt_state import is_offloaded, unwrap
 
-
-def is_offloaded(x: Any) -> bool:
-    """Whether ``x`` is an offloaded AdamW state (a leaf of the checkpoint's tree maps)."""
-    return isinstance(x, OffloadedAdamWState)
-
-
-def unwrap(x: Any) -> Any:
-    """The array inside a flax.nnx variable (``nnx.Optimizer`` wraps state leaves), else ``x``."""
-    return getattr(x, "value", x)
+__all__ = ["is_key", "is_offloaded", "is_sharded", "leaves", "path_name", "unwrap"]
 
 
 def is_key(x: Any) -> bool:

@@ -23,11 +23,11 @@ namespace {
 
 std::atomic<HostUpdateFn> g_cuda_host_update{nullptr};
 
-// handle, count, lr, bc1, bc2, grad scale: read back from the device once per update.
+// handle, count and the scalars (host_update.h): read back from the device once per update.
 struct Scalars {
   int32_t handle;
   int32_t count;
-  float values[4];
+  float values[kNumScalars];
 };
 
 ffi::Error CudaError(const std::string& what, cudaError_t err) {
@@ -39,8 +39,8 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
                               ffi::BufferR0<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
                               ffi::RemainingArgs leaves, ffi::ResultBufferR0<ffi::S32> count_out,
                               ffi::RemainingRets updates) {
-  if (scalars.element_count() != 4) {
-    return ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[4]");
+  if (scalars.element_count() != kNumScalars) {
+    return ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[8]");
   }
   thread_local Scalars* pinned = nullptr;  // one pinned record per XLA thread
   if (pinned == nullptr) {
@@ -57,7 +57,7 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
                           cudaMemcpyDeviceToHost, stream);
   }
   if (err == cudaSuccess) {
-    err = cudaMemcpyAsync(pinned->values, scalars.typed_data(), 4 * sizeof(float),
+    err = cudaMemcpyAsync(pinned->values, scalars.typed_data(), kNumScalars * sizeof(float),
                           cudaMemcpyDeviceToHost, stream);
   }
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);

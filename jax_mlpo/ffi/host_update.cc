@@ -1,7 +1,7 @@
 // The XLA FFI handler that runs jax_mlpo's host engine on XLA's own buffers (CPU platform).
 //
 // One side-effecting custom call per optimizer update: operands handle, count, scalars
-// (lr, bc1, bc2, grad scale), then every gradient leaf and every param leaf; results the next
+// (f32[kNumScalars], host_update.h), then every gradient leaf and every param leaf; results the next
 // count and one update per leaf, usually aliased onto the gradients (input_output_aliases).
 // The handler passes the buffers' addresses to a callback the Python engine registered through
 // ctypes (which takes the GIL), so the engine reads gradients and params and writes the update
@@ -36,8 +36,8 @@ ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S3
                            ffi::ResultBufferR0<ffi::S32> count_out, ffi::RemainingRets updates) {
   ffi::Promise promise;
   ffi::Future future(promise);  // before any copy of the promise: a promise has one future
-  if (scalars.element_count() != 4) {
-    promise.SetError(ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[4]"));
+  if (scalars.element_count() != kNumScalars) {
+    promise.SetError(ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[8]"));
     return future;
   }
   auto* pending = new PendingUpdate{promise};

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_mlpo.layout import Subgroup
-from jax_mlpo.metrics import StepMetrics
 from jax_mlpo.replan import TierAssignment
+from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.submit import aligned_empty

@@ -5,7 +5,8 @@ own :class:`StepMetrics`. The job advances at the pace of its slowest process (t
 gradient reduction waits for it), so :func:`aggregate` reports the slowest process's time as the
 step time, with that process's breakdown, and keeps every process's figures beside it::
 
-    step = jax_mlpo.metrics.aggregate(engine.metrics[-1], {"step_s": t1 - t0}, time_key="step_s")
+    timings = {"step_s": t1 - t0}
+    step = jax_mlpo.step_metrics.aggregate(engine.metrics[-1], timings, time_key="step_s")
     if jax.process_index() == 0:
         log(step.step_time_s, step.slowest, step.per_process["step_s"])
 """

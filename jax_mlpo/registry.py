@@ -1,0 +1,259 @@
+"""The host engines of this process, by the handle their optimizer state carries.
+
+An offloaded state names its engine by a handle: a random int32 drawn when the engine is made,
+never reused in the process. A state that did not come from this process's ``tx.init`` or
+``update`` (restored by a plain orbax save, copied from another process, or closed) names no
+engine here and is refused with the cause and the fix; with handles that restarted at 1 in every
+process, it would have named another run's engine.
+
+Engines need no explicit ``close``: at exit, their tier locks are released and the
+scratch state on the tiers is left for the next run to reclaim (it is never read back: a run
+resumes from a checkpoint). :func:`close`, or :func:`closing` as a context manager, releases
+the tiers early.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import secrets
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_mlpo.engine import Engine
+from jax_mlpo.mesh_update import DeviceCalls, MeshPlan
+from jax_mlpo.opt_state import find_offloaded, handle_of
+from jax_mlpo.step_metrics import StepMetrics
+
+logger = logging.getLogger(__name__)
+
+_ENGINES: dict[int, Engine] = {}
+# A mesh engine's handles, one per device of this process: where its calls meet, and its slot.
+_SLOTS: dict[int, tuple[DeviceCalls, int]] = {}
+_CLOSED: set[int] = set()
+_FAILURES: list[BaseException] = []  # the first update that raised in this process, if any
+# The mesh plans of the states initialised on a mesh, by what an update sees of them when
+# traced (the handle's and the leaves' shapes: shardings are not visible under jit), so that a
+# transformation re-created inside update (optax.inject_hyperparams) finds its state's plan.
+_MESH_PLANS: dict[tuple[Any, ...], MeshPlan] = {}
+_LOCK = threading.Lock()
+
+_NOT_FOUND = (
+    "no jax_mlpo engine with handle {key} in this process: this optimizer state was not "
+    "returned by this process's tx.init or update. Most likely it was restored from a "
+    "checkpoint that does not hold the offloaded optimizer state (orbax's StandardSave/"
+    "StandardRestore or PyTreeSave write only the step count and the handle). Save and restore "
+    "the same item with jax_mlpo.checkpoint.OffloadSave / OffloadRestore in your "
+    "CheckpointManager (docs/flax.md), restoring into a target made by a fresh tx.init; a state "
+    "copied from another process cannot be used either."
+)
+
+
+def _new_handle() -> int:
+    while True:  # the lock is held: unique among this process's handles, past and present
+        handle = secrets.randbelow(2**31 - 1) + 1
+        if handle not in _ENGINES and handle not in _CLOSED:
+            return handle
+
+
+def register(engine: Engine) -> int:
+    """A new handle naming ``engine``."""
+    with _LOCK:
+        handle = _new_handle()
+        _ENGINES[handle] = engine
+    return handle
+
+
+def register_mesh(
+    engine: Engine, plan: MeshPlan, run: Callable[..., None], key: tuple[Any, ...]
+) -> list[int]:
+    """One handle per device of ``plan`` (its slot), all naming ``engine``.
+
+    Args:
+      engine: the process's engine over the distinct shards of its devices.
+      plan: the params' shards.
+      run: ``run(count, scalars, grads, params, updates)``, once all devices' calls arrived.
+      key: what a traced update sees of the state (:func:`mesh_plan_for`).
+    """
+    calls = DeviceCalls(plan, run)
+    with _LOCK:
+        handles = [_new_handle() for _ in plan.devices]
+        for slot, handle in enumerate(handles):
+            _ENGINES[handle] = engine
+            _SLOTS[handle] = (calls, slot)
+        _MESH_PLANS[key] = plan
+    return handles
+
+
+def mesh_plan_for(key: tuple[Any, ...]) -> MeshPlan | None:
+    """The plan of the mesh state an update traced with ``key`` updates, or None."""
+    return _MESH_PLANS.get(key)
+
+
+def key_of(handle: Any) -> int:
+    """The int a handle array holds for this process."""
+    # A multi-process state's handle is int32[processes], sharded: this process's is its shard.
+    if isinstance(handle, jax.Array) and not handle.is_fully_addressable:
+        handle = handle.addressable_shards[0].data
+    return int(np.asarray(handle).reshape(-1)[0])
+
+
+def engine(key: int) -> Engine:
+    """The engine of handle ``key``.
+
+    Raises:
+      RuntimeError: no engine has it in this process (the message names the cause and fix).
+    """
+    try:
+        return _ENGINES[key]
+    except KeyError:
+        if key in _CLOSED:
+            raise RuntimeError(
+                f"the jax_mlpo optimizer with handle {key} was closed (jax_mlpo.close): "
+                "init a new one (and restore its state from a checkpoint)"
+            ) from None
+        raise RuntimeError(_NOT_FOUND.format(key=key)) from None
+
+
+def update_failed(error: BaseException) -> None:
+    """Records that an update raised ``error`` (reported to the caller through XLA)."""
+    with _LOCK:
+        if not _FAILURES:
+            _FAILURES.append(error)
+
+
+def slot(key: int) -> tuple[DeviceCalls, int] | None:
+    """Where a mesh engine's device calls meet, and the device's slot; None off a mesh."""
+    return _SLOTS.get(key)
+
+
+def _states(opt_state: Any) -> list[Any]:
+    states = find_offloaded(opt_state)
+    if not states:
+        raise ValueError(
+            "opt_state contains no jax_mlpo optimizer state (pass the optimizer state: "
+            "optimizer.opt_state with flax.nnx, state.opt_state with a TrainState)"
+        )
+    return states
+
+
+def engine_of(opt_state: Any) -> Engine:
+    """The host engine behind the (first) offloaded state inside ``opt_state``.
+
+    Args:
+      opt_state: an optimizer state in any form (an ``optax.chain`` state, ``nnx.Optimizer``'s
+        ``opt_state``, ``nnx.state(optimizer)``).
+    """
+    return engine(key_of(handle_of(_states(opt_state)[0])))
+
+
+def mesh_plan_of(state: Any) -> MeshPlan | None:
+    """The shards of an offloaded state over params on a mesh (:mod:`jax_mlpo.mesh_update`),
+    or None (one device per process)."""
+    found = _SLOTS.get(key_of(handle_of(state)))
+    return None if found is None else found[0].plan
+
+
+def metrics(opt_state: Any) -> list[StepMetrics]:
+    """The figures of every update the (first) offloaded state in ``opt_state`` has run.
+
+    Args:
+      opt_state: an optimizer state in any form (see :func:`engine_of`).
+
+    Returns:
+      One :class:`~jax_mlpo.StepMetrics` per update, oldest first (times, cache hits, bytes
+      each tier moved); the updates in flight are waited for first.
+    """
+    jax.effects_barrier()
+    return list(engine_of(opt_state).metrics)
+
+
+def close(opt_state: Any) -> None:
+    """Waits for the updates in flight and the writes, releases the tier locks and forgets the
+    host state.
+
+    Not needed for correctness (a process may just end); it releases the tiers early. After
+    it, ``opt_state`` cannot be updated any more.
+
+    Args:
+      opt_state: an optimizer state in any form holding offloaded states (see
+        :func:`engine_of`).
+
+    Raises:
+      ValueError: if ``opt_state`` holds no offloaded state.
+    """
+    states = _states(opt_state)
+    with contextlib.suppress(Exception):  # a failed update: close what it left all the same
+        jax.effects_barrier()
+    for state in states:
+        key = key_of(handle_of(state))
+        with _LOCK:
+            found = _ENGINES.pop(key, None)
+            _CLOSED.add(key)
+            for other in [h for h, e in _ENGINES.items() if e is found]:  # a mesh's slots
+                del _ENGINES[other]
+                _SLOTS.pop(other, None)
+                _CLOSED.add(other)
+            _SLOTS.pop(key, None)
+        if found is not None:
+            found.close()
+
+
+@contextlib.contextmanager
+def closing(opt_state: Any) -> Iterator[Any]:
+    """Closes the offloaded states in ``opt_state`` when the block ends (see :func:`close`).
+
+    Example::
+
+      with jax_mlpo.closing(tx.init(params)) as opt_state:
+          ...  # train
+    """
+    try:
+        yield opt_state
+    finally:
+        close(opt_state)
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Releases every engine's tiers when the interpreter exits, without flushing: the state
+    on the tiers is never read back, so nothing is lost."""
+    with _LOCK:
+        engines = list({id(e): e for e in _ENGINES.values()}.values())
+        _ENGINES.clear()
+        _SLOTS.clear()
+    if _FAILURES:
+        # one line, in case the loop never read an output of the failed step
+        with contextlib.suppress(Exception):  # stderr may be closed by now
+            print(
+                "jax_mlpo: an optimizer update failed in this process "
+                f"({type(_FAILURES[0]).__name__}, raised by the step)",
+                file=sys.stderr,
+            )
+        _forget_failed_updates()
+    for found in engines:
+        try:
+            found.close(flush=False)
+        except Exception as e:  # noqa: BLE001 - nothing is left to save at exit
+            logger.debug("jax_mlpo: releasing an engine at exit: %r", e)
+
+
+def _forget_failed_updates() -> None:
+    """Keeps JAX's exit hooks from re-raising a failed update that was already reported.
+
+    A failed host update fails its XLA computation; JAX keeps that computation's runtime token
+    and blocks on it again in each of its own exit hooks, printing the same traceback twice
+    more. The failure is recorded on the engine and was raised to the caller, so the tokens are
+    dropped here (JAX exposes no public way to do this; guarded so that a JAX without it only
+    prints the duplicates).
+    """
+    with contextlib.suppress(Exception):
+        from jax._src import dispatch  # noqa: PLC0415
+
+        dispatch.runtime_tokens.clear()
