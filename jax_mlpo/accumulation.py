@@ -123,10 +123,10 @@ class MultiSteps:
                 f"{should_skip.dtype}{list(should_skip.shape)}"
             )
         inner_update = functools.partial(self._opt.update, **extra_args)
-        zero_updates = jax.tree.map(
-            lambda x: jnp.zeros(x.shape, x.dtype),
-            jax.eval_shape(inner_update, updates, state.inner_opt_state, params)[0],
-        )
+        shapes = jax.eval_shape(inner_update, updates, state.inner_opt_state, params)[0]
+
+        def zero_updates():  # made inside the branch that returns them
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
         def accumulate(updates, state, params):
             acc_grads = jax.tree.map(
@@ -134,32 +134,48 @@ class MultiSteps:
             )
             emit = state.mini_step == (k_steps - 1)
 
+            # One result of the params' size either way: the inner update on the applying
+            # micro-step (which may take the accumulated gradients' buffer), the accumulated
+            # gradients themselves on the others. The updates and the next accumulator are
+            # selections of it (zeros elsewhere) that XLA fuses into their consumers, so
+            # params, gradients and accumulator are all the step holds of the params' size.
+            # per leaf, a dtype that holds both exactly (float32 for a float32 accumulator of
+            # bfloat16 params: its sums are not rounded to bfloat16 on the way through)
+            dtypes = jax.tree.map(lambda u, a: jnp.promote_types(u.dtype, a.dtype), shapes,
+                                  state.acc_grads)  # fmt: skip
+
             def apply(acc_grads, inner_state, params):
-                return inner_update(optax.tree.cast_like(acc_grads, updates), inner_state, params)
+                result, inner_state = inner_update(
+                    optax.tree.cast_like(acc_grads, updates), inner_state, params
+                )
+                return jax.tree.map(lambda r, dt: r.astype(dt), result, dtypes), inner_state
 
             def hold(acc_grads, inner_state, params):
-                return zero_updates, inner_state
+                return jax.tree.map(lambda a, dt: a.astype(dt), acc_grads, dtypes), inner_state
 
             # the inner (host) update runs on the emitting micro-step only
-            new_updates, inner_state = lax.cond(
+            result, inner_state = lax.cond(
                 emit, apply, hold, acc_grads, state.inner_opt_state, params
             )
+            new_updates = jax.tree.map(
+                lambda r, u: jnp.where(emit, r, jnp.zeros_like(r)).astype(u.dtype), result, shapes
+            )
+            next_acc = jax.tree.map(
+                lambda r, old: jnp.where(emit, jnp.zeros_like(old), r.astype(old.dtype)),
+                result, state.acc_grads,
+            )  # fmt: skip
             new_state = optax.MultiStepsState(
                 mini_step=optax.safe_increment(state.mini_step) % k_steps,
                 gradient_step=emit * optax.safe_increment(state.gradient_step)
                 + (1 - emit) * state.gradient_step,
                 inner_opt_state=inner_state,
-                acc_grads=jax.tree.map(
-                    lambda ga, old: jnp.astype((1 - emit) * ga, old.dtype),
-                    acc_grads,
-                    state.acc_grads,
-                ),
+                acc_grads=next_acc,
                 skip_state=skip_state,
             )
             return new_updates, new_state
 
         def skip(updates, state, params):
-            return zero_updates, state._replace(skip_state=skip_state)
+            return zero_updates(), state._replace(skip_state=skip_state)
 
         return lax.cond(should_skip, skip, accumulate, updates, state, params)
 

@@ -128,6 +128,12 @@ def update_failed(error: BaseException) -> None:
             _FAILURES.append(error)
 
 
+def open_handles() -> list[int]:
+    """The handles of this process's open optimizers (a mesh optimizer has one per device)."""
+    with _LOCK:
+        return list(_ENGINES)
+
+
 def slot(key: int) -> tuple[DeviceCalls, int] | None:
     """Where a mesh engine's device calls meet, and the device's slot; None off a mesh."""
     return _SLOTS.get(key)

@@ -275,8 +275,18 @@ def adamw(
     def plan_key(handle_shape: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
         return (tuple(handle_shape), *(tuple(np.shape(p)) for p in param_leaves))
 
+    # The params' leaf shapes at each init, checked by every update this transformation traces:
+    # the host state is laid out by them, and the FFI call sees only flat buffers (it catches a
+    # changed leaf count or size, not a reshape that keeps the size). Shapes, not the tree: the
+    # same leaves come wrapped differently (nnx.Optimizer inits on variables, updates on arrays).
+    init_shapes: set[tuple[tuple[int, ...], ...]] = set()
+
+    def shapes_of(params: Any) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
+
     def init_fn(params):
         _refuse_discarding_wrappers()
+        init_shapes.add(shapes_of(params))
         ensure_platform(jax.default_backend())
         plan = mesh_plan(params)
         if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
@@ -318,6 +328,14 @@ def adamw(
             raise ValueError(
                 "jax_mlpo.adamw needs params in update (tx.update(grads, state, params)): they "
                 "are read for weight decay and for the bfloat16 master copy"
+            )
+        if init_shapes and shapes_of(params) not in init_shapes:
+            raise ValueError(
+                "the params handed to update are not those the optimizer was initialised "
+                f"with: leaf shapes {list(shapes_of(params))[:8]}, against "
+                f"{[list(s)[:8] for s in init_shapes]} at init. The offloaded state is laid out "
+                "by the params at init: init a new optimizer for other params (and restore its "
+                "state from a checkpoint)"
             )
         # Arrays among the hyper-parameters (inject_hyperparams's, maybe traced) are arguments
         # of the jitted update; Python floats stay constants of it, in double precision.

@@ -10,14 +10,16 @@ offload configs). Run, it trains one spec given as JSON and exits:
 It prints ``init`` after ``tx.init``, restores the latest checkpoint in ``ckpt`` if there is
 one and prints ``start <step>``, trains up to ``steps`` updates (saving a checkpoint every
 ``save_every``), printing ``step <n>`` after each update (before its checkpoint), and writes
-the losses and final params to ``out`` (``.npz``). ``slow_writes`` (seconds) injects a random
-sleep before every tier write, so that a kill lands inside the update phase; ``slow_stream``
+the losses and final params to ``out`` (``.npz``). ``slow_writes`` (seconds) delays every tier
+write after init by a random time up to that (a fault plan of :mod:`jax_mlpo.testing`), so that
+a kill lands inside the update phase; ``slow_stream``
 (seconds) a sleep after each subgroup a checkpoint streams, so that updates run while a save is
 in flight (it prints ``saving <step>`` once ``save`` has returned).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,6 +36,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax_mlpo  # noqa: E402
+import jax_mlpo.testing  # noqa: E402
 from jax_mlpo import checkpoint  # noqa: E402
 
 REWRITTEN = [0]  # files of deleted checkpoints a save took (with "recycle_bytes")
@@ -120,19 +123,6 @@ def as_bits(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v).view(bits[np.dtype(v.dtype).itemsize]) for k, v in tree.items()}
 
 
-def _slow_tier_writes(max_s: float, seed: int) -> None:
-    from jax_mlpo.tiers.file import FileTierStore
-
-    rng = random.Random(seed)
-    write = FileTierStore._write
-
-    def slow_write(self, *args, **kwargs):
-        time.sleep(rng.uniform(0.0, max_s))
-        return write(self, *args, **kwargs)
-
-    FileTierStore._write = slow_write
-
-
 def _slow_stream(delay_s: float) -> None:
     from jax_mlpo.snapshot import StateSnapshot
 
@@ -147,8 +137,6 @@ def _slow_stream(delay_s: float) -> None:
 
 
 def main(spec: dict[str, Any]) -> None:
-    if spec.get("slow_writes"):
-        _slow_tier_writes(spec["slow_writes"], os.getpid())
     if spec.get("slow_stream"):
         _slow_stream(spec["slow_stream"])
     if spec.get("direct_bytes"):  # params this large are written (and read) by jax_mlpo
@@ -172,6 +160,16 @@ def main(spec: dict[str, Any]) -> None:
     params = make_params(dtype)
     opt_state = tx.init(params)
     print("init", flush=True)
+    with contextlib.ExitStack() as stack:
+        if spec.get("slow_writes"):
+            rng = random.Random(os.getpid())
+            plan = stack.enter_context(jax_mlpo.testing.tier_faults(opt_state, tier=None))
+            plan.delay("write", lambda: rng.uniform(0.0, spec["slow_writes"]), count=None)
+        _train_and_save(spec, tx, params, opt_state)
+
+
+def _train_and_save(spec: dict[str, Any], tx, params, opt_state) -> None:
+    """Restores the latest checkpoint if any, trains, saves, writes ``out``."""
     mngr = checkpoint.manager(spec["ckpt"], max_to_keep=2)
     start = 0
     if mngr.latest_step() is not None:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # its leaf shapes and specs; importing it also arms the hang watchdog, line-buffers stdout and
 # sizes XLA's CPU pools (before the first array)
 import mesh_worker as mw  # noqa: E402
-import test_transform as tt  # noqa: E402
+import parity as tt  # noqa: E402
 
 import jax_mlpo  # noqa: E402
 
@@ -69,7 +69,7 @@ def place(mesh_name: str, tree: dict) -> dict:
 def grads_of(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {k: (rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 0, s)).astype(DTYPE)
-            for k, s in tt.SHAPES.items()}  # fmt: skip
+            for k, s in mw.SHAPES.items()}  # fmt: skip
 
 
 def optimizer(root: Path, subgroup: int) -> optax.GradientTransformation:
@@ -99,7 +99,7 @@ def tier_of(root: Path, name: str) -> Path:
 
 def save(root: Path) -> None:
     tx = optimizer(tier_of(root, "tier"), 1024)
-    params = place("fsdp2x2", tt.make_params(DTYPE))
+    params = place("fsdp2x2", tt.make_params(DTYPE, mw.SHAPES))
     state = tx.init(params)
     for k in range(SAVED_AT):
         params, state = step("fsdp2x2", tx, params, state, k)
@@ -117,7 +117,7 @@ def save(root: Path) -> None:
 
 def restore(mesh_name: str, root: Path) -> None:
     tx = optimizer(tier_of(root, f"tier-{mesh_name}"), 700)
-    params = place(mesh_name, tt.make_params(DTYPE))
+    params = place(mesh_name, tt.make_params(DTYPE, mw.SHAPES))
     state = tx.init(params)
     manager = jax_mlpo.checkpoint.manager(root / "ckpt")
     at, params, state, _ = jax_mlpo.checkpoint.restore(manager, params, state)

@@ -59,12 +59,12 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import test_transform as tt  # noqa: E402
+import parity as tt  # noqa: E402
 
 import jax_mlpo  # noqa: E402
 
 # Leaf shapes that split over 2 and 4 on the dimensions their specs name.
-tt.SHAPES = {
+SHAPES = {
     "a_w": (64, 96),
     "b_v": (96, 40),
     "c_bias": (96,),
@@ -72,7 +72,7 @@ tt.SHAPES = {
     "e_odd": (3, 5),
     "f_row": (8, 96),
 }
-tt.NUM_PARAMS = sum(int(np.prod(s)) for s in tt.SHAPES.values())
+NUM_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())
 SPECS = {
     "data4": {"a_w": P("data"), "b_v": P(None, "data"), "c_bias": P("data"), "d_norm": P(),
               "e_odd": P(), "f_row": P(None, "data")},
@@ -98,7 +98,7 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
     else:
         tx = jax_mlpo.adamw(tt.SCHEDULE, weight_decay=0.1, mask=tt.no_decay_on_vectors,
                             offload=config, max_grad_norm=1.0)  # fmt: skip
-    params = jax_mlpo.distributed.place(tt.make_params(dtype), shardings)
+    params = jax_mlpo.distributed.place(tt.make_params(dtype, SHAPES), shardings)
     # what this process holds of each leaf, once per distinct shard (from jax's own shards)
     held = {k: {str(s.index): s.data.size for s in x.addressable_shards} for k, x in params.items()}
     distinct = sum(sum(sizes.values()) for sizes in held.values())
@@ -109,7 +109,7 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
 
         @nnx.jit
         def nnx_step(model, optimizer, i):
-            grads = nnx.grad(lambda m: tt.loss_fn({k: m[k][...] for k in tt.SHAPES}, i))(model)
+            grads = nnx.grad(lambda m: tt.loss_fn({k: m[k][...] for k in SHAPES}, i))(model)
             optimizer.update(model, grads)
 
         for i in range(tt.STEPS):
@@ -117,7 +117,7 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
         engine = jax_mlpo.engine_of(optimizer.opt_state)
         state_bytes = engine.layout.state_bytes
         jax_mlpo.close(optimizer.opt_state)
-        params = {k: model[k][...] for k in tt.SHAPES}
+        params = {k: model[k][...] for k in SHAPES}
     else:
         state = tx.init(params)
 
@@ -144,15 +144,15 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
         tiers = tiers / f"proc{jax.process_index()}"
     blobs = list(tiers.glob("state-*.blob"))
     on_tier = sum(struct.unpack_from("<8sQ", p.read_bytes(), -4096)[1] for p in blobs)
-    kept = {k: params[k].sharding.is_equivalent_to(shardings[k], params[k].ndim) for k in tt.SHAPES}
+    kept = {k: params[k].sharding.is_equivalent_to(shardings[k], params[k].ndim) for k in SHAPES}
     gather = multihost_utils.process_allgather
     got = {k: np.asarray(gather(v, tiled=True)) for k, v in params.items()}
-    tt.assert_matches_reference(got, dtype, clip_in_float32=clip == "inside")
+    tt.assert_matches_reference(got, dtype, clip_in_float32=clip == "inside", shapes=SHAPES)
     print(json.dumps({
         "state_bytes": state_bytes, "distinct_params": distinct, "per_elem": per_elem,
         "tier_bytes": on_tier, "params_keep_shardings": kept,
         "updates_keep_shardings": out_shardings, "devices": len(mesh.devices.flat),
-        "processes": jax.process_count(), "all_params": tt.NUM_PARAMS,
+        "processes": jax.process_count(), "all_params": NUM_PARAMS,
     }))  # fmt: skip
 
 

@@ -1,16 +1,23 @@
 """Launches a test worker on several local processes (jax.distributed on CPU) and checks they
-all exit cleanly, with the tail of each process's log in the failure message."""
+all exit cleanly, with the tail of each process's log in the failure message; the data-parallel
+job of tests/dist_worker.py run that way."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys
 from collections.abc import Callable
 
+import numpy as np
+
 from experiments.processes import free_port, run_local
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+DIST_WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
+STEPS = 20  # of the data-parallel job
+TIMEOUT_S = 80
 
 
 def run_workers(
@@ -33,3 +40,26 @@ def run_workers(
     assert run.codes is not None, f"timed out after {timeout_s} s\n" + text
     assert run.codes == [0] * nproc, f"exit codes {run.codes}\n" + text
     return run.elapsed_s
+
+
+def run_data_parallel(
+    nproc: int, base: pathlib.Path, mode: str = "plain", steps: int = STEPS
+) -> tuple[dict, list[dict], float]:
+    """tests/dist_worker.py's job on ``nproc`` processes (its MODE ``mode``) under ``base``.
+
+    Returns:
+      Process 0's final params (gathered), every process's JSON, and the seconds taken.
+    """
+    tiers, out = base / "tiers", base / "out"
+    tiers.mkdir(parents=True)
+    out.mkdir()
+    elapsed = run_workers(
+        DIST_WORKER,
+        nproc,
+        lambda k, port: [str(k), str(nproc), str(port), str(tiers), str(out), str(steps), mode],
+        base,
+        TIMEOUT_S,
+    )
+    params = dict(np.load(out / "params.npz"))
+    infos = [json.loads((out / f"proc{k}.json").read_text()) for k in range(nproc)]
+    return params, infos, elapsed

@@ -16,11 +16,14 @@ import hashlib
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from processes import run_workers
+from processes import ROOT, run_workers
 
+from experiments.processes import free_port
 from jax_mlpo import checkpoint
 
 WORKER = pathlib.Path(__file__).with_name("ckpt_dist_worker.py")
@@ -190,3 +193,49 @@ def test_a_manifest_missing_a_process_s_shard_is_refused(runs, tmp_path):
         checkpoint.CorruptCheckpointError, match="array tree/1/mu/3 do not cover it"
     ):
         checkpoint.OffloadCheckpointHandler().metadata(tmp_path)
+
+
+KILL_WORKER = pathlib.Path(__file__).with_name("ckpt_kill_worker.py")
+
+
+def test_a_process_killed_during_a_save_leaves_the_last_checkpoint(tmp_path):
+    """Process 1 of 2 dies (SIGKILL) while checkpoint 4 is being saved asynchronously; the job
+    is then stopped, as a launcher stops it. Checkpoint 3 is intact and the latest the manager
+    sees (4 was never published), and it restores, verified, onto 1 process with the params
+    the run had at step 3, bit for bit."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    spec = {"mode": "train", "ckpt": str(ckpt), "tier": str(tmp_path / "tier"), "out": str(out)}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    port = free_port()
+    logs = [open(tmp_path / f"log{k}.txt", "w+") for k in range(2)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen([sys.executable, str(KILL_WORKER), str(k), "2", str(port),
+                          json.dumps(spec)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        for k, log in enumerate(logs)
+    ]  # fmt: skip
+    try:
+        code1 = procs[1].wait(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:  # process 0 waits for process 1's part of the save: stop it
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    assert code1 == -9, texts[1][-3000:]  # killed, by itself, during the save of step 4
+    assert "SAVED" not in texts[0], texts[0][-3000:]  # process 0 never saw step 4 finish
+
+    mngr = checkpoint.manager(str(ckpt))
+    assert mngr.all_steps() == [3] and mngr.latest_step() == 3
+    mngr.close()
+    spec = {**spec, "mode": "restore", "tier": str(tmp_path / "tier-restore")}
+    run_workers(KILL_WORKER, 1, lambda k, port: [str(k), "1", str(port), json.dumps(spec)],
+                tmp_path, TIMEOUT_S)  # fmt: skip
+    with np.load(out / "saved.npz") as saved, np.load(out / "restored.npz") as restored:
+        assert int(restored["step"]) == 3
+        for name in saved.files:
+            np.testing.assert_array_equal(restored[name], saved[name], err_msg=name, strict=True)

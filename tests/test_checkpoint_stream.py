@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from test_checkpoint import (
+from checkpoint_job import (
     WORKER,
     assert_bits_equal,
     assert_states_equal,
@@ -31,7 +31,6 @@ from test_checkpoint import (
     run_worker,
     spec_for,
     start_job,
-    worker_env,  # noqa: F401 - a fixture
 )
 
 import jax_mlpo

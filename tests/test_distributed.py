@@ -8,40 +8,19 @@ checked on the merged request traces of two processes sharing a tier.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from processes import run_workers
+from processes import STEPS, run_data_parallel
 
 from jax_mlpo import distributed
 from jax_mlpo import step_metrics as metrics
 from jax_mlpo.step_metrics import StepMetrics
 
-WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
-STEPS = 20
-TIMEOUT_S = 80
 TIERS = ("fast", "slow")
-
-
-def _run(
-    nproc: int, base: pathlib.Path, mode: str = "plain", steps: int = STEPS
-) -> tuple[dict, list[dict], float]:
-    tiers, out = base / "tiers", base / "out"
-    tiers.mkdir(parents=True)
-    out.mkdir()
-    elapsed = run_workers(
-        WORKER,
-        nproc,
-        lambda k, port: [str(k), str(nproc), str(port), str(tiers), str(out), str(steps), mode],
-        base,
-        TIMEOUT_S,
-    )
-    params = dict(np.load(out / "params.npz"))
-    infos = [json.loads((out / f"proc{k}.json").read_text()) for k in range(nproc)]
-    return params, infos, elapsed
+_run = run_data_parallel
 
 
 def _state_file_bytes(directory: pathlib.Path) -> int:

@@ -4,9 +4,9 @@ overlap, and degenerate layouts."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +18,8 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import FileTier, OffloadConfig
+from jax_mlpo.leaves import HostLeaves
+from jax_mlpo.testing import tier_faults
 from jax_mlpo.types import AdamWHyper
 
 
@@ -308,16 +310,34 @@ def test_metrics_with_everything_cached(tmp_path, states):
 N_SUBGROUPS = 8
 OVERLAP_SUBGROUP = 32_768  # 256 KiB blobs (fp32: m and v)
 READ_S = 0.04  # per blob at the cap; a step moves 2 blobs (read + write) per subgroup
-KERNEL_S = 0.08  # per subgroup, slept in the kernel wrapper
+COMPUTE_S = 0.08  # per subgroup, slept between fetching its leaves and storing its update
+HYPER = AdamWHyper(bc1=0.1, bc2=0.001, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
 
 
 def intersection(a, b) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def overlap_step(tmp_path, depth, monkeypatch, states):
-    """One update over a bandwidth-capped tier with a slowed kernel; returns its metrics and the
-    read and kernel spans."""
+class SlowLeaves(HostLeaves):
+    """Host leaves whose every subgroup takes ``COMPUTE_S`` longer between :meth:`fetch` and
+    :meth:`store` (the kernel runs between them); records each subgroup's compute span."""
+
+    def __init__(self, grads, params, updates) -> None:
+        super().__init__(grads, params, updates)
+        self.spans: list[tuple[float, float]] = []
+        self._t0 = 0.0
+
+    def fetch(self, sg) -> None:
+        self._t0 = time.monotonic()
+        time.sleep(COMPUTE_S)
+
+    def store(self, sg) -> None:
+        self.spans.append((self._t0, time.monotonic()))
+
+
+def overlap_step(tmp_path, depth, states):
+    """One update over a bandwidth-capped tier with slowed compute; returns its metrics and the
+    read and compute spans."""
     blob = 8 * OVERLAP_SUBGROUP
     tier = FileTier(str(tmp_path / f"tier-depth{depth}"), bandwidth_cap=blob / READ_S, sync=False)
     config = OffloadConfig(
@@ -334,62 +354,53 @@ def overlap_step(tmp_path, depth, monkeypatch, states):
     engine = jax_mlpo.engine_of(state)
     assert engine.tier_of == [0] * N_SUBGROUPS and not engine.host_only
 
-    kernel_spans: list[tuple[float, float]] = []
-    real_kernel = engine._kernel
-
-    def slow_kernel(*args, **kwargs):  # one leaf: one segment, so one call, per subgroup
-        t0 = time.monotonic()
-        time.sleep(KERNEL_S)
-        real_kernel(*args, **kwargs)
-        kernel_spans.append((t0, time.monotonic()))
-
-    monkeypatch.setattr(engine, "_kernel", slow_kernel)
     for store in engine.tiers:
         store.trace = []
-    update = jax.jit(tx.update)
-    _, state = update({"w": jnp.ones_like(params["w"])}, state, params)
-    jax.block_until_ready(state)
+    flat = np.asarray(params["w"])
+    leaves = SlowLeaves([np.ones_like(flat)], [flat], [np.zeros_like(flat)])
+    engine.step_leaves(0, HYPER, leaves)  # one leaf: one segment per subgroup
     engine.drain()  # the last write-backs (write_behind) are in the trace too
     trace = [span for store in engine.tiers for span in store.trace]
     reads = {slot: (t0, t1) for kind, slot, t0, t1 in trace if kind == "read"}
     writes = [(t0, t1) for kind, _, t0, t1 in trace if kind == "write"]
-    assert len(kernel_spans) == N_SUBGROUPS
+    assert len(leaves.spans) == N_SUBGROUPS
     # every subgroup read once; all but the (depth + 2) the step ends with written back (the
     # next step, in the other order, starts with them)
     assert len(reads) == N_SUBGROUPS and len(writes) == N_SUBGROUPS - (depth + 2)
-    # the first step runs in ascending order: the n-th kernel call is subgroup n's
-    return engine.metrics[-1], [reads[i] for i in range(N_SUBGROUPS)], kernel_spans
+    # the first step runs in ascending order: the n-th compute span is subgroup n's
+    return engine.metrics[-1], [reads[i] for i in range(N_SUBGROUPS)], leaves.spans
 
 
-def test_io_overlaps_compute_with_prefetch(tmp_path, monkeypatch, states):
-    metrics, reads, kernels = overlap_step(tmp_path, 2, monkeypatch, states)
-    overlapped = sum(any(intersection(r, k) > 0 for k in kernels) for r in reads)
-    assert overlapped > N_SUBGROUPS // 2, f"only {overlapped} reads overlap the kernel"
-    # prefetched: every read began before the previous subgroup's kernel ended, so reads hide
+def test_io_overlaps_compute_with_prefetch(tmp_path, states):
+    metrics, reads, computes = overlap_step(tmp_path, 2, states)
+    overlapped = sum(any(intersection(r, c) > 0 for c in computes) for r in reads)
+    assert overlapped > N_SUBGROUPS // 2, f"only {overlapped} reads overlap the compute"
+    # prefetched: every read began before the previous subgroup's compute ended, so reads hide
     # behind compute instead of following it (without prefetch each begins after it ended:
-    # test_no_overlap_without_prefetch). Not "before that kernel began": with 4 buffers a read
-    # two ahead waits for a write-back's buffer and is issued just before that kernel starts,
-    # and on a loaded machine its I/O thread started 54 us after the kernel (a CI failure).
+    # test_no_overlap_without_prefetch). Not "before that compute began": with 4 buffers a read
+    # two ahead waits for a write-back's buffer and is issued just before that compute starts,
+    # and on a loaded machine its I/O thread may start after it.
     for i in range(1, N_SUBGROUPS):
-        assert reads[i][0] < kernels[i - 1][1], (i, reads[i], kernels[i - 1])
+        assert reads[i][0] < computes[i - 1][1], (i, reads[i], computes[i - 1])
 
 
-def test_no_overlap_without_prefetch(tmp_path, monkeypatch, states):
-    metrics, reads, kernels = overlap_step(tmp_path, 0, monkeypatch, states)
+def test_no_overlap_without_prefetch(tmp_path, states):
+    metrics, reads, computes = overlap_step(tmp_path, 0, states)
     for r in reads:
-        for k in kernels:
-            assert intersection(r, k) == 0, (r, k)
-    # serial: each read began only after the previous subgroup's kernel had finished
+        for c in computes:
+            assert intersection(r, c) == 0, (r, c)
+    # serial: each read began only after the previous subgroup's compute had finished
     for i in range(1, N_SUBGROUPS):
-        assert reads[i][0] >= kernels[i - 1][1], (i, reads[i], kernels[i - 1])
+        assert reads[i][0] >= computes[i - 1][1], (i, reads[i], computes[i - 1])
 
 
 # -- write-behind -------------------------------------------------------------------------------
 
 
 def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settle: bool = False):
-    """Updates over a capped tier (10 ms per blob); returns the engine, state, params and the
-    number of write-backs still in flight when each update returned. ``settle`` lets them
+    """Updates over a capped tier (10 ms per blob); returns the engine, state, params, the
+    number of write-backs still in flight when each update returned and each update's trace
+    of tier requests (those that finished after it returned included). ``settle`` lets them
     finish before the next update, as a forward and backward pass would.
 
     Nothing is retained: with retention (alternating order) a step ends with every buffer
@@ -412,42 +423,34 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
     state = tx.init(params)
     states.append(state)
     engine = jax_mlpo.engine_of(state)
+    store = engine.tiers[0]
     update = jax.jit(tx.update)
+    in_flight, traces = [], []
     # With write-behind, the write-back of each step's last subgroup is held until the update
     # has returned and been counted: nothing in the step waits for it, so an update that did
     # wait would hang (10 s, then fail the count), and one that did not returns with it in
     # flight whatever the machine's load.
-    held: dict[int, threading.Event] = {}
-    if write_behind:
-        blobs = engine.tiers[0]._blobs
-        real_write = blobs.write
-
-        def held_write(slot, kind, data):
-            gate = held.get(slot)
-            if gate is not None:
-                gate.wait(10)
-            return real_write(slot, kind, data)
-
-        blobs.write = held_write
-    in_flight = []
-    for step in range(steps):
-        last = N_SUBGROUPS - 1 if step % 2 == 0 else 0  # the alternating order's last
-        gate = held.setdefault(last, threading.Event())
-        updates, state = update(grads_for(params, step), state, params)
-        jax.block_until_ready(updates)
-        in_flight.append(sum(not w.future.done() for w in engine.pool.writes))
-        del held[last]
-        gate.set()
-        if settle:
-            concurrent.futures.wait([w.future for w in engine.pool.writes])
-        params = optax.apply_updates(params, updates)
-    return engine, state, params, in_flight
+    with tier_faults(engine) as plan:
+        for step in range(steps):
+            last = N_SUBGROUPS - 1 if step % 2 == 0 else 0  # the alternating order's last
+            if write_behind:
+                plan.hang("write", slot=last, limit_s=10)
+            store.trace = []  # with settle, the last update's write-backs are in the last
+            traces.append(store.trace)
+            updates, state = update(grads_for(params, step), state, params)
+            jax.block_until_ready(updates)
+            in_flight.append(sum(not w.future.done() for w in engine.pool.writes))
+            plan.release()
+            if settle:
+                concurrent.futures.wait([w.future for w in engine.pool.writes])
+            params = optax.apply_updates(params, updates)
+    return engine, state, params, in_flight, traces
 
 
 def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_path, states):
-    engine, state, params, in_flight = write_behind_run(tmp_path, True, states)
+    engine, state, params, in_flight, _ = write_behind_run(tmp_path, True, states)
     assert min(in_flight) >= 1, in_flight  # the update returned with write-backs in flight
-    want_engine, want_state, want, waited = write_behind_run(tmp_path, False, states)
+    want_engine, want_state, want, waited, _ = write_behind_run(tmp_path, False, states)
     assert waited == [0, 0, 0]
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(want["w"]))
     # the state (state_dict waits for the writes) is the same bit for bit
@@ -461,7 +464,7 @@ def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_pat
 def test_write_behind_bytes_count_in_the_update_that_issued_them(tmp_path, states):
     """Write-backs that finish after their update returned (here: all of them, before the next
     update or the drain starts) are in that update's figures, as if it had waited for them."""
-    engine, *_, in_flight = write_behind_run(tmp_path, True, states, steps=4, settle=True)
+    engine, _, _, in_flight, traces = write_behind_run(tmp_path, True, states, 4, settle=True)
     assert min(in_flight) >= 1, in_flight
     engine.drain()
     want_engine, *_ = write_behind_run(tmp_path, False, states, steps=4)
@@ -473,8 +476,21 @@ def test_write_behind_bytes_count_in_the_update_that_issued_them(tmp_path, state
         assert moved(engine, kind) == moved(want_engine, kind), kind
     blob = 8 * OVERLAP_SUBGROUP  # every step writes every subgroup (nothing retained)
     assert moved(engine, "bytes_written") == [N_SUBGROUPS * blob] * 4
+    # each update's busy time is the time its own requests were in flight, late ones included
     busy = [sum(m.tier_busy_s.values()) for m in engine.metrics]
-    assert min(busy) >= N_SUBGROUPS * 0.01 * 0.9, busy  # 10 ms per blob written
+    in_flight_s = [union_length([(t0, t1) for *_, t0, t1 in trace]) for trace in traces]
+    assert [len(trace) for trace in traces] == [2 * N_SUBGROUPS] * 4  # every read and write
+    assert busy == pytest.approx(in_flight_s, rel=1e-9, abs=1e-9)
+
+
+def union_length(spans) -> float:
+    """The length of the union of ``(start, end)`` spans."""
+    total, reach = 0.0, -np.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
@@ -493,23 +509,17 @@ def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
     states.append(state)
     engine = jax_mlpo.engine_of(state)
     store = engine.tiers[0]
-    release = threading.Event()
-    real_write = store._blobs.write
-
-    def failing_write(slot, kind, data):  # the step's last write-backs hang, then fail
-        if slot < N_SUBGROUPS // 2:
-            return real_write(slot, kind, data)
-        release.wait(10)
-        raise OSError(5, "Input/output error")
-
-    store._blobs.write = failing_write
     update = jax.jit(tx.update)
-    updates, state = update(grads_for(params, 0), state, params)
-    jax.block_until_ready(updates)  # returned while its last write-backs are in flight
-    assert any(not w.future.done() for w in engine.pool.writes)
-    release.set()
-    with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
-        jax.block_until_ready(update(grads_for(params, 1), state, params))
+    with tier_faults(state) as plan:
+        for slot in range(N_SUBGROUPS // 2, N_SUBGROUPS):  # the step's last write-backs
+            plan.hang("write", slot=slot, limit_s=10).fail("write", slot=slot, errno=errno.EIO)
+        updates, state = update(grads_for(params, 0), state, params)
+        jax.block_until_ready(updates)  # returned while its last write-backs are in flight
+        assert any(not w.future.done() for w in engine.pool.writes)
+        plan.release()
+        with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
+            jax.block_until_ready(update(grads_for(params, 1), state, params))
+    assert "hung+failed" in plan.outcomes("write")
     with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
         engine.state_dict()
 
@@ -573,21 +583,13 @@ def test_a_tier_that_stops_answering_times_out(tmp_path, states):
     params = make_params(jnp.float32)
     state = tx.init(params)
     states.append(state)
-    store = jax_mlpo.engine_of(state).tiers[0]
-    hang = threading.Event()
-    original = store._read
-
-    def hanging_read(*args):
-        hang.wait(5)  # a file system that stops answering
-        return original(*args)
-
-    store._read = hanging_read
     grads = jax.tree.map(jnp.ones_like, params)
-    t0 = time.monotonic()
-    with pytest.raises(Exception, match="did not complete a request within io_timeout_s=0.5"):
-        jax.block_until_ready(jax.jit(tx.update)(grads, state, params))
-    assert time.monotonic() - t0 < 4
-    hang.set()
+    with tier_faults(state) as plan:
+        plan.hang("read", limit_s=10)  # a file system that stops answering
+        with pytest.raises(Exception, match="did not complete a request within io_timeout_s=0.5"):
+            jax.block_until_ready(jax.jit(tx.update)(grads, state, params))
+        # the update gave up while the read was still held, not when it came back
+        assert plan.hanging == 1 and plan.outcomes("read").count("hung") == 1
 
 
 def test_load_state_dict_leaves_no_stale_subgroup_in_host_memory(tmp_path, states):

@@ -280,16 +280,27 @@ def test_multi_steps_matches_optax_with_one_host_update_per_k(k, tmp_path):
     jax_mlpo.close(states["got"])
 
 
-def test_multi_steps_accumulator_in_the_params_dtype(tmp_path):
+@pytest.mark.parametrize("acc_dtype", [None, jnp.float32], ids=["default", "float32"])
+def test_multi_steps_accumulates_as_optax_in_its_dtype(acc_dtype, tmp_path):
     """The accumulator is in the params' dtype by default (bfloat16 for a bfloat16 model), in
-    float32 when asked, as optax.MultiSteps's accumulator_dtype."""
-    params = {"w": jnp.ones((16, 16), jnp.bfloat16)}
-    inner = jax_mlpo.adamw(1e-3, offload=_config(tmp_path / "tier"))
-    state = jax_mlpo.MultiSteps(inner, every_k_schedule=4).init(params)
-    assert state.acc_grads["w"].dtype == jnp.bfloat16
-    wide = jax_mlpo.MultiSteps(inner, 4, accumulator_dtype=jnp.float32).init(params)
-    assert wide.acc_grads["w"].dtype == jnp.float32
-    jax_mlpo.close((state, wide))
+    float32 when asked: either way, between applied steps it holds optax.MultiSteps's
+    accumulator of the same dtype, bit for bit (a float32 one is not rounded to bfloat16)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 4096, dtype=jnp.bfloat16).reshape(64, 64)}
+    want_dtype = jnp.bfloat16 if acc_dtype is None else acc_dtype
+    want_tx = optax.MultiSteps(optax.adamw(1e-3), 4, accumulator_dtype=want_dtype)
+    config = dataclasses.replace(_config(tmp_path / "tier"), host_cache="1MiB")
+    inner = jax_mlpo.adamw(1e-3, offload=config)
+    tx = jax_mlpo.MultiSteps(inner, every_k_schedule=4, accumulator_dtype=acc_dtype)
+    state, want = tx.init(params), want_tx.init(params)
+    assert state.acc_grads["w"].dtype == want_dtype
+    for i in range(3):  # micro-steps that only accumulate
+        grads = {"w": (jnp.sin(params["w"] * (i + 3)) / (i + 1)).astype(jnp.bfloat16)}
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        _, want = jax.jit(want_tx.update)(grads, want, params)
+        assert not np.any(np.asarray(updates["w"], np.float32))
+        np.testing.assert_array_equal(state.acc_grads["w"], want.acc_grads["w"], strict=True)
+    assert len(jax_mlpo.metrics(state)) == 0  # no host update yet
+    jax_mlpo.close(state)
 
 
 def test_optax_multi_steps_refusal_names_the_replacement(tmp_path):

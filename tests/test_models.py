@@ -1,7 +1,7 @@
 """Tests for models/: shapes, parameter counts, causality, GQA, RoPE, dtypes and remat."""
 
 import math
-import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +58,9 @@ def test_param_count_matches_instantiated_model(config):
 
 
 def test_param_count_of_large_presets_is_analytic_and_near_the_name():
-    start = time.perf_counter()
-    counts = {name: param_count(cfg) for name, cfg in PRESETS.items()}
-    assert time.perf_counter() - start < 1.0
+    # analytic: no model is built, not even abstractly
+    with mock.patch.object(Llama, "__init__", side_effect=AssertionError("a model was built")):
+        counts = {name: param_count(cfg) for name, cfg in PRESETS.items()}
     # Independent references: Meta's LLaMA-1 7B / 13B and TinyLlama-1.1B have these exact sizes.
     assert counts["7B"] == 6_738_415_616
     assert counts["13B"] == 13_015_864_320

@@ -15,13 +15,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from helpers import (
+    B1,
+    B2,
+    EPS,
+    LR,
+    assert_bits_equal,
+    bits,
+    isas,
+    make_hyper,
+    problem,
+    view,
+)
 
 from jax_mlpo import native
 from jax_mlpo.kernels import adamw_step_reference
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
-LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
-STEPS = 10
 SIZES = (1, 7, 22, 64, 1000, 1048577)
 MODES = (
     # fp32 params: the kernel returns the update, the caller applies it.
@@ -41,50 +51,6 @@ jax.monitoring.register_event_duration_secs_listener(
 )
 
 
-def bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize])
-
-
-def assert_bits_equal(actual, expected, what: str = "") -> None:
-    a, e = bits(actual), bits(expected)
-    bad = np.flatnonzero(a != e)
-    assert bad.size == 0, f"{what}: {bad.size} elements differ, first at {bad[:5]}"
-
-
-def view(n: int, dtype=F32, fill=0.0) -> np.ndarray:
-    """An n-element view at an odd offset into a larger buffer (unaligned, not its own base)."""
-    buf = np.full(n + 5, fill, dtype)
-    return buf[3 : 3 + n]
-
-
-@functools.cache
-def _bias_corrections(count: int) -> tuple[float, float]:
-    # As optax computes them: 1 - b**count in float32 by XLA.
-    bc = _bias_corrections_jit(jnp.int32(count))
-    return float(bc[0]), float(bc[1])
-
-
-_bias_corrections_jit = jax.jit(lambda c: (1 - B1**c, 1 - B2**c))
-
-
-def _hyper(count: int, wd: float, grad_scale: float = 1.0) -> AdamWHyper:
-    bc1, bc2 = _bias_corrections(count)
-    return AdamWHyper(bc1, bc2, LR, B1, B2, EPS, wd, grad_scale)
-
-
-@functools.cache
-def _problem(n: int, grad_bf16: bool):
-    rng = np.random.default_rng(n)
-    p0 = rng.standard_normal(n).astype(F32)
-    grads = [(rng.standard_normal(n) * 0.1).astype(F32) for _ in range(STEPS)]
-    if grad_bf16:
-        grads = [g.astype(BF16) for g in grads]
-    for g in grads:
-        g.setflags(write=False)  # gradients may be read-only (np.asarray of a jax.Array)
-    return p0, grads
-
-
 @functools.cache
 def _optax_step(wd: float):
     optax = pytest.importorskip("optax")  # after the bitwise checks, which need only numpy
@@ -100,7 +66,7 @@ def _optax_step(wd: float):
 
 @functools.cache
 def _optax_params(n: int, grad_bf16: bool, wd: float) -> np.ndarray:
-    p0, grads = _problem(n, grad_bf16)
+    p0, grads = problem(n, grad_bf16)
     opt, step = _optax_step(wd)
     p = jnp.asarray(p0)
     state = opt.init(p)
@@ -140,10 +106,10 @@ class _Segment:
 @pytest.mark.parametrize("grad_bf16", [False, True], ids=["g_f32", "g_bf16"])
 @pytest.mark.parametrize("n", SIZES)
 def test_adamw_matches_reference_and_optax(n, grad_bf16, wd, mode):
-    p0, grads = _problem(n, grad_bf16)
+    p0, grads = problem(n, grad_bf16)
     got, want = _Segment(p0), _Segment(p0)
     for t, g in enumerate(grads, start=1):
-        hyper = _hyper(t, wd)
+        hyper = make_hyper(t, wd)
         got.step(native.adamw_step, g, hyper, mode)
         want.step(adamw_step_reference, g, hyper, mode)
         for k in ("m", "v", "u", "p", "pb"):
@@ -161,13 +127,13 @@ def test_adamw_matches_reference_and_optax(n, grad_bf16, wd, mode):
 def test_bf16_update_matches_reference_and_jnp(n, wd):
     """The update in the params' dtype, bf16(p32_new) - p_bf16, as jnp computes it in bfloat16,
     and apply_updates of it lands on bf16(p32_new) wherever the two are within 2x (Sterbenz)."""
-    p0, grads = _problem(n, True)
+    p0, grads = problem(n, True)
     dev = p0.astype(BF16)
     state = {k: [view(n), view(n), view(n)] for k in ("got", "want")}
     for k in state:
         state[k][2][...] = p0
     for t, g in enumerate(grads, start=1):
-        hyper = _hyper(t, wd)
+        hyper = make_hyper(t, wd)
         outs = {}
         for k, kernel in (("got", native.adamw_step), ("want", adamw_step_reference)):
             m, v, p = state[k]
@@ -192,12 +158,12 @@ def test_bf16_update_matches_reference_and_jnp(n, wd):
 @pytest.mark.parametrize("n", [7, 1000, 1048577])
 def test_update_may_overwrite_its_gradient(n, mode):
     """update_out is the gradient's own buffer (XLA aliases them): the same bits as apart."""
-    p0, grads = _problem(n, mode != "update")
+    p0, grads = problem(n, mode != "update")
     g = grads[0]
     out_dtype = BF16 if mode == "delta_bf16" else F32
     if mode == "delta":  # f32 update from bf16 gradients cannot share their buffer: f32 grads
         g = g.astype(F32)
-    hyper = _hyper(1, 0.1)
+    hyper = make_hyper(1, 0.1)
     dev = p0.astype(BF16)
     results = {}
     for where in ("apart", "in_place"):
@@ -219,9 +185,9 @@ def test_update_overlapping_its_gradient_elsewhere_is_refused():
     buf = np.zeros(100, F32)
     m, v, p = np.zeros(64, F32), np.zeros(64, F32), np.zeros(64, F32)
     with pytest.raises(ValueError, match="overlap"):
-        native.adamw_step(m, v, buf[:64], p, buf[1:65], _hyper(1, 0.0))
+        native.adamw_step(m, v, buf[:64], p, buf[1:65], make_hyper(1, 0.0))
     with pytest.raises(ValueError, match="bfloat16"):
-        native.adamw_step(m, v, buf[:64], p, np.zeros(64, BF16), _hyper(1, 0.0))
+        native.adamw_step(m, v, buf[:64], p, np.zeros(64, BF16), make_hyper(1, 0.0))
 
 
 def test_adamw_grad_scale_and_special_values():
@@ -290,11 +256,11 @@ def test_bf16_to_f32_matches_jnp_astype():
 
 
 def _one_step(n: int) -> list[np.ndarray]:
-    p0, grads = _problem(n, True)
+    p0, grads = problem(n, True)
     arrays = [np.full(n, 0.01, F32), np.full(n, 0.02, F32), p0.copy(), np.empty(n, F32),
               np.empty(n, BF16)]  # fmt: skip
     m, v, p, u, pb = arrays
-    native.adamw_step(m, v, grads[0], p, u, _hyper(1, 0.1), update_param=True,
+    native.adamw_step(m, v, grads[0], p, u, make_hyper(1, 0.1), update_param=True,
                       delta_base=p0.astype(BF16), param_bf16_out=pb)  # fmt: skip
     return arrays
 
@@ -308,16 +274,11 @@ def test_results_do_not_depend_on_threads_or_isa():
             for a, e in zip(_one_step(n), want, strict=True):
                 assert_bits_equal(a, e, f"{threads} threads")
         native.set_num_threads(None)
-        for name in ("base", "avx2", "avx512"):
-            try:
-                native.set_isa(name)
-            except ValueError:
-                continue  # not on this CPU
+        for name in isas():
             for a, e in zip(_one_step(n), want, strict=True):
                 assert_bits_equal(a, e, name)
     finally:
         native.set_num_threads(None)
-        native.set_isa(None)
 
 
 def test_concurrent_callers_and_fork():
@@ -444,7 +405,7 @@ def test_ffi_copy_rejects_a_small_host_buffer():
 
 def _err_cases():
     n = 8
-    hyper = _hyper(1, 0.0)
+    hyper = make_hyper(1, 0.0)
     f, b = np.zeros(n, F32), np.zeros(n, BF16)
     ro = np.zeros(n, F32)
     ro.setflags(write=False)
@@ -488,7 +449,8 @@ def test_bad_inputs_raise_clear_errors(fn, match):
 def test_ffi_adamw_rejects_bad_grad_dtype():
     x = jax.device_put(jnp.zeros(8, jnp.float32), CPU)
     with pytest.raises(Exception, match="grad must be float32 or bfloat16"):
-        native.adamw_update(x, x, x.astype(jnp.float16), x, _hyper(1, 0.0))[0].block_until_ready()
+        step = native.adamw_update(x, x, x.astype(jnp.float16), x, make_hyper(1, 0.0))
+        step[0].block_until_ready()
 
 
 # ---- CUDA (only on a GPU machine) ---------------------------------------------------------------

@@ -14,11 +14,12 @@ import numpy as np
 import optax
 import pytest
 import tensorstore as ts
-from test_transform import assert_matches_reference, offloaded_adamw, run_offloaded
+from parity import assert_matches_reference, offloaded_adamw, run_offloaded
 
 import jax_mlpo
 from experiments.s3_server import S3Server, dummy_credentials, free_port
 from jax_mlpo.step_metrics import shared_tier_path
+from jax_mlpo.testing import tier_faults
 from jax_mlpo.tiers.kvstore import LOCK_KEY
 
 SUBGROUP = 131_072
@@ -148,6 +149,7 @@ def test_a_flipped_byte_in_a_stored_value_is_detected(server, tmp_path):
     with pytest.raises(Exception, match=rf"state-{victim}.blob: the value fails its crc32c"):
         jax.block_until_ready(update({"w": jnp.ones_like(params["w"])}, state, params))
     assert engine.failed
+    jax_mlpo.close(state)
 
 
 def test_a_missing_bucket_fails_at_init_naming_it(server, tmp_path):
@@ -216,16 +218,11 @@ def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(se
         mngr = jax_mlpo.checkpoint.manager(str(tmp_path / "ckpt"), max_to_keep=1)
         jax_mlpo.checkpoint.save(mngr, 2, params, state, {"step": 2})
         mngr.wait_until_finished()
-        s3_store = jax_mlpo.engine_of(state).tiers[1]
-        real_read = s3_store._blobs.read
-
-        def read_then_lose_the_server(slot, kind, out):
-            lost.kill()
-            return real_read(slot, kind, out)
-
-        s3_store._blobs.read = read_then_lose_the_server
-        with pytest.raises(Exception, match=f"the endpoint {lost.endpoint} is unreachable"):
-            jax.block_until_ready(update(grads[2], state, params))
+        with tier_faults(state, tier=1) as plan:  # the object tier's first read loses it
+            plan.on("read", lost.kill)
+            with pytest.raises(Exception, match=f"the endpoint {lost.endpoint} is unreachable"):
+                jax.block_until_ready(update(grads[2], state, params))
+        assert plan.outcomes("read")[0] == "called"
         assert jax_mlpo.engine_of(state).failed
         jax_mlpo.close(state)
     finally:
@@ -332,7 +329,7 @@ def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, t
     state = tx.init(params)
     engine = jax_mlpo.engine_of(state)
     assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
-    engine.tiers[1]._bucket.rate = 1e6
+    engine.tiers[1].set_bandwidth_cap(1e6)
     update = jax.jit(tx.update)
     for _ in range(6):
         updates, state = update({"w": jnp.full(n * sub, 0.1)}, state, params)
@@ -345,7 +342,7 @@ def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, t
 def test_two_processes_each_use_their_own_prefix(server, tmp_path, monkeypatch):
     """A data-parallel run on 2 processes with a disk tier and an object tier gives the
     1-process run's params (test_distributed's worker), each process under its own prefix."""
-    from test_distributed import _run
+    from processes import run_data_parallel as _run
 
     bucket = server.bucket()
     monkeypatch.setenv("JAX_MLPO_TEST_S3_ENDPOINT", server.endpoint)

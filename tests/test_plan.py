@@ -1,6 +1,6 @@
-"""The dry run's plan is the engine's: for every shipped config, ``pretrain.py --dry-run``'s host
-buffers, retained subgroups and tier split equal what jax_mlpo's engine builds for the same
-state.
+"""The dry run's plan is what the engine does: for every shipped config, ``pretrain.py
+--dry-run``'s host memory, retained subgroups and tier split against what jax_mlpo's engine is
+seen to allocate, hit and write for the same state.
 
 Each config keeps its order, retention, placement, prefetch depth and tier count; its model
 becomes the tiny preset (in the config's parameter dtype), its subgroup size is scaled so the
@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -56,34 +57,42 @@ def _scaled(path: Path, tmp_path: Path) -> RunConfig:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_dry_run_plan_is_the_engines(path, tmp_path):
+def test_dry_run_plan_is_what_the_engine_does(path, tmp_path):
+    """The dry run's figures against what the engine is seen to do: the host memory its buffers
+    take, the cache hits of its second update (the subgroups retained across the first), and
+    the subgroup blobs each tier directory holds."""
     cfg = _scaled(path, tmp_path)
     full = memory_plan(load_config(str(path), [f"run_dir={tmp_path / 'full'}"]), 1)
     plan = memory_plan(cfg, 1)
     assert plan.host.problem is None, plan.host.problem
     assert (plan.host.buffers, plan.host.minimum) == (full.host.buffers, full.host.minimum)
     report = dry_run(cfg, 1)
+    assert report["problem"] is None
+    if report["tiers"]:  # the pipeline: the subgroup updated, the one written back, and reads
+        tiers = len(cfg.offload.tiers)
+        assert report["pipeline_buffers"] == cfg.offload.prefetch_depth * tiers + 2
     dtype = jnp.bfloat16 if plan.param_dtype == "bfloat16" else jnp.float32
     params = {"w": jnp.zeros(plan.params_per_process, dtype)}  # the model's size, one leaf
-    state = jax_mlpo.adamw(1e-3, offload=cfg.offload).init(params)
+    tx = jax_mlpo.adamw(1e-3, offload=cfg.offload)
+    state = tx.init(params)
     try:
-        engine = jax_mlpo.engine_of(state)
-        assert engine.plan == plan.host
-        assert engine.split == plan.split
+        assert jax_mlpo.engine_of(state).host_bytes == report["engine_host_bytes"]
+        update = jax.jit(tx.update)
+        for _ in range(2):
+            _, state = update(jax.tree.map(jnp.ones_like, params), state, params)
+        hits = [m.cache_hits for m in jax_mlpo.metrics(state)]
     finally:
-        jax_mlpo.close(state)
-    assert report["pipeline_buffers"] == engine.plan.minimum
-    assert report["retained_subgroups"] == engine.plan.retained
-    assert report["engine_host_bytes"] == engine.plan.host_bytes
-    assert report["problem"] == engine.plan.problem
-    if engine.split is None:
-        assert report["tiers"] == {}
+        jax_mlpo.close(state)  # every subgroup's blob on its tier
+    subgroups = report["subgroups_per_process"]
+    if not report["tiers"]:  # all in host memory: every subgroup a hit, every step
+        assert hits == [subgroups, subgroups]
         return
-    assert list(report["tiers"]) == [t.path for t in engine.plan.tiers]
-    for k, tier in enumerate(engine.plan.tiers):
-        shown = report["tiers"][tier.path]
-        assert shown["subgroups"] == engine.split.counts[k]
-        assert shown["retained"] == engine.split.retained[k]
+    assert hits == [0, report["retained_subgroups"]]
+    assert list(report["tiers"]) == [t.path for t in cfg.offload.tiers]
+    for path, shown in report["tiers"].items():
+        blobs = list(Path(path).glob("state-*"))
+        assert len(blobs) == shown["subgroups"], (path, sorted(b.name for b in blobs))
+    assert sum(shown["subgroups"] for shown in report["tiers"].values()) == subgroups
 
 
 def test_alternate_order_keeps_every_buffer():

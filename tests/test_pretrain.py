@@ -294,14 +294,14 @@ def test_a_failed_process_stops_the_job_at_once(data_cache, tmp_path):
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
     nvme.mkdir()
     pfs.mkdir()
-    t0 = time.monotonic()
     done, run_dir = _single_node(2, "failing", nvme, pfs, data_cache, check=False,
                                  python=str(python))  # fmt: skip
-    elapsed = time.monotonic() - t0
     rank1 = (run_dir / "rank1.log").read_text()
     assert done.returncode != 0 and "injected failure of process 1 at step 3" in rank1
     assert "process 1 of 2 exits with status 1, not waiting for the others" in rank1, rank1
-    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"  # jax's heartbeat: 100 s
+    # the launcher saw process 1 exit and stopped process 0 (rather than process 0 finding out
+    # from jax.distributed's heartbeat, 100 s later)
+    assert "single_node.sh: a process failed; stopping the others" in done.stderr, done.stderr
     steps = [r["step"] for r in report.load_metrics(run_dir / "metrics-offload.jsonl")]
     assert steps == [1, 2]
 
@@ -411,7 +411,6 @@ def test_datasets_from_text_and_token_files(tmp_path):
 def test_dry_run_280b_on_64_processes(tmp_path, caplog):
     caplog.set_level("INFO")
     run_dir = tmp_path / "never-created"
-    t0 = time.perf_counter()
     plan = pretrain.main(
         [
             "--config",
@@ -425,7 +424,6 @@ def test_dry_run_280b_on_64_processes(tmp_path, caplog):
             "--dry-run",
         ]
     )
-    assert time.perf_counter() - t0 < 10
     n = param_count(get_preset("280B"))
     assert plan["params"] == n > 2.7e11
     assert plan["params_per_process"] == math.ceil(n / 64)

@@ -8,28 +8,17 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import parity as tt
 import pytest
-import test_transform as tt
-from test_native import _hyper, _problem, assert_bits_equal, view
+from helpers import assert_bits_equal, isas, view
+from helpers import make_hyper as _hyper
+from helpers import problem as _problem
 
 import jax_mlpo
 from jax_mlpo import kernels, native
 from jax_mlpo.native.quantize import q8_decode, q8_encode
 from jax_mlpo.quantize import BLOCK, Quantized, decode_reference, encode_reference, num_blocks
 from jax_mlpo.types import BF16, F32
-
-
-def isas():
-    """Each instruction set this CPU and build offer, set in turn (the best one again after)."""
-    try:
-        for isa in ("base", "avx2", "avx512"):
-            try:
-                native.set_isa(isa)
-            except ValueError:
-                continue
-            yield isa
-    finally:
-        native.set_isa(None)
 
 
 def empty_q8(n: int) -> Quantized:

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import parity as tt
 import pytest
-import test_transform as tt
-from test_native import _hyper, _problem, assert_bits_equal, view
+from helpers import assert_bits_equal, isas, view
+from helpers import make_hyper as _hyper
+from helpers import problem as _problem
 
 import jax_mlpo
 from jax_mlpo import native
@@ -33,20 +35,13 @@ def test_native_equals_the_reference_on_every_isa(n, grad_bf16, moments):
     want_u = view(n)
     for t, g in enumerate(grads[:3], start=1):
         adamw_step_reference(want_m, want_v, g, p0, want_u, _hyper(t, 0.1))
-    try:
-        for isa in ("base", "avx2", "avx512"):
-            try:
-                native.set_isa(isa)
-            except ValueError:
-                continue  # not on this CPU
-            m, v, u = view(n, moments[0]), view(n, moments[1]), view(n)
-            for t, g in enumerate(grads[:3], start=1):
-                native.adamw_step(m, v, g, p0, u, _hyper(t, 0.1))
-            for got, want, name in ((m, want_m, "m"), (v, want_v, "v"), (u, want_u, "u")):
-                assert got.dtype == want.dtype
-                assert_bits_equal(got, want, f"{name} on {isa}")
-    finally:
-        native.set_isa(None)
+    for isa in isas():
+        m, v, u = view(n, moments[0]), view(n, moments[1]), view(n)
+        for t, g in enumerate(grads[:3], start=1):
+            native.adamw_step(m, v, g, p0, u, _hyper(t, 0.1))
+        for got, want, name in ((m, want_m, "m"), (v, want_v, "v"), (u, want_u, "u")):
+            assert got.dtype == want.dtype
+            assert_bits_equal(got, want, f"{name} on {isa}")
 
 
 def test_the_kernel_stores_optax_mu_bit_for_bit():
@@ -196,7 +191,7 @@ def test_checkpoints_resume_narrow_moments_exactly_and_restore_across_dtypes(kin
     narrow ones are rounded to nearest. The manifest says which dtype the engine kept each
     array in."""
     import crash_worker as job
-    from test_checkpoint import assert_states_equal, logical_state, spec_for, start_job
+    from checkpoint_job import assert_states_equal, logical_state, spec_for, start_job
 
     from jax_mlpo import checkpoint
 

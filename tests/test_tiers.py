@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from jax_mlpo.config import FileTier
-from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError, TokenBucket
+from jax_mlpo.testing import tier_faults
+from jax_mlpo.tiers.file import (
+    CorruptBlobError,
+    FileTierStore,
+    NodeTokenBucket,
+    TierIOError,
+    TokenBucket,
+)
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
 from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.submit import ALIGN, aligned_empty
@@ -416,12 +423,14 @@ def test_reads_are_served_before_queued_writes(engine, tmp_path):
         for f in [store.write(s, np.full(n, s, np.float32)) for s in range(slots, 2 * slots)]:
             f.result()
         store.trace = []
-        writes = [store.write(s, np.full(n, s, np.float32)) for s in range(slots)]
-        time.sleep(0.001)
-        outs = [np.empty(n, np.float32) for _ in range(2)]
-        reads = [store.read(slots + s, out) for s, out in enumerate(outs)]
-        for f in writes + reads:
-            f.result()
+        with tier_faults(store) as plan:  # no faults: it records the requests as they start
+            writes = [store.write(s, np.full(n, s, np.float32)) for s in range(slots)]
+            plan.wait_for(slots, op="write")  # every write has started its I/O
+            outs = [np.empty(n, np.float32) for _ in range(2)]
+            reads = [store.read(slots + s, out) for s, out in enumerate(outs)]
+            for f in writes + reads:
+                f.result()
+        assert [e.op for e in plan.trace] == ["write"] * slots + ["read"] * 2
         ends = {(k, s): t1 for k, s, _, t1 in store.trace}
         last_read = max(ends[("read", slots + s)] for s in range(2))
         assert last_read < max(ends[("write", s)] for s in range(slots))
@@ -434,42 +443,74 @@ def test_reads_are_served_before_queued_writes(engine, tmp_path):
 # -- bandwidth cap ------------------------------------------------------------------------------
 
 
+def assert_paced(spans, rate: float) -> None:
+    """``spans``: (nbytes, reservation start, reservation end) on one clock. They follow each
+    other without overlap, each as long as its bytes take at ``rate``."""
+    spans = sorted(spans, key=lambda span: span[1])
+    for nbytes, start, end in spans:
+        assert end - start == pytest.approx(nbytes / rate, rel=1e-9)
+    for (_, _, end), (_, start, _) in zip(spans[:-1], spans[1:], strict=True):
+        assert start >= end, (end, start)
+
+
 def test_token_bucket_paces_threads_together():
     rate, nbytes, per_thread, threads = 4e6, 50_000, 10, 4
-    total = nbytes * per_thread * threads  # 2 MB at 4 MB/s: 0.5 s
     bucket = TokenBucket(rate)
-    time.sleep(0.05)  # idle time must not be banked as credit
+    time.sleep(0.05)  # idle time since the bucket was made must not be banked as credit
+    done: list[tuple[float, float, float, float]] = []  # asked, start, end, returned
 
     def transfer():
         for _ in range(per_thread):
-            bucket.wait_until(bucket.reserve(nbytes))
+            asked = time.monotonic()
+            start, end = bucket.reserve_span(nbytes)
+            bucket.wait_until(end)
+            done.append((asked, start, end, time.monotonic()))
 
     workers = [threading.Thread(target=transfer) for _ in range(threads)]
-    t0 = time.monotonic()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    assert time.monotonic() - t0 >= 0.95 * total / rate
+    assert len(done) == per_thread * threads
+    # one clock for every thread: reservations back to back, none overlapping
+    assert_paced([(nbytes, start, end) for _, start, end, _ in done], rate)
+    for asked, start, end, returned in done:
+        assert start >= asked  # no reservation starts before it was asked for (no credit)
+        assert returned >= end  # the transfer waited for its reservation's end
+    assert bucket.reserve(nbytes) >= max(end for _, _, end, _ in done) + nbytes / rate
 
 
 def test_bandwidth_cap_paces_a_store(tmp_path):
     n, slots, cap = 16_384, 4, 2_000_000
     store = open_store(tmp_path / "tier", [n] * slots, bandwidth_cap=cap, sync=False)
     try:
+        store.trace, store.pacing = [], []
         data = np.ones(n, np.float32)
         outs = [np.empty(n, np.float32) for _ in range(slots)]
-        t0 = time.monotonic()
         futures = [store.write(s, data) for s in range(slots)]
         for f in futures:
             f.result()
         futures = [store.read(s, out) for s, out in enumerate(outs)]
         for f in futures:
             f.result()
-        elapsed = time.monotonic() - t0
-        moved = 2 * slots * 4 * n  # 512 KiB at 2 MB/s: 0.26 s
+        moved = 2 * slots * 4 * n
         assert store.bytes_read + store.bytes_written == moved
-        assert elapsed >= 0.95 * moved / cap
+        requests = [(name, slot) for name in ("write", "read") for slot in range(slots)]
+        assert sorted((name, slot) for name, slot, _, _ in store.pacing) == sorted(requests)
+        assert_paced([(4 * n, start, end) for _, _, start, end in store.pacing], cap)
+        ended = {(name, slot): t1 for name, slot, _, t1 in store.trace}
+        for name, slot, _, end in store.pacing:  # none ended before its reservation did
+            assert ended[(name, slot)] >= end, (name, slot)
+        # a device that slows down: the new cap from the next request on
+        store.set_bandwidth_cap(cap / 4)
+        assert store.bandwidth_cap == cap / 4
+        store.pacing = []
+        store.write(0, data).result()
+        assert_paced([(4 * n, start, end) for _, _, start, end in store.pacing], cap / 4)
+        store.set_bandwidth_cap(None)
+        store.pacing = []
+        store.write(0, data).result()
+        assert store.bandwidth_cap is None and store.pacing == []
     finally:
         store.close()
 
@@ -578,15 +619,20 @@ def test_busy_time_counts_the_request_in_flight(tmp_path):
     # Write-behind keeps a tier busy across step boundaries: a window that ends mid-request
     # must still see the time (the re-plan divides by it).
     n = 4096
-    store = open_store(tmp_path / "tier", [n], bandwidth_cap=4 * n / 1.0, sync=False)
+    store = open_store(tmp_path / "tier", [n], sync=False)
     try:
         before = store.busy_s
-        future = store.write(0, np.ones(n, np.float32))  # 1 s at the cap
-        time.sleep(0.2)
-        mid = store.busy_s
-        assert not future.done() and 0.15 < mid - before < 1.0
-        future.result()
-        assert store.busy_s - before >= 0.99
+        with tier_faults(store) as plan:
+            plan.hang("write")  # in flight until released
+            future = store.write(0, np.ones(n, np.float32))
+            plan.wait_for(1, op="write", outcome="hung")
+            mid = store.busy_s
+            later = store.busy_s
+            assert not future.done() and before < mid < later  # the open period counts
+            plan.release()
+            future.result()
+        done = store.busy_s
+        assert later <= done == store.busy_s  # idle: the period is closed, nothing accrues
     finally:
         store.close()
 
@@ -606,48 +652,62 @@ def test_node_bandwidth_cap_is_shared_by_the_node(tmp_path):
         permits = TierPermits(tier.path, 4, 4)
         stores.append(FileTierStore(tier, {"state": [n] * blobs}, permits, str(tmp_path / "n")))
     try:
-        t0 = time.monotonic()
+        for s in stores:
+            s.trace, s.pacing = [], []
         futures = [s.write(i, np.ones(n, np.float32)) for s in stores for i in range(blobs)]
         for f in futures:
             f.result()
-        together = time.monotonic() - t0
-        assert together >= 0.95 * 2 * blobs * 0.05, together  # 8 blobs on one clock
+        # 8 reservations on one clock, whichever store made them
+        spans = [(4 * n, start, end) for s in stores for _, _, start, end in s.pacing]
+        assert len(spans) == 2 * blobs
+        assert_paced(spans, rate)
+        for s in stores:
+            ended = {slot: t1 for _, slot, _, t1 in s.trace}
+            assert all(ended[slot] >= end for _, slot, _, end in s.pacing)
     finally:
         for s in stores:
             s.close()
-    # the same with per-process caps: each store alone at the cap, both at once
-    single = open_store(tmp_path / "alone", [n] * blobs, bandwidth_cap=rate, sync=False)
+
+
+def test_node_clocks_queue_together_and_process_clocks_do_not(tmp_path):
+    # Reservations only (nobody waits for them): 10 s each, so the order of the calls decides.
+    nbytes, rate = 1000, 100.0
+    path = str(tmp_path / "clock")
+    node = [NodeTokenBucket(path, rate), NodeTokenBucket(path, rate)]  # two processes' views
     try:
-        t0 = time.monotonic()
-        for f in [single.write(i, np.ones(n, np.float32)) for i in range(blobs)]:
-            f.result()
-        assert time.monotonic() - t0 < 0.8 * together
+        spans = [node[k % 2].reserve_span(nbytes) for k in range(4)]
     finally:
-        single.close()
+        for bucket in node:
+            bucket.close()
+    assert_paced([(nbytes, *span) for span in spans], rate)
+    assert [b[0] for b in spans[1:]] == [a[1] for a in spans[:-1]]  # each right after the last
+    process = [TokenBucket(rate), TokenBucket(rate)]
+    first, second = (bucket.reserve_span(nbytes) for bucket in process)
+    assert second[0] < first[1]  # each process's clock is its own: both reserve at once
 
 
 @pytest.mark.parametrize("io_engine", ["posix", "tensorstore"])
 def test_a_full_file_system_is_recognised_by_its_errno(tmp_path, io_engine):
-    """ENOSPC from the I/O engine, whatever its text, is a TierFullError (which the pool
-    falls back on); any other OSError stays a plain TierIOError."""
+    """ENOSPC from the I/O engine is a TierFullError (which the pool falls back on); any other
+    OSError stays a plain TierIOError."""
     from jax_mlpo.tiers.file import TierFullError
 
     store = open_store(tmp_path / io_engine, [64], io_engine=io_engine, sync=False)
-    real_write = store._blobs.write
     try:
-        for code, want in ((errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)):
-
-            def failing_write(slot, kind, data, code=code):
-                raise OSError(code, "the device said no")
-
-            store._blobs.write = failing_write
-            with pytest.raises(TierIOError) as info:
-                store.write(0, np.zeros(64, np.float32)).result()
-            assert type(info.value) is want, (code, info.value)
-            assert "the device said no" in str(info.value)
-            if want is TierFullError:
-                assert "the file system is full" in str(info.value)
-        store._blobs.write = real_write
-        store.write(0, np.ones(64, np.float32)).result()  # the tier still works afterwards
+        with tier_faults(store) as plan:
+            plan.fail("write", nth=1, errno=errno.ENOSPC).fail("write", nth=2, errno=errno.EIO)
+            for code, want in ((errno.ENOSPC, TierFullError), (errno.EIO, TierIOError)):
+                with pytest.raises(TierIOError) as info:
+                    store.write(0, np.zeros(64, np.float32)).result()
+                assert type(info.value) is want, (code, info.value)
+                assert os.strerror(code) in str(info.value)
+                assert store.blob_path(0) in str(info.value)
+                if want is TierFullError:
+                    assert "the file system is full" in str(info.value)
+            store.write(0, np.ones(64, np.float32)).result()  # the tier still works afterwards
+        assert plan.outcomes("write") == ["failed", "failed", "passed"]
+        out = np.empty(64, np.float32)
+        store.read(0, out).result()
+        assert np.all(out == 1.0)
     finally:
         store.close()

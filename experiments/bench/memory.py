@@ -106,7 +106,10 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
             tx = jax_mlpo.MultiSteps(tx, every_k_schedule=MICRO_STEPS[system])
         state = tx.init(params)
 
-        @functools.partial(jax.jit, donate_argnums=(0,))
+        # params and optimizer state donated, as nnx.jit(donate_argnames=("model",
+        # "optimizer")) and a TrainState step do (the state is two scalars, or MultiSteps's
+        # accumulator of the params' size)
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
         def step(p, state, i):
             updates, state = tx.update(grads_of(p, i), state, p)
             return optax.apply_updates(p, updates), state

@@ -158,6 +158,11 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
             "(formats 1 and 2, which held the offloaded state as orbax arrays, were written "
             "before jax_mlpo streamed it: restore them with the jax_mlpo that wrote them)"
         )
+    if isinstance(fmt, int) and fmt not in READABLE_FORMATS:  # before the seal: it may differ
+        raise CorruptCheckpointError(
+            f"{path}: format {fmt!r}; this jax_mlpo reads formats {READABLE_FORMATS}. The "
+            "checkpoint was written by another version of jax_mlpo: restore it with that one"
+        )
     body = _read_sealed(path, ("format", "leaves", "streamed"))
     if body["format"] not in READABLE_FORMATS:
         raise CorruptCheckpointError(

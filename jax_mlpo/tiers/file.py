@@ -6,6 +6,10 @@ on the node) and paced by the tier's bandwidth cap, with byte counts, busy time 
 trace. The bytes move through the tier's I/O engine: :mod:`jax_mlpo.tiers.posix` (chunked
 ``pread``/``pwrite`` with O_DIRECT, the default) or :mod:`jax_mlpo.tiers.zarr` (tensorstore).
 Errors name the tier, the blob's file, the cause and what to do.
+
+Every blob request passes through :meth:`FileTierStore._read` or :meth:`FileTierStore._write`,
+which consult ``FileTierStore.faults`` (a :class:`~jax_mlpo.tiers.faults.FaultPlan`, None unless
+a test attached one through :mod:`jax_mlpo.testing`) before the I/O.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +33,9 @@ from jax_mlpo.tiers.lock import TierLock
 from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.posix import PosixBlobs
 from jax_mlpo.tiers.zarr import ZarrBlobs
+
+if TYPE_CHECKING:
+    from jax_mlpo.tiers.faults import FaultPlan
 
 __all__ = [
     "CorruptBlobError",
@@ -49,6 +57,12 @@ def _is_full(error: BaseException | None) -> bool:
     return False
 
 
+def _trace_name(direction: str, kind: str) -> str:
+    """A request's name in the traces: ``"read"``/``"write"``, ``"-grad"``/``"-probe"`` added
+    for those kinds (both state kinds are the subgroup's state)."""
+    return direction if kind.startswith("state") else f"{direction}-{kind}"
+
+
 class TokenBucket:
     """Paces transfers to ``rate`` bytes/s across all threads of a tier.
 
@@ -64,10 +78,20 @@ class TokenBucket:
 
     def reserve(self, nbytes: int) -> float:
         """Returns the monotonic time at which a transfer of ``nbytes`` may complete."""
+        return self.reserve_span(nbytes)[1]
+
+    def reserve_span(self, nbytes: int) -> tuple[float, float]:
+        """Reserves ``nbytes / rate`` seconds of the clock for a transfer of ``nbytes``.
+
+        Returns:
+          The reservation's (start, end) in ``time.monotonic()`` seconds: it starts when the
+          previous one ends, or now if that is later (idle time is not banked as credit); the
+          transfer may complete at its end.
+        """
         with self._lock:
             start = max(time.monotonic(), self._next)
             self._next = start + nbytes / self.rate
-            return self._next
+            return start, self._next
 
     @staticmethod
     def wait_until(deadline: float) -> None:
@@ -94,7 +118,7 @@ class NodeTokenBucket(TokenBucket):
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
-    def reserve(self, nbytes: int) -> float:
+    def reserve_span(self, nbytes: int) -> tuple[float, float]:
         with self._lock:  # flock belongs to the open file: this process's threads take turns
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
@@ -106,7 +130,7 @@ class NodeTokenBucket(TokenBucket):
                 os.pwrite(self._fd, struct.pack("<d", deadline), 0)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return deadline
+        return start, deadline
 
     def close(self) -> None:
         os.close(self._fd)
@@ -126,6 +150,17 @@ class FileTierStore:
       kinds: for each kind, the float32 length of each slot's blob.
       permits: read/write permits of this tier (in the process and on the node).
       node_dir: node-local directory for the shared pacing clock of ``node_bandwidth_cap``.
+
+    Attributes:
+      trace: None, or a list each finished request is appended to as ``(name, slot, t0, t1)``
+        (``name``: ``"read"``/``"write"``, with ``"-grad"``/``"-probe"`` for those kinds;
+        ``time.monotonic()`` at its start, after its permit and pacing reservation, and at its
+        end).
+      pacing: None, or a list each request paced by the bandwidth cap is appended to as
+        ``(name, slot, start, end)``: its reservation on the cap's clock (the request ends at
+        ``end`` at the earliest; reservations of one clock do not overlap).
+      faults: None, or the :class:`~jax_mlpo.tiers.faults.FaultPlan` every request consults
+        before its I/O (:mod:`jax_mlpo.testing`).
     """
 
     def __init__(
@@ -146,8 +181,11 @@ class FileTierStore:
                 raise TierIOError(self._explain(e, "opening")) from e
         else:
             self.directory = os.path.abspath(os.path.expanduser(tier.path))
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            self._lock = TierLock(self.directory)
+            try:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                self._lock = TierLock(self.directory)
+            except OSError as e:  # the directory went read-only (or away) since validation
+                raise TierIOError(self._explain(e, "locking the directory of")) from e
         self.permits = permits
         self.bytes_read = 0
         self.bytes_written = 0
@@ -156,6 +194,8 @@ class FileTierStore:
         self._since = 0.0
         self._stats_lock = threading.Lock()
         self.trace: list[tuple[str, int, float, float]] | None = None
+        self.pacing: list[tuple[str, int, float, float]] | None = None
+        self.faults: FaultPlan | None = None
         self._bucket: TokenBucket | None = None
         try:
             if tier.node_bandwidth_cap:
@@ -211,14 +251,55 @@ class FileTierStore:
         if discard is not None:
             discard(slot, kind)
 
+    def damage_blob(self, slot: int, kind: str = "state") -> None:
+        """Flips a bit of stored blob ``slot`` of ``kind``, as bit rot would (fault injection:
+        :meth:`jax_mlpo.tiers.faults.FaultPlan.corrupt`); its next read fails its checksum."""
+        self._blobs.damage(slot, kind)
+
+    @property
+    def bandwidth_cap(self) -> float | None:
+        """Bytes per second this process paces the tier to (None: no cap)."""
+        bucket = self._bucket
+        return bucket.rate if bucket is not None else None
+
+    def set_bandwidth_cap(self, rate: float | None) -> None:
+        """Changes the tier's bandwidth cap from the next request on, as a device that slows
+        down or recovers would (a ``node_bandwidth_cap`` clock stays shared: this process's
+        reservations on it take the new rate).
+
+        Args:
+          rate: bytes per second; None removes the cap.
+
+        Raises:
+          ValueError: if ``rate`` is not positive.
+        """
+        if rate is None:
+            if self._bucket is not None and not isinstance(self._bucket, NodeTokenBucket):
+                self._bucket = None
+            elif self._bucket is not None:
+                raise ValueError(
+                    f"tier {self.tier.path!r}: a node_bandwidth_cap clock cannot be removed "
+                    "while the tier is open; give it another rate"
+                )
+            return
+        if not rate > 0:
+            raise ValueError(f"tier {self.tier.path!r}: bandwidth cap {rate!r} must be positive")
+        if self._bucket is None:
+            self._bucket = TokenBucket(rate)
+        else:
+            self._bucket.rate = float(rate)
+
     def _read(self, slot: int, out: np.ndarray, kind: str) -> None:
         with self.permits.hold("read"):
-            deadline = self._bucket.reserve(out.nbytes) if self._bucket else 0.0
+            bucket = self._bucket  # set_bandwidth_cap may replace it meanwhile
+            deadline = self._pace(bucket, "read", kind, slot, out.nbytes)
             t0 = self._begin()
             try:
+                if self.faults is not None:
+                    self.faults.before(self, "read", slot, kind)
                 self._blobs.read(slot, kind, out)
-                if self._bucket:
-                    self._bucket.wait_until(deadline)
+                if bucket is not None:
+                    bucket.wait_until(deadline)
             except Exception as e:
                 cls = CorruptBlobError if isinstance(e, CorruptBlobError) else TierIOError
                 raise cls(
@@ -229,17 +310,31 @@ class FileTierStore:
 
     def _write(self, slot: int, data: np.ndarray, kind: str) -> None:
         with self.permits.hold("write"):
-            deadline = self._bucket.reserve(data.nbytes) if self._bucket else 0.0
+            bucket = self._bucket
+            deadline = self._pace(bucket, "write", kind, slot, data.nbytes)
             t0 = self._begin()
             try:
+                if self.faults is not None:
+                    self.faults.before(self, "write", slot, kind)
                 self._blobs.write(slot, kind, data)
-                if self._bucket:
-                    self._bucket.wait_until(deadline)
+                if bucket is not None:
+                    bucket.wait_until(deadline)
             except Exception as e:
                 cls = TierFullError if _is_full(e) else TierIOError
                 raise cls(self._explain(e, f"writing blob {self.blob_path(slot, kind)} to")) from e
             finally:
                 self._end("write", kind, slot, t0, data.nbytes)
+
+    def _pace(
+        self, bucket: TokenBucket | None, direction: str, kind: str, slot: int, nbytes: int
+    ) -> float:
+        """Reserves the request's time on the cap's clock; the time it may end (0: no cap)."""
+        if bucket is None:
+            return 0.0
+        start, end = bucket.reserve_span(nbytes)
+        if self.pacing is not None:
+            self.pacing.append((_trace_name(direction, kind), slot, start, end))
+        return end
 
     @property
     def busy_s(self) -> float:
@@ -267,9 +362,8 @@ class FileTierStore:
                 self.bytes_read += nbytes
             else:
                 self.bytes_written += nbytes
-            if self.trace is not None:  # ("read" | "write" [+ "-grad" / "-probe"], slot, t0, t1)
-                name = direction if kind.startswith("state") else f"{direction}-{kind}"
-                self.trace.append((name, slot, t0, now))
+            if self.trace is not None:
+                self.trace.append((_trace_name(direction, kind), slot, t0, now))
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)
@@ -291,6 +385,11 @@ class FileTierStore:
             hint = (
                 "the blob's file is missing (deleted, or the tier directory was replaced while "
                 "in use). Restore the optimizer state from your last checkpoint."
+            )
+        elif isinstance(error, OSError) and error.errno == errno.EROFS:
+            hint = (
+                "the tier's file system is read-only (mounted read-only, or remounted so after "
+                "a device error). Choose a writable directory, or remount it read-write."
             )
         elif "Permission denied" in text or "EACCES" in text:
             hint = "permission denied. Fix the directory's permissions or choose another path."

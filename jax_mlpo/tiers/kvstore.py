@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -75,6 +76,20 @@ class KvstoreBlobs:
         """Deletes the blob's value (a later read fails as never written)."""
         key = self.key(slot, kind)
         self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+
+    def damage(self, slot: int, kind: str) -> None:
+        """Flips a bit of the value's first byte in the store (fault injection).
+
+        Raises:
+          FileNotFoundError: the blob was never written.
+        """
+        key = self.key(slot, kind)
+        got = self._kv.read(key).result()
+        if got.state != "value":
+            raise FileNotFoundError(f"{self.path(slot, kind)}: no such value to damage")
+        value = bytearray(got.value)
+        value[0] ^= 0x01
+        self._kv.write(key, bytes(value)).result()
 
     def read(self, slot: int, kind: str, out: np.ndarray) -> None:
         got = self._kv.read(self.key(slot, kind)).result()
@@ -137,6 +152,14 @@ def explain(tier: Any, error: BaseException) -> str | None:
             f"the endpoint {endpoint} is unreachable (server down, or a wrong endpoint). Start "
             "the server or fix ObjectTier.endpoint; after a failed update restore the optimizer "
             "state from your last checkpoint."
+        )
+    status = re.search(r"http_response_code='(5\d\d)'", text)
+    if status is not None:
+        return (
+            f"the server at {endpoint} kept answering HTTP {status.group(1)} (unavailable or "
+            f"overloaded) through all ObjectTier.request_retries={tier.request_retries} retries. "
+            "Check the server; if it is only overloaded, raise request_retries. After a failed "
+            "update restore the optimizer state from your last checkpoint."
         )
     if "Invalid S3 bucket name" in text:
         return (

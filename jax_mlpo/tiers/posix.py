@@ -183,6 +183,14 @@ class PosixBlobs:
         finally:
             os.close(fd)
 
+    def damage(self, slot: int, kind: str) -> None:
+        """Flips a bit of the blob's first byte in its file (fault injection).
+
+        Raises:
+          FileNotFoundError: the blob was never written.
+        """
+        flip_first_byte(self.path(slot, kind))
+
     def discard(self, slot: int, kind: str) -> None:
         """Deletes the blob's file (a later read fails as never written)."""
         with contextlib.suppress(FileNotFoundError):
@@ -190,6 +198,18 @@ class PosixBlobs:
 
     def close(self) -> None:
         self._submit.close()
+
+
+def flip_first_byte(path: str) -> None:
+    """Flips the lowest bit of a file's first byte, through the page cache and synced (an
+    O_DIRECT read of the range afterwards sees it: the kernel writes the cached page first)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        first = os.pread(fd, 1, 0)
+        os.pwrite(fd, bytes([first[0] ^ 0x01]), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _bytes_of(arr: np.ndarray, nbytes: int) -> np.ndarray:

@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.errors import CorruptBlobError
+from jax_mlpo.tiers.posix import flip_first_byte
 
 
 def context_spec(tier: FileTier) -> dict[str, Any]:
@@ -97,6 +98,10 @@ class ZarrBlobs:
     def files(self, slot: int, kind: str) -> list[str]:
         """Every file that holds part of the blob (its chunk files)."""
         return sorted(str(p) for p in pathlib.Path(self.path(slot, kind)).parent.iterdir())
+
+    def damage(self, slot: int, kind: str) -> None:
+        """Flips a bit of the blob's first byte in its first chunk file (fault injection)."""
+        flip_first_byte(self.path(slot, kind))
 
     def read(self, slot: int, kind: str, out: np.ndarray) -> None:
         array, row = self._where[kind][slot]
