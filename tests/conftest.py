@@ -1,5 +1,5 @@
 """Fixtures: a test that leaves an optimizer open fails (and its optimizers are closed);
-``small_disk``; ``worker_env``.
+``small_disk``; ``worker_env``; ``server`` (an S3 server).
 
 (The repository root is on ``sys.path`` through pytest's ``pythonpath`` setting in
 pyproject.toml, for ``models`` and ``experiments``.)
@@ -75,3 +75,15 @@ def worker_env(tmp_path_factory) -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real S3 server (moto_server) for the module, with dummy credentials in the
+    environment."""
+    from experiments.s3_server import S3Server, dummy_credentials
+
+    with dummy_credentials():
+        s3 = S3Server().start()
+        yield s3
+        s3.kill()

@@ -337,15 +337,6 @@ def test_a_truncated_blob_file_is_named_and_the_checkpoint_restores(tmp_path):
 # -- the object store -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A moto_server for the module, with dummy credentials in the environment."""
-    with dummy_credentials():
-        s3 = S3Server().start()
-        yield s3
-        s3.kill()
-
-
 def object_config(endpoint: str, bucket: str, **switches) -> jax_mlpo.OffloadConfig:
     """One object tier at ``endpoint``; nothing retained, so every update reads and writes
     every subgroup there."""

@@ -303,7 +303,7 @@ def test_replan_migrates_away_from_a_tier_that_slows_down(tmp_path):
     assert engine.tier_of.count(0) == engine.tier_of.count(1) == 6
     # tier b becomes 40x slower than it measured; not 10x: tier a's own first steps run up to
     # ~5x its model on a loaded machine, and at 10x the rescaled split left 4 of 6 subgroups
-    # on b (CI, stop 27; test_object_tier's twin failed the same way in stop 25)
+    # on b (seen in CI, and in test_object_tier's twin)
     engine.tiers[1].set_bandwidth_cap(1e6)
     update = jax.jit(tx.update)
     for _ in range(6):

@@ -11,8 +11,8 @@ half-written file), not tampering, since whoever can change a file can rewrite t
 beside it. CRC-32C detects every error burst of up to 32 bits (so every flipped byte) and other
 corruption but for a chance of 2^-32 per piece; it is what zarr3, tensorstore and GCS check
 data with. A save of 344M params and their state took 4.59 CPU seconds with sha256 against
-2.39 with CRC-32C, a restore 5.47 against 3.56 (medians of 4, experiments/bench/digest_ab.py,
-stop 30), on a 2-core host that also runs the update.
+2.39 with CRC-32C, a restore 5.47 against 3.56 (medians of 4, experiments/bench/digest_ab.py),
+on a 2-core host that also runs the update.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 orbax's ``NumpyHandler`` copies every host array before writing it (``deepcopy_host_arrays``),
 compresses it and has tensorstore write it through a new file per chunk: saving 688 MiB of
-bfloat16 params grew peak RSS by 883-1,201 MiB and took 2.4-12 s here (stop 28,
-docs/benchmarks.md). :class:`DirectNumpyHandler` is that handler with the copy off, and arrays
+bfloat16 params grew peak RSS by 883-1,201 MiB and took 2.4-12 s on a 2-core VM
+(docs/benchmarks.md). :class:`DirectNumpyHandler` is that handler with the copy off, and arrays
 of at least :data:`~jax_mlpo.checkpoint.host_reads.DIRECT_BYTES` written by itself: a zarr3
 array of one uncompressed chunk (metadata by tensorstore), whose chunk file it writes in 8 MiB
 pieces with ``pwrite`` and O_DIRECT from a few page-aligned buffers, digesting the array as it
@@ -13,7 +13,7 @@ params (the next update may donate them): their snapshot is on disk. The arrays 
 tensorstore). jax_mlpo reads them back itself (:mod:`~jax_mlpo.checkpoint.host_reads`; any
 other array is left to orbax): a restore of 688 MiB of params and 4.3 GB of state took 2.90 s
 that way against 3.99 through tensorstore's reads (medians of 3,
-experiments/bench/params_read_ab.py, stop 33).
+experiments/bench/params_read_ab.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ logging.getLogger("absl").addFilter(_NoOcdbtMerge())
 
 PIECE_BYTES = 8 << 20  # requests as large as fio's best
 # pieces being written at once: rewriting 672 MiB of params took 0.246 s with 8 against 0.303
-# with 4 (medians of 5, experiments/bench/params_write_ab.py, stop 31); buffers: 128 MiB
+# with 4 (medians of 5, experiments/bench/params_write_ab.py); buffers: 128 MiB
 IO_THREADS = 8
 PRODUCERS = 2  # arrays being copied and digested at once (a core each)
 
@@ -93,7 +93,7 @@ class ArrayWriter:
     page-aligned buffers and digests them in order (:mod:`~jax_mlpo.checkpoint.digest`) while
     :data:`IO_THREADS` threads write them. The threads and buffers (``IO_THREADS`` of 8 MiB per
     producer: 128 MiB) are kept between arrays and saves: memory a process touches for the first
-    time was slow to come here (a first copy of 704 MiB took 7 s, the next 0.27 s; stop 28).
+    time was slow to come on a 2-core VM (a first copy of 704 MiB took 7 s, the next 0.27 s).
     """
 
     def __init__(self) -> None:

@@ -31,7 +31,7 @@ READ_THREADS = 32  # pieces being read at once: into the arrays themselves, so n
 # The arrays read are fresh memory, whose pages are faulted in as the reads land: orbax's tree
 # restores (688 MiB of params and the small rest) took 0.59 s [0.47-0.70] with 4 KiB pages,
 # 0.86 [0.43-0.91] with huge pages, 1.73 [0.91-3.40] through orbax's own reads (medians of 3
-# interleaved restores, experiments/bench/params_read_ab.py, stop 33).
+# interleaved restores on a 2-core VM, experiments/bench/params_read_ab.py).
 READ_HUGE_PAGES = False
 
 

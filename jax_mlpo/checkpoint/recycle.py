@@ -3,7 +3,7 @@
 A checkpoint's array files are new files, their space reserved with ``fallocate`` (unwritten
 extents), and on ext4 an O_DIRECT write into unwritten extents converts them in the journal as
 it completes: fio wrote 8 MiB requests into a new, preallocated file at 1.6-2.2 GB/s here,
-against 2.3-4.3 GB/s over the written blocks of an existing one (4 and 16 in flight, stop 31).
+against 2.3-4.3 GB/s over the written blocks of an existing one (4 and 16 in flight).
 A training run keeps its last ``max_to_keep`` checkpoints and deletes older ones, so the bytes
 of a deleted checkpoint are free to be rewritten: :func:`~jax_mlpo.checkpoint.manager` has
 orbax move a deleted step into :data:`RECYCLED` (its ``todelete_subdir``) instead of deleting
@@ -15,7 +15,7 @@ published, and its file is cut to its size, so nothing of the old checkpoint rem
 Disk: between saves the checkpoint directory holds the last deleted checkpoint besides the kept
 ones (it is what the next save rewrites). A save lists that checkpoint's files and deletes the
 older leftovers in a background thread (:func:`spare_files`) while it starts: both were part of
-the time an asynchronous save holds the training loop (stop 33). Its space check counts the
+the time an asynchronous save holds the training loop. Its space check counts the
 files it will rewrite as free only where it fails without them, and then waits for the listing
 and the deletions (:func:`wait_for_deletions`).
 """
@@ -157,7 +157,7 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
     Listed in a background thread, which then (process 0) deletes what is left of earlier
     deleted checkpoints (what the last save did not take; :func:`wait_for_deletions`), while
     the save starts: with the dentries cold, listing took up to 80 ms of the time an
-    asynchronous save holds the training loop, in exploratory timings (stop 33).
+    asynchronous save holds the training loop, in exploratory timings.
 
     Args:
       root: a checkpoint manager's directory.

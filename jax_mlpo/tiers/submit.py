@@ -50,8 +50,8 @@ def aligned_empty(n: int, dtype: Any = np.float32, *, huge_pages: bool = True) -
     physically contiguous memory, so over 4 KiB pages an 8 MiB O_DIRECT request reached this
     disk as ~0.6-1.3 MiB requests, over 2 MiB pages as 2-3.4 MiB ones, and with the device's
     queue (256 requests) the bytes in flight, which set this disk's throughput, grew with them:
-    a blocking save of 4 GiB of state moved 2.9-3.7 GB/s against 1.4-1.9 (stop 33,
-    docs/benchmarks.md). ``mmap.mmap(-1, n)`` alone would be a *shared* mapping (shmem), which
+    a blocking save of 4 GiB of state moved 2.9-3.7 GB/s against 1.4-1.9
+    (docs/benchmarks.md). ``mmap.mmap(-1, n)`` alone would be a *shared* mapping (shmem), which
     ``MADV_HUGEPAGE`` does not cover. ``huge_pages=False``: 4 KiB pages, for memory touched
     once, where faulting in fresh huge pages cost more than the larger requests gained.
     """
