@@ -125,7 +125,7 @@ class MultiSteps:
         inner_update = functools.partial(self._opt.update, **extra_args)
         shapes = jax.eval_shape(inner_update, updates, state.inner_opt_state, params)[0]
 
-        def zero_updates():  # made inside the branch that returns them
+        def zero_updates():  # made inside the skipping branch, not held outside it
             return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
         def accumulate(updates, state, params):
@@ -138,9 +138,10 @@ class MultiSteps:
             # micro-step (which may take the accumulated gradients' buffer), the accumulated
             # gradients themselves on the others. The updates and the next accumulator are
             # selections of it (zeros elsewhere) that XLA fuses into their consumers, so
-            # params, gradients and accumulator are all the step holds of the params' size.
-            # per leaf, a dtype that holds both exactly (float32 for a float32 accumulator of
-            # bfloat16 params: its sums are not rounded to bfloat16 on the way through)
+            # params, gradients and accumulator are all the step holds of the params' size
+            # (two results held two more buffers: docs/benchmarks.md, "Memory"). Its dtype per
+            # leaf holds both exactly: float32 for a float32 accumulator of bfloat16 params,
+            # whose sums are then not rounded to bfloat16 on the way through.
             dtypes = jax.tree.map(lambda u, a: jnp.promote_types(u.dtype, a.dtype), shapes,
                                   state.acc_grads)  # fmt: skip
 

@@ -186,7 +186,10 @@ def adamw(
     p, m and v never live on the accelerator: the returned state is two int32 scalars, and the
     moments are advanced on the host by every update that runs. Each update must therefore be
     handed the state returned by the previous one; wrappers that compute and then discard an
-    update (``optax.MultiSteps``) are refused.
+    update (``optax.MultiSteps``) are refused: :class:`jax_mlpo.MultiSteps` accumulates
+    gradients with its semantics. ``optax.inject_hyperparams(jax_mlpo.adamw)`` works as for
+    ``optax.adamw``: the transformation it re-creates in every update finds the engine its
+    state names.
 
     Args:
       learning_rate: a float or an optax schedule (evaluated on the device at the step count).
@@ -194,6 +197,9 @@ def adamw(
       b2: exponential decay of the second moment.
       eps: added to the denominator outside the square root.
       weight_decay: decoupled weight decay, multiplied by the learning rate as in optax.
+        Each of these four may be a Python float (kept in double precision, as optax uses
+        it) or a scalar array that may change from step to step (as
+        ``optax.inject_hyperparams`` passes them: float32, as optax computes with them).
       mask: a pytree of bools (or a prefix of the params tree), or a callable returning one:
         where weight decay applies. Resolved once, at init.
       offload: where the state lives; see :class:`jax_mlpo.OffloadConfig`.
