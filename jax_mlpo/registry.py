@@ -3,8 +3,8 @@
 An offloaded state names its engine by a handle: a random int32 drawn when the engine is made,
 never reused in the process. A state that did not come from this process's ``tx.init`` or
 ``update`` (restored by a plain orbax save, copied from another process, or closed) names no
-engine here and is refused with the cause and the fix; with handles that restarted at 1 in every
-process, it would have named another run's engine.
+engine here and is refused with the cause and the fix (a counter starting at 1 in every process
+would name another run's engine).
 
 Engines need no explicit ``close``: at exit, their tier locks are released and the
 scratch state on the tiers is left for the next run to reclaim (it is never read back: a run
@@ -37,7 +37,7 @@ _ENGINES: dict[int, Engine] = {}
 # A mesh engine's handles, one per device of this process: where its calls meet, and its slot.
 _SLOTS: dict[int, tuple[DeviceCalls, int]] = {}
 _CLOSED: set[int] = set()
-_FAILURES: list[BaseException] = []  # the first update that raised in this process, if any
+_first_failure: BaseException | None = None  # the first update that raised in this process
 # The mesh plans of the states initialised on a mesh, by what an update sees of them when
 # traced (the handle's and the leaves' shapes: shardings are not visible under jit), so that a
 # transformation re-created inside update (optax.inject_hyperparams) finds its state's plan.
@@ -123,9 +123,10 @@ def engine(key: int) -> Engine:
 
 def update_failed(error: BaseException) -> None:
     """Records that an update raised ``error`` (reported to the caller through XLA)."""
+    global _first_failure
     with _LOCK:
-        if not _FAILURES:
-            _FAILURES.append(error)
+        if _first_failure is None:
+            _first_failure = error
 
 
 def open_handles() -> list[int]:
@@ -234,12 +235,12 @@ def _release_at_exit() -> None:
         engines = list({id(e): e for e in _ENGINES.values()}.values())
         _ENGINES.clear()
         _SLOTS.clear()
-    if _FAILURES:
+    if _first_failure is not None:
         # one line, in case the loop never read an output of the failed step
         with contextlib.suppress(Exception):  # stderr may be closed by now
             print(
                 "jax_mlpo: an optimizer update failed in this process "
-                f"({type(_FAILURES[0]).__name__}, raised by the step)",
+                f"({type(_first_failure).__name__}, raised by the step)",
                 file=sys.stderr,
             )
         _forget_failed_updates()

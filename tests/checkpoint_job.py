@@ -14,8 +14,12 @@ from pathlib import Path
 import crash_worker as job
 import jax.numpy as jnp
 import numpy as np
+from helpers import flip
 
 import jax_mlpo
+
+__all__ = ["WORKER", "assert_bits_equal", "assert_states_equal", "flip", "logical_state",
+           "run_worker", "spec_for", "start_job"]  # fmt: skip
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 
@@ -72,11 +76,3 @@ def assert_states_equal(got: dict, want: dict) -> None:
             assert (a is None) == (b is None)
             if a is not None:
                 np.testing.assert_array_equal(a, b, strict=True)
-
-
-def flip(path: Path, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        byte = f.read(1)[0]
-        f.seek(pos)
-        f.write(bytes([byte ^ 0x5A]))

@@ -35,16 +35,9 @@ import jax  # noqa: E402
 
 # The job of tests/dist_worker.py (an MLP whose first dimensions split over 1, 2 or 4 processes).
 from dist_worker import GLOBAL_BATCH, batch, init_params, loss_fn, make_tx  # noqa: E402
+from helpers import flip  # noqa: E402
 
 TOTAL_STEPS = 12  # the schedule's length
-
-
-def flip(path: str, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        byte = f.read(1)[0]
-        f.seek(pos)
-        f.write(bytes([byte ^ 0x5A]))
 
 
 def counting_rewrites(min_bytes: int) -> list[int]:

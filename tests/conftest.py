@@ -27,7 +27,7 @@ def pytest_runtest_makereport(item, call):
 def no_optimizer_left_open(request):
     """Fails a test that leaves an optimizer open (and closes it).
 
-    An open optimizer keeps its tier locks and threads for the rest of the session, and its
+    An open optimizer keeps its tier locks and threads for the rest of the test run, and its
     tier directory's lock could make a later test fail for the wrong reason. A test that failed
     anyway is not failed twice: its optimizers are closed quietly.
     """

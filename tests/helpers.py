@@ -1,6 +1,7 @@
 """Helpers shared by several test modules (imported as ``helpers``; no test module imports
-another): the native kernels' test problem (:func:`problem`, :func:`hyper`), bitwise
-comparison, unaligned views, and the instruction sets to compare on.
+another): the native kernels' test problem (:func:`problem`, :func:`make_hyper`), bitwise
+comparison, unaligned views, the instruction sets to compare on, and :func:`flip` (a byte of a
+file corrupted).
 
 :func:`isas` sets each instruction set of the native kernels in turn. Which ones the CPU has
 is read from ``/proc/cpuinfo``, independently of the library: an instruction set the CPU has
@@ -108,3 +109,12 @@ def view(n: int, dtype=F32, fill=0.0) -> np.ndarray:
     """An n-element view at an odd offset into a larger buffer (unaligned, not its own base)."""
     buf = np.full(n + 5, fill, dtype)
     return buf[3 : 3 + n]
+
+
+def flip(path: str | Path, pos: int) -> None:
+    """Flips bits of the byte at ``pos`` of the file at ``path`` (a corruption to detect)."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x5A]))

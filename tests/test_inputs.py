@@ -86,7 +86,9 @@ def test_params_changed_after_init_are_refused(change, tmp_path):
     jax_mlpo.close(state)
 
 
-def test_restoring_a_missing_step_names_it(tmp_path):
+def _saved_step_1(tmp_path):
+    """A checkpoint of step 1 in ``tmp_path / "ckpt"``: the state saved, its manager, and a
+    fresh optimizer's target to restore into."""
     params = _params()
     tx = jax_mlpo.adamw(1e-3, offload=_config(tmp_path))
     _, state = _train(tx, params, steps=1)
@@ -94,6 +96,11 @@ def test_restoring_a_missing_step_names_it(tmp_path):
     mngr.save(1, args=jax_mlpo.checkpoint.OffloadSave({"opt": state}))
     mngr.wait_until_finished()
     target = {"opt": jax_mlpo.adamw(1e-3, offload=_config(tmp_path, "t2")).init(params)}
+    return state, mngr, target
+
+
+def test_restoring_a_missing_step_names_it(tmp_path):
+    state, mngr, target = _saved_step_1(tmp_path)
     with pytest.raises(FileNotFoundError, match="5"):
         mngr.restore(5, args=jax_mlpo.checkpoint.OffloadRestore(target))
     mngr.close()
@@ -103,18 +110,12 @@ def test_restoring_a_missing_step_names_it(tmp_path):
 def test_an_unknown_checkpoint_format_is_refused_by_name(tmp_path):
     """A checkpoint whose manifest names a format this version cannot read is refused before
     anything is loaded, naming the formats it reads."""
-    params = _params()
-    tx = jax_mlpo.adamw(1e-3, offload=_config(tmp_path))
-    _, state = _train(tx, params, steps=1)
-    mngr = ocp.CheckpointManager(tmp_path / "ckpt")
-    mngr.save(1, args=jax_mlpo.checkpoint.OffloadSave({"opt": state}))
-    mngr.wait_until_finished()
+    state, mngr, target = _saved_step_1(tmp_path)
     manifest = tmp_path / "ckpt" / "1" / "default" / jax_mlpo.checkpoint.CHECKSUMS_FILE
     body = json.loads(manifest.read_text())
     assert body["format"] == jax_mlpo.checkpoint.FORMAT
     body["format"] = 999
     manifest.write_text(json.dumps(body))
-    target = {"opt": jax_mlpo.adamw(1e-3, offload=_config(tmp_path, "t2")).init(params)}
     with pytest.raises(jax_mlpo.CorruptCheckpointError, match="999"):
         mngr.restore(1, args=jax_mlpo.checkpoint.OffloadRestore(target))
     mngr.close()
