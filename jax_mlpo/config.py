@@ -200,6 +200,13 @@ class OffloadConfig:
         flight finish while the caller goes on (the next forward and backward pass), and the
         next update, ``flush``, checkpoint or ``close`` waits for them first (and reports their
         errors). When False, each update waits for its last write.
+      read_ahead: between updates (the forward and backward pass), read the next update's
+        first subgroups into the host buffers that hold nothing it needs sooner: empty ones,
+        and those freed by write-backs. Its order is known and the state it reads does not
+        change before it, so the reads start as soon as a buffer is free instead of when the
+        update does. It only uses buffers within ``host_cache``; with the alternating order
+        and ``retain`` every buffer already holds a subgroup the next update starts with, and
+        there is nothing to read ahead.
       node_permits_dir: directory of the node-level permits of tiers with
         ``node_max_concurrency`` (node-local, e.g. ``/dev/shm/jax_mlpo``).
       fallback_on_full: when a tier runs out of space (ENOSPC), write the subgroup to another
@@ -219,6 +226,7 @@ class OffloadConfig:
     delayed_conversion: bool = True
     replan: bool = True
     write_behind: bool = True
+    read_ahead: bool = True
     node_permits_dir: str = "/dev/shm/jax_mlpo"
     fallback_on_full: bool = True
     io_timeout_s: float | None = 600.0
@@ -260,7 +268,14 @@ class OffloadConfig:
             raise ConfigError(
                 f"io_timeout_s={self.io_timeout_s!r} must be a positive number of seconds or None"
             )
-        for name in ("retain", "delayed_conversion", "replan", "write_behind", "fallback_on_full"):
+        for name in (
+            "retain",
+            "delayed_conversion",
+            "replan",
+            "write_behind",
+            "read_ahead",
+            "fallback_on_full",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         seen: dict[str, str] = {}
@@ -279,7 +294,7 @@ class OffloadConfig:
 
         One path (the first tier), ascending order every step, nothing retained across steps,
         fp32 gradients written to the tier and read back in the update, no re-planning, each
-        update waiting for its last write.
+        update waiting for its last write, no reads before an update starts.
         """
         return dataclasses.replace(
             self,
@@ -289,6 +304,7 @@ class OffloadConfig:
             delayed_conversion=False,
             replan=False,
             write_behind=False,
+            read_ahead=False,
         )
 
     def validate(self) -> None:

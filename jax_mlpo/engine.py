@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from jax_mlpo import kernels, placement, scheduler
 from jax_mlpo.config import ConfigError, OffloadConfig
@@ -24,9 +25,11 @@ from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_sourc
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
+from jax_mlpo.read_ahead import ReadAhead
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.snapshot import StateSnapshot, spare_buffers
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
+from jax_mlpo.tiers.errors import TierIOError
 from jax_mlpo.tiers.file import FileTierStore, open_store
 from jax_mlpo.tiers.host import STATE, STATE_ALT, HostBufferPool, touched_buffer
 from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
@@ -80,6 +83,7 @@ class Engine:
         self.split: TierSplit | None = None
         self._assignment: TierAssignment | None = None
         self._gradients: GradientSource = InMemoryGradients()
+        self._read_ahead: ReadAhead | None = None
         blob_elems = [sg.state_elems for sg in sgs]
         self._window = TierIOWindow(self.tiers)  # the list fills as the tiers open
         if self.host_only:  # a buffer per subgroup, all resident from the start
@@ -136,6 +140,11 @@ class Engine:
         self._gradients.bind(self.pool, self.tiers, self._assignment)
         buffers[0].fill(0.0)  # the probe may have used it
         self.pool.write_all(buffers[0])  # zero moments (the master is set at step 1)
+        # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
+        # which the next backward pass has not produced yet.
+        if config.read_ahead and config.delayed_conversion:
+            self._read_ahead = ReadAhead(self.pool)
+            self._resume_read_ahead()
 
     @property
     def host_only(self) -> bool:
@@ -196,7 +205,8 @@ class Engine:
 
     def step_leaves(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
         """:meth:`step` on leaves wherever they are (:mod:`jax_mlpo.leaves`)."""
-        with self._step_lock:  # XLA may run two programs' calls at once (a discarded update)
+        # the lock: XLA may run two programs' calls at once (a discarded update)
+        with self._step_lock, TraceAnnotation("jax_mlpo.update", step=count + 1):
             self._step(count, hyper, leaves)
 
     def subgroup_staging(
@@ -233,33 +243,37 @@ class Engine:
         )  # fmt: skip
         pool, sgs = self.pool, self.layout.subgroups
         t_start = time.monotonic()
+        self._take_read_ahead(metrics)
         try:
             self._gradients.before_update(order, leaves, metrics)
             pool.begin_step(order, metrics)
             for i in order:
                 resident = pool.acquire(i)  # a cache hit, or the read issued for it
                 pool.prefetch()  # the next subgroups' reads, prefetch_depth per tier
-                pool.await_reads(i, resident)
+                with TraceAnnotation("jax_mlpo.read_wait", subgroup=i):
+                    pool.await_reads(i, resident)
                 t0 = time.monotonic()
-                leaves.fetch(sgs[i])
-                grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
-                blob = pool.blob(i, resident.slot)
-                kernels.adamw_subgroup(
-                    self._kernel,
-                    sgs[i],
-                    blob,
-                    leaves,
-                    grad_blob,
-                    hypers,
-                    init_master=count == 0,
-                    count=count,
-                    stochastic=self.stochastic_rounding,
-                )
-                leaves.store(sgs[i])
+                with TraceAnnotation("jax_mlpo.adamw", subgroup=i):
+                    leaves.fetch(sgs[i])
+                    grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
+                    blob = pool.blob(i, resident.slot)
+                    kernels.adamw_subgroup(
+                        self._kernel,
+                        sgs[i],
+                        blob,
+                        leaves,
+                        grad_blob,
+                        hypers,
+                        init_master=count == 0,
+                        count=count,
+                        stochastic=self.stochastic_rounding,
+                    )
+                    leaves.store(sgs[i])
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1
                 metrics.cache_hits += resident.hit
-                pool.release(i, resident.slot, keep=i in keep)  # retain, or write back behind
+                with TraceAnnotation("jax_mlpo.release", subgroup=i):
+                    pool.release(i, resident.slot, keep=i in keep)  # retain, or write behind
             leaves.finish()
             pool.end_step(write_behind=self.config.write_behind)
         except BaseException as e:
@@ -272,13 +286,69 @@ class Engine:
         self.step_count += 1
         if self._assignment:
             self._assignment.observe(metrics)
+        self._resume_read_ahead()
+
+    # -- read-ahead between steps (jax_mlpo.read_ahead) -------------------------------------
+
+    def _resume_read_ahead(self) -> None:
+        """Starts reading the next update's subgroups into the buffers free between steps."""
+        if self._read_ahead is None or self._closed or self._failed is not None:
+            return
+        n = len(self.layout.subgroups)
+        self._read_ahead.start(scheduler.step_order(n, self.step_count, self.config.order))
+
+    def _pause_read_ahead(self, *, cancel: bool = False) -> None:
+        """Gives the pool back to the caller: the reads issued ahead stay for the next update,
+        or are dropped with ``cancel`` (the state is about to be read out or replaced).
+
+        Raises:
+          TierIOError: a write-back the pass reclaimed had failed (the engine is failed then).
+        """
+        if self._read_ahead is None:
+            return
+        try:
+            self._read_ahead.stop()
+            if cancel:
+                self.pool.cancel_reads()
+        except BaseException as e:
+            self._failed = e
+            self.pool.abort()
+            raise
+
+    def _take_read_ahead(self, metrics: StepMetrics) -> None:
+        """Stops the read-ahead before an update, which uses the reads it issued.
+
+        Raises:
+          TierIOError: a read issued ahead has failed: the update does not start, the
+            optimizer state is as the last update left it (the engine stays usable).
+        """
+        self._pause_read_ahead()
+        ahead = self.pool.reads_ahead
+        metrics.reads_ahead = len(ahead)
+        failed = self.pool.failed_read_ahead()
+        if failed is None:
+            return
+        index, error = failed
+        self._pause_read_ahead(cancel=True)
+        message = (
+            f"subgroup {index}: a read issued ahead of this update failed ({error}). The "
+            "update did not start and the optimizer state is as the last update left it: "
+            "retry the step once the tier is readable, or restore from a checkpoint."
+        )
+        raise (type(error) if isinstance(error, TierIOError) else TierIOError)(message) from error
 
     def drain(self) -> None:
-        """Waits for the write-backs the last update left in flight (``write_behind``).
+        """Waits for the write-backs the last update left in flight (``write_behind``); the
+        read-ahead goes on into the buffers they free.
 
         Raises:
           TierIOError: if one failed (and no other tier took it); the engine is failed then.
         """
+        self._pause_read_ahead()
+        self._drain()
+        self._resume_read_ahead()
+
+    def _drain(self) -> None:
         if not self.pool.writes:
             return
         t0 = time.monotonic()
@@ -318,22 +388,30 @@ class Engine:
                     "a checkpoint of this optimizer is still being written: wait for it "
                     "(CheckpointManager.wait_until_finished()) before saving another"
                 )
-            self.drain()
+            # Between steps the snapshot reads through the free buffers: the reads issued
+            # ahead give theirs back. A concurrent one has buffers of its own.
+            self._pause_read_ahead(cancel=not concurrent)
+            self._drain()
             if concurrent:
-                self.flush()
+                self._flush()
             self._snapshot = StateSnapshot(
                 self.pool, self.layout, self.tiers, self.tier_of, self.step_count,
                 concurrent=concurrent, on_close=self._snapshot_closed,
             )  # fmt: skip
+            if concurrent:
+                self._resume_read_ahead()
             return self._snapshot
 
     def _snapshot_closed(self) -> None:
         # Between steps the snapshot's I/O belongs to no update. A concurrent one closes on the
         # checkpoint's thread, maybe inside an update: its reads count in the updates' tier
         # bytes then, rather than the window being reset under the update.
-        if not self._snapshot.concurrent:
+        concurrent = self._snapshot.concurrent
+        if not concurrent:
             self._window.reset()
         self._snapshot = None
+        if not concurrent:  # the free buffers are the pool's again
+            self._resume_read_ahead()
 
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
         """AdamW's state per parameter leaf, independent of subgroups and tiers.
@@ -383,7 +461,8 @@ class Engine:
             self._check_usable()
             if self._snapshot is not None:
                 raise RuntimeError("a checkpoint of this optimizer is being written")
-            self.drain()
+            self._pause_read_ahead(cancel=True)  # they hold the state being replaced
+            self._drain()
             try:
                 buffers = spare_buffers(self.pool, self.layout) if self.tiers else []
                 for sg, blob in self.pool.stream_blobs(self.layout.subgroups, buffers, load=True):
@@ -393,6 +472,7 @@ class Engine:
                 raise
             self._window.reset()  # this I/O belongs to no update
             self.step_count = int(step)
+            self._resume_read_ahead()
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -407,7 +487,14 @@ class Engine:
         """Writes the subgroups retained in host memory to their tiers (they stay cached)."""
         if self.host_only or self._failed is not None:
             return
-        self.drain()
+        self._pause_read_ahead()
+        self._flush()
+        self._resume_read_ahead()
+
+    def _flush(self) -> None:
+        if self.host_only:
+            return
+        self._drain()
         self.pool.flush()
         self._window.reset()  # these writes belong to no update
 
@@ -426,8 +513,10 @@ class Engine:
             snapshot.wait_closed()
         self._closed = True
         try:
-            if flush and self.tiers and hasattr(self, "pool"):
-                self.flush()
+            if self._read_ahead is not None:
+                self._pause_read_ahead(cancel=True)
+            if flush and self.tiers and hasattr(self, "pool") and self._failed is None:
+                self._flush()
         finally:
             for tier in self.tiers:
                 tier.close()

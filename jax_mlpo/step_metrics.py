@@ -36,6 +36,8 @@ class StepMetrics:
       grad_write_s: time spent writing fp32 gradients to the tiers before the update (only
         without delayed conversion, the baseline; ZeRO-Infinity does it during backward).
       cache_hits: subgroups that were resident in host memory (no read, no write).
+      reads_ahead: subgroups whose reads were issued before the update started, during the
+        forward and backward pass (``OffloadConfig.read_ahead``).
       subgroups: subgroups updated.
       bytes_read: bytes read per tier path.
       bytes_written: bytes written per tier path.
@@ -49,6 +51,7 @@ class StepMetrics:
     write_wait_s: float = 0.0
     grad_write_s: float = 0.0
     cache_hits: int = 0
+    reads_ahead: int = 0
     subgroups: int = 0
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_written: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -61,9 +64,10 @@ class StepMetrics:
 class TierIOWindow:
     """Each tier's bytes and busy time since a mark, added to the figures of a step.
 
-    A step's figures hold all its I/O, including the write-backs that finish after it returned
-    (write-behind): between two updates the tiers only finish the last one's writes, so the
-    next update first closes the window into the last step's figures.
+    A step's figures hold the tiers' I/O from its start to the next update's start: its own,
+    the write-backs that finish after it returned (write-behind) and the next update's reads
+    issued ahead (read-ahead), so that each step's bytes and busy time add up to the
+    iteration's. The next update first closes the window into the last step's figures.
 
     Args:
       stores: the tiers (each with ``tier.path``, ``bytes_read``, ``bytes_written``, ``busy_s``).
@@ -94,9 +98,9 @@ class TierIOWindow:
 
 
 _SCALARS = ("total_s", "read_wait_s", "compute_s", "write_wait_s", "grad_write_s",
-            "cache_hits", "subgroups")  # fmt: skip
+            "cache_hits", "reads_ahead", "subgroups")  # fmt: skip
 _PER_TIER = ("bytes_read", "bytes_written", "tier_busy_s")
-_INTS = ("cache_hits", "subgroups", "bytes_read", "bytes_written")
+_INTS = ("cache_hits", "reads_ahead", "subgroups", "bytes_read", "bytes_written")
 _PROC_DIR = re.compile(r"^proc\d+$")
 
 

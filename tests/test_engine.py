@@ -214,6 +214,7 @@ def test_metrics_pipeline_only(dtype, per_elem, retain, tmp_path):
         placement="even",
         retain=retain,
         write_behind=False,  # each step's bytes are counted in that step
+        read_ahead=False,  # and its reads: none issued before it
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     placed = None
@@ -257,6 +258,7 @@ def test_metrics_with_retained_subgroups(dtype, per_elem, tmp_path):
         prefetch_depth=depth,
         placement="even",
         write_behind=False,  # each step's writes are traced in that step
+        read_ahead=False,  # and its reads: none issued before it
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     kept: set[int] | None = None  # not written back by the previous step
@@ -346,6 +348,7 @@ def overlap_step(tmp_path, depth, states):
         subgroup_size=OVERLAP_SUBGROUP,
         prefetch_depth=depth,
         placement="even",  # no bandwidth probe at init
+        read_ahead=False,  # the step's own reads: none issued before it (tests/test_read_ahead)
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     params = {"w": jnp.zeros((N_SUBGROUPS * OVERLAP_SUBGROUP,), jnp.float32)}
@@ -417,6 +420,7 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
         placement="even",
         retain=False,
         write_behind=write_behind,
+        read_ahead=False,  # each step's reads are its own (tests/test_read_ahead.py)
     )
     tx = jax_mlpo.adamw(1e-3, offload=config)
     params = {"w": jnp.linspace(-1.0, 1.0, N_SUBGROUPS * OVERLAP_SUBGROUP, dtype=jnp.float32)}

@@ -400,7 +400,10 @@ def test_an_object_store_lost_at_init_is_named():
 def test_an_object_store_answering_5xx_is_retried_then_named(server, tmp_path):
     proxy = FaultyS3Proxy(server.endpoint)
     try:
-        run = Training(object_config(proxy.endpoint, server.bucket(), write_behind=False))
+        # each update's requests are its own: no write-back after it, no read before it
+        run = Training(
+            object_config(proxy.endpoint, server.bucket(), write_behind=False, read_ahead=False)
+        )
         run.run(1)
         before = proxy.forwarded
         run.run(1)

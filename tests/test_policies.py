@@ -26,6 +26,7 @@ BLOB = 8 * SUBGROUP  # fp32 params: m | v
 
 def make_tx(tmp_path, buffers: int, tiers: int = 2, **switches):
     switches.setdefault("write_behind", False)  # each step's writes are traced in that step
+    switches.setdefault("read_ahead", False)  # and its reads (tests/test_read_ahead.py)
     config = jax_mlpo.OffloadConfig(
         host_cache=buffers * BLOB * (1 if switches.get("delayed_conversion", True) else 1.5),
         tiers=[

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers import kvstore
@@ -290,7 +291,9 @@ class FileTierStore:
             self._bucket.rate = float(rate)
 
     def _read(self, slot: int, out: np.ndarray, kind: str) -> None:
-        with self.permits.hold("read"):
+        # the request, from its wait for a permit on, beside XLA's ops in a jax.profiler trace
+        annotation = TraceAnnotation("jax_mlpo.tier_read", subgroup=slot, kind=kind)
+        with annotation, self.permits.hold("read"):
             bucket = self._bucket  # set_bandwidth_cap may replace it meanwhile
             deadline = self._pace(bucket, "read", kind, slot, out.nbytes)
             t0 = self._begin()
@@ -309,7 +312,8 @@ class FileTierStore:
                 self._end("read", kind, slot, t0, out.nbytes)
 
     def _write(self, slot: int, data: np.ndarray, kind: str) -> None:
-        with self.permits.hold("write"):
+        annotation = TraceAnnotation("jax_mlpo.tier_write", subgroup=slot, kind=kind)
+        with annotation, self.permits.hold("write"):
             bucket = self._bucket
             deadline = self._pace(bucket, "write", kind, slot, data.nbytes)
             t0 = self._begin()

@@ -141,6 +141,7 @@ class HostBufferPool:
         self._order, self._metrics, self._cursor = order, metrics, -1
         self._position = {i: n for n, i in enumerate(order)}
         busy = set(self.dirty.values()) | {w.slot for w in self.writes}
+        busy |= {r.slot for r in self._reads.values()}  # read ahead of the step
         self._free = [s for s in range(len(self.buffers)) if s not in busy]
 
     def acquire(self, index: int) -> Resident:
@@ -189,6 +190,64 @@ class HostBufferPool:
             while self.writes:
                 self._reclaim(block=True)
 
+    # -- between steps ----------------------------------------------------------------------
+
+    def read_ahead(self, order: Sequence[int]) -> Future | None:
+        """Issues reads of the next step's subgroups into the buffers free now.
+
+        Between steps nothing is updated, so the state a read fetches is the one the next step
+        (``order``) needs. A read takes an empty buffer, or one whose clean subgroup the step
+        needs later than the one read (:meth:`acquire` finds the read in flight or done);
+        finished write-backs give their buffers first. Nothing blocks.
+
+        Args:
+          order: the next step's order.
+
+        Returns:
+          The oldest write-back still in flight when a read found no buffer (call again once
+          it is done: it frees one), or None when there is nothing more to do before the step.
+        """
+        self.begin_step(order, StepMetrics(step=0))  # waits here belong to no step
+        self._reclaim(block=False)
+        for j in order:
+            if j in self.dirty or j in self.clean or j in self._reads or self._writing(j):
+                continue
+            if not self._issue(j, block=False):  # no buffer now: maybe once a write lands
+                return self.writes[0].future if self.writes else None
+        return None
+
+    @property
+    def reads_ahead(self) -> list[int]:
+        """The subgroups whose reads were issued before the step that needs them."""
+        return list(self._reads)
+
+    def failed_read_ahead(self) -> tuple[int, BaseException] | None:
+        """A read issued ahead that has already failed, as ``(subgroup, error)``, or None."""
+        for index, resident in self._reads.items():
+            for future in resident.reads:
+                if future.done() and not future.cancelled() and future.exception() is not None:
+                    return index, future.exception()
+        return None
+
+    def cancel_reads(self) -> None:
+        """Drops the reads issued ahead of a step, freeing their buffers (before the state is
+        replaced, or read out between steps through the free buffers).
+
+        Raises:
+          TierIOError: if one is still running after ``io_timeout_s`` (its buffer may still
+            be written).
+        """
+        futures = [f for r in self._reads.values() for f in r.reads]
+        for future in futures:
+            future.cancel()
+        _, running = concurrent.futures.wait(futures, timeout=self._timeout)
+        self._reads.clear()
+        if running:
+            raise TierIOError(
+                f"{len(running)} read(s) issued ahead of the next update did not complete "
+                f"within io_timeout_s={self._timeout} s: the tier may be hung"
+            )
+
     def abort(self, *, cancel: bool = True) -> None:
         """Lets no request outlive a failure: cancels (``cancel``) the requests not started
         and waits for the rest."""
@@ -236,7 +295,7 @@ class HostBufferPool:
         """The buffers holding no dirty subgroup, emptied of their clean ones, for work between
         steps (:meth:`stream_blobs`). Call it with no write-back in flight (:meth:`drain`)."""
         self.clean.clear()
-        busy = set(self.dirty.values())
+        busy = set(self.dirty.values()) | {r.slot for r in self._reads.values()}
         return [b for slot, b in enumerate(self.buffers) if slot not in busy]
 
     def stream_blobs(
