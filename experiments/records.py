@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax_mlpo
-from experiments import report
+from experiments import iteration, report
 from experiments.host_memory import process_memory
 from experiments.run_config import RunConfig
 
@@ -38,8 +38,9 @@ PER_PROCESS = {
 
 
 def step_record(
-    step: int, loss: float, job: Any, tokens_per_step: int, processes: int
-) -> dict[str, Any]:
+    step: int, loss: float, job: Any, tokens_per_step: int, processes: int,
+    tier_totals: dict[str, dict[str, float]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The metrics record of one step.
 
     Args:
@@ -48,6 +49,7 @@ def step_record(
       job: the step's figures over all processes (``jax_mlpo.step_metrics.aggregate``'s result).
       tokens_per_step: tokens of the global batch.
       processes: processes of the run.
+      tier_totals: this process's tier counters now (:func:`experiments.iteration.tier_totals`).
 
     Returns:
       The record: step, loss, the slowest process's times, tokens/s, the engine's metrics
@@ -62,6 +64,8 @@ def step_record(
     }
     if job.metrics is not None:
         r.update(update_record(job.metrics))
+    if tier_totals:
+        r["tier_totals"] = tier_totals
     if processes > 1:
         r["processes"] = processes
         r["slowest_process"] = job.slowest
@@ -103,6 +107,7 @@ def update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:
         "compute_s": m.compute_s,
         "write_wait_s": m.write_wait_s,
         "cache_hits": m.cache_hits,
+        "reads_ahead": m.reads_ahead,
         "subgroups": m.subgroups,
         "cache_hit_rate": m.cache_hits / max(m.subgroups, 1),
         "tiers": tiers,
@@ -227,6 +232,9 @@ def finish(
                 title=f"{cfg.model} ({name})",
             )
             logger.info("plot in %s", plot)
+            if summary.get("limit"):
+                timeline = iteration.plot_timeline(shown, run_dir / f"timeline-{name}.png")
+                logger.info("timeline in %s", timeline)
         except ImportError:
             logger.warning("matplotlib is not installed, no plot: pip install -e '.[experiments]'")
     logger.info("metrics in %s", metrics_path)

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from experiments import iteration
+
 logger = logging.getLogger("report")
 
 _PHASES = (
@@ -88,6 +90,9 @@ def summarize(records: Sequence[dict[str, Any]], skip: int) -> dict[str, Any]:
     }
     if "cache_hit_rate" in window[0]:
         out["cache_hit_rate"] = float(np.mean([r["cache_hit_rate"] for r in window]))
+    limit = iteration.summarize_limit(records, window[0]["step"] - 1)
+    if limit is not None:
+        out["limit"] = limit
     peaks = [r["peak_rss_bytes"] for r in records if "peak_rss_bytes" in r]
     if peaks:
         out["peak_rss_bytes"] = max(peaks)
@@ -127,6 +132,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         f"{summary['loss_last10']:.4f} (last 10)"
     )
     lines.append("; ".join(extra))
+    if summary.get("limit"):
+        lines += ["", iteration.format_limit(summary["limit"])]
     if summary["tiers"]:
         lines += [
             "",

@@ -32,6 +32,7 @@ import jax_mlpo
 from experiments.data import TokenDataset, batches
 from experiments.dry_run import memory_plan
 from experiments.host_memory import check_fits, meminfo, training_memory
+from experiments.iteration import tier_totals
 from experiments.mesh import batch_sharding, build_mesh, shard
 from experiments.records import earlier_records, finish, progress, step_record
 from experiments.run_config import ConfigError, RunConfig, resolve_model
@@ -363,12 +364,15 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
-                engine = None if use_optax else jax_mlpo.engine_of(opt_state).metrics[-1]
+                engine = None if use_optax else jax_mlpo.engine_of(opt_state)
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.
-                job = jax_mlpo.step_metrics.aggregate(engine, timings, time_key="step_s")
+                job = jax_mlpo.step_metrics.aggregate(
+                    engine and engine.metrics[-1], timings, time_key="step_s"
+                )
                 loss_value = float(np.asarray(loss.addressable_data(0)))  # replicated
-                r = step_record(step + 1, loss_value, job, tokens_per_step, nproc)
+                totals = tier_totals(engine) if engine is not None and engine.tiers else None
+                r = step_record(step + 1, loss_value, job, tokens_per_step, nproc, totals)
                 if lead:
                     log.write(json.dumps(r) + "\n")
                     log.flush()  # a long run's metrics can be followed, and survive a crash

@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+from experiments import iteration
 from experiments.bench.deepspeed.peer import (
     ROOT,
     module_command,
@@ -115,6 +116,8 @@ def jax_worker(args) -> dict:
         shutil.rmtree(tier.path, ignore_errors=True)
     records = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines()]
     skip = cfg.report.skip_steps
+    # everything the tiers did from one update's end to the next's: the iteration
+    whole = {i["step"]: i for i in iteration.iterations(records)}
     steps = []
     for r in records:
         row = {
@@ -132,7 +135,12 @@ def jax_worker(args) -> dict:
             "tier_bytes_read": sum(t["read_bytes"] for t in r.get("tiers", {}).values()),
             "tier_bytes_written": sum(t["write_bytes"] for t in r.get("tiers", {}).values()),
             "tier_busy_s": sum(t["busy_s"] for t in r.get("tiers", {}).values()),
+            "reads_ahead": r.get("reads_ahead", 0),
         }
+        if r["step"] in whole:
+            tiers = whole[r["step"]]["tiers"].values()
+            row["iter_tier_bytes"] = sum(t["read_bytes"] + t["write_bytes"] for t in tiers)
+            row["iter_busy_s"] = max(t["busy_s"] for t in tiers)
         row.update(per_step.get(r["step"], {}))
         if r["step"] > skip:
             steps.append(row)
@@ -154,10 +162,34 @@ def jax_worker(args) -> dict:
     keys = (
         "iter_s", "fwd_bwd_s", "update_s", "host_update_s", "read_wait_s", "compute_s",
         "write_wait_s", "cache_hits", "bytes_read", "bytes_written", "tier_bytes_read",
-        "tier_bytes_written", "tier_busy_s", "drop_s",
+        "tier_bytes_written", "tier_busy_s", "drop_s", "reads_ahead", "iter_tier_bytes",
+        "iter_busy_s",
     )  # fmt: skip
     out.update(medians(steps, keys))
     return out
+
+
+def against_limit(out: dict, mixed_gbps: float) -> dict:
+    """jax_mlpo's iteration against its limit, with the disk's mixed bandwidth of the round.
+
+    ``limit_s`` = max(forward + backward + the update's compute, the iteration's tier bytes at
+    the mixed bandwidth); ``floor_s`` = forward + backward + max(compute, the update's own tier
+    bytes at that bandwidth): with a given host cache the update itself reads every subgroup not
+    in the cache when it starts and writes as many back (docs/design.md, "Read-ahead"), so no
+    overlap with the forward and backward pass brings the iteration below it.
+    """
+    rate = mixed_gbps * 1e9
+    compute = out["fwd_bwd_s"] + out["compute_s"]
+    limit = max(compute, out["iter_tier_bytes"] / rate)
+    update_bytes = out["tier_bytes_read"] + out["tier_bytes_written"]
+    floor = out["fwd_bwd_s"] + max(out["compute_s"], update_bytes / rate)
+    return {
+        "limit_s": limit,
+        "vs_limit": out["iter_s"] / limit,
+        "floor_s": floor,
+        "vs_floor": out["iter_s"] / floor,
+        "disk_busy": out["iter_busy_s"] / out["iter_s"],
+    }
 
 
 def library_fingerprint() -> str:
@@ -313,7 +345,7 @@ def main() -> None:
     def measure_disk(rnd: int) -> None:
         if not args.no_fio:
             d = fio_bandwidth(os.path.join(directory, "fio"))
-            # and the mixed limit of issue 20 (fio 50/50 randrw at the sweep's best point)
+            # and the mixed limit (fio 50/50 randrw at the best point of a request-size sweep)
             d["mixed"] = fio_mixed(os.path.join(directory, "fio"), block="32M", depth=32)
             disk.append(d)
             logger.info("round %d disk: %s, load %s", rnd, d, os.getloadavg())
@@ -321,6 +353,9 @@ def main() -> None:
     def run(system: str, rnd: int) -> dict:
         out = run_system(system, args, cfg, model, n_params, log_dir, rnd)
         out["round"] = rnd
+        mixed = disk[-1].get("mixed", {}).get("mixed_gbps") if disk else None
+        if system == "jax_mlpo" and mixed and "iter_tier_bytes" in out:
+            out.update(against_limit(out, mixed))
         logger.info(
             "round %d %s: iteration %.2f s (fwd+bwd %.2f s, %s %.2f s), read %.2f GB "
             "written %.2f GB per step, process %.0f s, load %.1f -> %.1f",
@@ -360,7 +395,8 @@ def main() -> None:
     keys = (
         "iter_s", "fwd_s", "bwd_s", "fwd_bwd_s", "step_s", "update_s", "host_update_s",
         "read_wait_s", "compute_s", "write_wait_s", "swap_in_s", "adam_s", "swap_out_s",
-        "grad_swap_out_s", "bytes_read", "bytes_written", "drop_s", "cache_hits",
+        "grad_swap_out_s", "bytes_read", "bytes_written", "drop_s", "cache_hits", "reads_ahead",
+        "limit_s", "vs_limit", "floor_s", "vs_floor", "disk_busy",
     )  # fmt: skip
     for system, outs in runs.items():
         row = {"system": system}
@@ -420,8 +456,16 @@ def main() -> None:
             f"jax_mlpo: host update {fmt(r.get('host_update_s'))}: read wait "
             f"{fmt(r.get('read_wait_s'))}, compute {fmt(r.get('compute_s'))}, write wait "
             f"{fmt(r.get('write_wait_s'))}; cache hits {fmt(r.get('cache_hits'), digits=0)}; "
+            f"reads ahead {fmt(r.get('reads_ahead'), digits=0)}; "
             f"host_cache {r['host_cache'] / 2**20:.0f} MiB"
         )
+        if "vs_limit" in r:
+            lines.append(
+                f"jax_mlpo: iteration = {fmt(r['vs_limit'])} x its limit {fmt(r['limit_s'])} s "
+                "(max(fwd+bwd + update compute, the iteration's tier bytes at fio's mixed "
+                f"bandwidth)), {fmt(r['vs_floor'])} x the floor with this host cache "
+                f"{fmt(r['floor_s'])} s; tiers busy {fmt(r['disk_busy'])} of the iteration"
+            )
     if disk:
         lines.append("disk (fio O_DIRECT 1 MiB QD8, and mixed 32 MiB x 32): " + json.dumps(disk))
     for k, v in ratios.items():
