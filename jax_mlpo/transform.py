@@ -174,7 +174,7 @@ def adamw(
     exactly wherever the new and old values are within a factor 2 of each other (Sterbenz) and
     within a bfloat16 rounding of it elsewhere; the master copy itself stays exact, and the next
     update is computed from the params as they are, so no difference accumulates
-    (docs/design.md, "Precision of the bf16 update", has the measured fractions).
+    (docs/precision.md, "The bf16 update", has the measured fractions).
     ``update_dtype=jnp.float32`` returns ``master_new - float32(params)`` instead, with which
     ``apply_updates`` gives ``bfloat16(master_new)`` bit for bit, at 4 bytes of update per param.
 

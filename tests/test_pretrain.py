@@ -132,8 +132,8 @@ def _single_node(
     argv = [str(ROOT / "experiments" / "launch" / "single_node.sh"), "--set", f"steps={STEPS}",
             "--set", f"data.cache_dir={cache}", *TWO_PROCESSES, *extra]  # fmt: skip
     t0 = time.monotonic()
-    # In a session of its own: a process that hangs (its peer failed inside a collective) is
-    # stopped with the launcher by the session's process group, not left running.
+    # In a process group of its own (start_new_session): a process that hangs (its peer failed
+    # inside a collective) is killed with the launcher's group, not left running.
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     try:

@@ -89,7 +89,7 @@ def vm_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
-def test_io_buffers_are_private_and_advised_for_huge_pages(monkeypatch):
+def test_io_buffers_are_private_and_advised_for_huge_pages():
     # Large buffers ask for transparent huge pages (larger requests reach the disk); a shared
     # mapping would be shmem, which the advice does not cover.
     from jax_mlpo.tiers import submit
@@ -101,8 +101,7 @@ def test_io_buffers_are_private_and_advised_for_huge_pages(monkeypatch):
         assert "sh" not in vm_flags(buf.ctypes.data)  # private, not shared
     assert "hg" in vm_flags(large.ctypes.data)
     assert "hg" not in vm_flags(small.ctypes.data)
-    monkeypatch.setattr(submit, "HUGE_PAGES", False)
-    assert "hg" not in vm_flags(aligned_empty(submit.HUGE_PAGE).ctypes.data)
+    assert "hg" not in vm_flags(aligned_empty(submit.HUGE_PAGE, huge_pages=False).ctypes.data)
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])

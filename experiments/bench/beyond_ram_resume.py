@@ -1,5 +1,5 @@
 """The proof's resume half: experiments/configs/beyond-ram.yaml killed after a checkpoint and
-resumed, against an uninterrupted run of the same steps (issue 16).
+resumed, against an uninterrupted run of the same steps.
 
 1. **Uninterrupted**: ``pretrain.py`` on the config for ``--steps`` steps, no checkpoints; its
    summary keeps the sha256 of the final params.

@@ -1,13 +1,13 @@
-"""Checkpoints of offloaded state 8x+ the host cache: streamed save and restore (issue 15).
+"""Checkpoints of offloaded state 8x+ the host cache: streamed save and restore.
 
 Each round runs in a fresh process: bf16 params (leaves of 16Mi elements) under
 ``jax_mlpo.adamw`` with all state on one disk tier and a small host cache. It measures, on the
 same disk:
 
 * ``fio``: 50/50 random read/write, O_DIRECT, 8 MiB requests, 16 in flight, on one laid-out
-  file, and ``fio_limit``: the same at 32 MiB x 32 (the best point of issue 20's sweep here).
-  The better of the two is the disk's mixed limit (a save reads the tier and writes the
-  checkpoint at once, a restore the reverse: issue 15's reference); ``fio_copy``: a
+  file, and ``fio_limit``: the same at 32 MiB x 32 (the best point of the disk's sweep,
+  ``experiments.bench.disk_limit``). The better of the two is the disk's mixed limit (a save
+  reads the tier and writes the checkpoint at once, a restore the reverse); ``fio_copy``: a
   sequential read of a file and a sequential write of a new, preallocated one at once, 8 in
   flight each (a checkpoint's own pattern: new files are written, and ext4 serialises direct
   writes into newly allocated space within a file);
@@ -32,16 +32,15 @@ same disk:
 Before each save the last update's write-behind is drained (it is the update's I/O). The page
 cache is dropped before the update that precedes each save (before the first save, just before
 it), not between them: a drop also evicts the process's own code (shared libraries, bytecode),
-and the first thread started after one waited 14-49 ms for its pages (stop 33,
-``experiments/bench/stall_breakdown.py``), a cost no training loop pays between its update and
-its save. Tiers and checkpoint files are read and
-written with O_DIRECT, so the drop's effect on the data is the same.
+and the first thread started after one waited 14-49 ms for its pages, a cost no training loop
+pays between its update and its save. Tiers and checkpoint files are read and written with
+O_DIRECT, so the drop's effect on the data is the same.
 
-Issue 15's targets: RSS growth <= 512 MiB in each, throughput >= 80% of the disk's mixed limit (the
+Targets: RSS growth <= 512 MiB in each, throughput >= 80% of the disk's mixed limit (the
 better fio mixed figure), the stall <= 10% of the synchronous save's time. Medians over rounds,
 the spread beside them.
 
-    python -m experiments.bench.checkpoint --params-mi 344 --cache 256MiB --rounds 2 \
+    python -m experiments.bench.checkpoint --params-mi 344 --cache 256MiB --rounds 3 \
         --dir /var/tmp/jax_mlpo_ckpt --json experiments/results/checkpoint.json
 """
 
@@ -218,7 +217,7 @@ def child(params_mi: int, cache: str, root: str, io_submit: str = "aio") -> dict
 
 
 def summarize(rounds: list[dict]) -> dict:
-    """Medians and spreads of the rounds' ratios, against issue 15's targets."""
+    """Medians and spreads of the rounds' ratios, against the targets in the module's docstring."""
     mib = 2**20
 
     def ratio(r: dict, phase: str, fio: str = "fio") -> float:

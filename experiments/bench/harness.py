@@ -11,9 +11,13 @@ run in a venv without jax and import it too.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -141,8 +145,41 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(round_robin({"fn": fn}, repeats)["fn"])
 
 
+def provenance() -> dict[str, Any]:
+    """What makes a result reproducible: the commit (``+dirty`` with uncommitted changes), the
+    date (UTC) and the machine (cores, CPU model, memory, kernel)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+        except OSError:  # no git on this machine
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": model,
+            "memory_bytes": mem,
+            "platform": platform.platform(),
+        },  # fmt: skip
+    }
+
+
 def write_json(path: str | os.PathLike | None, result: Any, indent: int | None = 2) -> None:
     """Writes a benchmark's result (nothing when ``path`` is None: no ``--json`` given).
+
+    A dict result gets a ``provenance`` entry (:func:`provenance`) unless it has one.
 
     Args:
       path: the ``--json`` file, or None.
@@ -151,5 +188,7 @@ def write_json(path: str | os.PathLike | None, result: Any, indent: int | None =
     """
     if path is None:
         return
+    if isinstance(result, dict) and "provenance" not in result:
+        result = {"provenance": provenance(), **result}
     with open(path, "w") as f:
         json.dump(result, f, indent=indent)

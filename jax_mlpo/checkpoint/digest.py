@@ -11,7 +11,7 @@ half-written file), not tampering, since whoever can change a file can rewrite t
 beside it. CRC-32C detects every error burst of up to 32 bits (so every flipped byte) and other
 corruption but for a chance of 2^-32 per piece; it is what zarr3, tensorstore and GCS check
 data with. A save of 344M params and their state took 4.59 CPU seconds with sha256 against
-2.39 with CRC-32C, a restore 5.47 against 3.56 (medians of 4, experiments/bench/digest_ab.py),
+2.39 with CRC-32C, a restore 5.47 against 3.56 (medians of 4 interleaved runs),
 on a 2-core host that also runs the update.
 """
 

@@ -12,8 +12,7 @@ params (the next update may donate them): their snapshot is on disk. The arrays 
 ``np.ndarray`` type, so the item is read by plain orbax (its own ``NumpyHandler``, through
 tensorstore). jax_mlpo reads them back itself (:mod:`~jax_mlpo.checkpoint.host_reads`; any
 other array is left to orbax): a restore of 688 MiB of params and 4.3 GB of state took 2.90 s
-that way against 3.99 through tensorstore's reads (medians of 3,
-experiments/bench/params_read_ab.py).
+that way against 3.99 through tensorstore's reads (medians of 3 interleaved restores).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ logging.getLogger("absl").addFilter(_NoOcdbtMerge())
 
 PIECE_BYTES = 8 << 20  # requests as large as fio's best
 # pieces being written at once: rewriting 672 MiB of params took 0.246 s with 8 against 0.303
-# with 4 (medians of 5, experiments/bench/params_write_ab.py); buffers: 128 MiB
+# with 4 (medians of 5 interleaved writes); buffers: 128 MiB
 IO_THREADS = 8
 PRODUCERS = 2  # arrays being copied and digested at once (a core each)
 

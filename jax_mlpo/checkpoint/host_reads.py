@@ -28,11 +28,10 @@ from jax_mlpo.tiers.submit import aligned_empty, pread_full, round_up_pages
 DIRECT_BYTES = 1 << 20
 READ_PIECE_BYTES = 8 << 20
 READ_THREADS = 32  # pieces being read at once: into the arrays themselves, so no memory
-# The arrays read are fresh memory, whose pages are faulted in as the reads land: orbax's tree
-# restores (688 MiB of params and the small rest) took 0.59 s [0.47-0.70] with 4 KiB pages,
-# 0.86 [0.43-0.91] with huge pages, 1.73 [0.91-3.40] through orbax's own reads (medians of 3
-# interleaved restores on a 2-core VM, experiments/bench/params_read_ab.py).
-READ_HUGE_PAGES = False
+# The arrays read are fresh memory, whose pages are faulted in as the reads land, so they are
+# made over 4 KiB pages: orbax's tree restores (688 MiB of params and the small rest) took
+# 0.59 s [0.47-0.70] with 4 KiB pages, 0.86 [0.43-0.91] with huge pages, 1.73 [0.91-3.40]
+# through orbax's own reads (medians of 3 interleaved restores on a 2-core VM).
 
 
 def one_raw_chunk(path: str, dtype: Any = None) -> tuple[str, tuple[int, ...], np.dtype] | None:
@@ -77,7 +76,7 @@ def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np
         try:
             for data, shape, dtype in arrays:
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                buffer = aligned_empty(round_up_pages(nbytes), np.uint8, huge_pages=READ_HUGE_PAGES)
+                buffer = aligned_empty(round_up_pages(nbytes), np.uint8, huge_pages=False)
                 fds.append(open_direct(data, os.O_RDONLY))
                 for start in range(0, nbytes, READ_PIECE_BYTES):
                     n = min(READ_PIECE_BYTES, nbytes - start)

@@ -30,7 +30,7 @@ DATA_FILE = os.path.join("c", "0")  # zarr3's default chunk key of chunk (0,)
 PAGE_ELEMS = ALIGN // 4  # float32 per page: O_DIRECT moves whole pages
 # tensorstore's file driver fsyncs every file it writes (its ``file_io_sync``): beside a
 # checkpoint's own I/O that held the stream's thread 1.36-1.68 s of a 5.5-6.1 s save, ~25 ms
-# per array (experiments/bench/save_breakdown.py). The metadata is written unsynced,
+# per array (the stream's thread timed by phase). The metadata is written unsynced,
 # then made durable with the data.
 _UNSYNCED = ts.Context({"file_io_sync": False})
 

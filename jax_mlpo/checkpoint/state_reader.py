@@ -31,7 +31,7 @@ from jax_mlpo.types import F32
 # Pieces read at once, and subgroups whose pieces are read ahead of the one being filled. Alone,
 # this disk reads 2.4x faster with 1 GiB in flight than with 32 MiB (fio), but beside the
 # restore's tier writes, 16 x 3 and 32 x 5 restored in 4.04-4.71 and 4.88-4.94 s against
-# 4.16-4.25 s (experiments/bench/restore_breakdown.py).
+# 4.16-4.25 s (the settings interleaved in one process).
 READ_THREADS = 4
 READ_AHEAD = 1
 

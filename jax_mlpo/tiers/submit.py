@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 2**20  # x86-64's transparent huge page
-HUGE_PAGES = True  # whether aligned_empty advises them (off: benchmarks' A/B only)
 _READ, _WRITE = 0, 1  # request priorities: reads first
 
 
@@ -57,7 +56,7 @@ def aligned_empty(n: int, dtype: Any = np.float32, *, huge_pages: bool = True) -
     """
     nbytes = max(1, n * np.dtype(dtype).itemsize)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and HUGE_PAGES and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # a kernel without transparent huge pages refuses: 4 KiB pages, as before
         with contextlib.suppress(OSError):
             memory.madvise(mmap.MADV_HUGEPAGE)

@@ -76,7 +76,7 @@ logger = logging.getLogger("bench.deepspeed_peer")
 MODULE = "experiments.bench.deepspeed.deepspeed_peer"  # its jax_mlpo workers run it again
 SYSTEMS = (
     "ds-partitioned", "ds-pipelined", "jax-baseline", "jax-all-2dirs", "jax-all-1dir",
-    "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads", "jax-all-1dir-4k",
+    "jax-bf16-moments", "jax-q8-moments", "jax-all-1dir-threads",
 )  # fmt: skip
 
 
@@ -98,12 +98,8 @@ def jax_worker(args) -> dict:
     ntiers = 2 if args.worker == "jax-all-2dirs" else 1
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    # "-threads": the tier's requests on a thread each instead of kernel AIO (the A/B of issue 20)
+    # "-threads": the tier's requests on a thread each (FileTier.io_submit) instead of kernel AIO
     io_submit = "threads" if args.worker.endswith("-threads") else "aio"
-    if args.worker.endswith("-4k"):  # the pool's buffers over 4 KiB pages (stop 34)
-        from jax_mlpo.tiers import submit
-
-        submit.HUGE_PAGES = False
     tiers = tuple(
         jax_mlpo.FileTier(
             os.path.join(args.dir, f"tier{k}"),
@@ -338,8 +334,7 @@ def main() -> None:
         mixed = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
                           depth=args.limit_depth)  # fmt: skip
         # the same point for as long as a step lasts, about a second or two: an update is a
-        # burst, and short fio runs moved more than 10 s ones in stop 34's exploratory runs
-        # (not in its run 4: docs/deepspeed.md)
+        # burst, and short fio runs have moved more than 10 s ones on this disk
         burst = fio_mixed(os.path.join(args.dir, "fio"), block=args.limit_block,
                           depth=args.limit_depth, runtime_s=args.burst_runtime)  # fmt: skip
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -20,7 +20,6 @@ LABELS = {
     "jax-bf16-moments": "jax_mlpo all (1 dir), bf16 m and v",
     "jax-q8-moments": "jax_mlpo all (1 dir), q8 m and v",
     "jax-all-1dir-threads": "jax_mlpo all (1 dir), threads",
-    "jax-all-1dir-4k": "jax_mlpo all (1 dir), 4 KiB pages",
 }
 
 
@@ -86,7 +85,7 @@ def summarize(runs: dict[str, list[dict]], limits: dict) -> tuple[dict, dict]:
         ]
         rows[system]["disk_gbps"] = spread(gbps)
         for kind, key in (("mixed", "of_mixed_limit"), ("mixed_burst", "of_burst_limit")):
-            per_round = limits.get(kind, [])  # no burst figure in runs before stop 34
+            per_round = limits.get(kind, [])  # results without a burst figure have none
             of_limit = [
                 moved / limit
                 for moved, o in zip(gbps, outs, strict=True)
@@ -113,7 +112,6 @@ def summarize(runs: dict[str, list[dict]], limits: dict) -> tuple[dict, dict]:
         ("jax-all-2dirs", ""),
         ("jax-all-1dir", "_1dir"),
         ("jax-all-1dir-threads", "_1dir_threads"),
-        ("jax-all-1dir-4k", "_1dir_4k"),
         ("jax-baseline", "_baseline"),
         ("jax-bf16-moments", "_bf16_moments"),
         ("jax-q8-moments", "_q8_moments"),

@@ -7,8 +7,8 @@ over the interleaved rounds; whiskers are [min, max] of the totals.
 
 Usage:
   python -m experiments.bench.deepspeed.plot_deepspeed \
-      --update experiments/results/deepspeed_update_stop34.json \
-      --e2e experiments/results/deepspeed_e2e_stop34.json --out docs/deepspeed.png
+      --update experiments/results/deepspeed_update.json \
+      --e2e experiments/results/deepspeed_e2e.json --out docs/deepspeed.png
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def plot_e2e(ax, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--update", default="experiments/results/deepspeed_update_stop34.json")
-    parser.add_argument("--e2e", default="experiments/results/deepspeed_e2e_stop34.json")
+    parser.add_argument("--update", default="experiments/results/deepspeed_update.json")
+    parser.add_argument("--e2e", default="experiments/results/deepspeed_e2e.json")
     parser.add_argument("--out", default="docs/deepspeed.png")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

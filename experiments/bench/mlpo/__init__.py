@@ -3,7 +3,6 @@
 * ``kernels``: the host AdamW kernel's bandwidth beside STREAM triad, memcpy, XLA and numpy.
 * ``tiers``: file tier throughput against the disk's raw bandwidth (fio).
 * ``update_phase``: the update phase, baseline against each MLP-Offload principle.
-* ``retain_all``: every host buffer retained across steps against the pipeline written back.
 * ``dist_update``: node-level permits with several processes sharing two tiers.
 * ``matmul``: the model's bfloat16 matmuls, XLA's dot against ``models.matmul``.
 

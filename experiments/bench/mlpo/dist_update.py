@@ -38,7 +38,7 @@ one step of them).
 
 Usage:
   python -m experiments.bench.mlpo.dist_update --processes 2 --state 512MiB --cache 64MiB \
-      --caps 300MB,150MB --repeats 3 --json experiments/results/dist_update.json \
+      --caps 300MB,150MB --repeats 3 --json experiments/results/dist_update_shared_cap.json \
       --plot docs/dist_update_trace.png
 """
 

@@ -8,7 +8,8 @@ permitted (root), so reads come from the disk. Each configuration (I/O engine an
 sequential bandwidth, as DeepSpeed's aio config uses it) on the same directory; the table gives
 medians and ``tier_efficiency`` = tier GB/s / fio GB/s of the same repeat (median over repeats).
 A mixed pass reads half the blobs while writing the other half (an update's pattern); its
-efficiency is against fio's 50/50 random mix at 32 MiB x 32 in flight (issue 20's limit).
+efficiency is against fio's 50/50 random mix at 32 MiB x 32 in flight (the best point of
+``experiments.bench.disk_limit``'s sweep on the disk measured).
 
 Usage:
   python -m experiments.bench.mlpo.tiers --dir /tmp/jax_mlpo-tierbench --blob-mib 96 \
@@ -131,7 +132,7 @@ def main() -> None:
         raw = fio_bandwidth(os.path.join(args.dir, "fio"))
         if "error" in raw:
             raise SystemExit(raw["error"])
-        # the mixed limit (issue 20): fio's 50/50 random mix at the sweep's best point
+        # the mixed limit: fio's 50/50 random mix at the sweep's best point
         raw["mixed_gbps"] = fio_mixed(os.path.join(args.dir, "fio"), block="32M", depth=32)[
             "mixed_gbps"
         ]
