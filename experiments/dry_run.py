@@ -170,7 +170,7 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
             "given" if plan.bandwidths_given else "assumed equal (probed at start)"
         )
     # The update reads gradients and params in XLA's buffers and writes the update over the
-    # gradients (issue 14): nothing of the model's size on the host beyond the cache. On a GPU
+    # gradients: nothing of the model's size on the host beyond the cache. On a GPU
     # a subgroup's gradients, params and update are staged through pinned buffers.
     out["host_buffers"] = {
         "optimizer engine (host cache)": host.host_bytes,

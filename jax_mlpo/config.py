@@ -188,9 +188,9 @@ class OffloadConfig:
         as many as ``host_cache`` allows beyond the pipeline's buffers.
       retain_policy: ``"equal"`` (the same count per tier, as the MLP-Offload artifact) or
         ``"slow_tiers"`` (retain the slowest tier's subgroups first). Placement accounts for
-        either, so both give the same I/O bound; ``"equal"`` measured 3% faster (median of 3
-        interleaved runs each, experiments/results/retain_policy.txt): it spreads each tier's
-        I/O evenly over the step instead of idling the slow tier at the end.
+        either, so both give the same I/O bound; ``"equal"`` spreads each tier's I/O evenly over
+        the step instead of idling the slow tier at the end (docs/benchmarks.md, "Update
+        phase", has both).
       delayed_conversion: keep bf16 gradients in host memory and convert them inside the
         update. When False (the baseline), fp32 gradients are written to the tier before the
         update and read back in it, as ZeRO-Infinity does.

@@ -100,9 +100,9 @@ def host_plan(
     elif config.order == "alternate":
         # Every buffer: the next step starts with the subgroups this one ends with, so each
         # buffer's subgroup is updated again before any read needs the buffer, and writing it
-        # back at the end of this step would only write it twice (measured: 20% fewer bytes
-        # written per step than keeping only the buffers beyond the pipeline, in the same time
-        # on one disk; experiments/results/retain_all.txt).
+        # back at the end of this step would only write it twice (20% fewer bytes written per
+        # step than keeping only the buffers beyond the pipeline, in the same time on one
+        # disk: docs/design.md, "One buffer pool, used as a cache").
         retained = min(buffers, num_subgroups)
     else:  # the next step starts elsewhere: the pipeline's buffers must be free then
         retained = max(0, min(buffers - minimum, num_subgroups))
