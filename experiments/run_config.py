@@ -1,10 +1,11 @@
 """The run configuration of the pre-training job: typed sections read from YAML and ``--set``.
 
 A YAML file (see experiments/configs/) plus ``key=value`` overrides become a frozen
-:class:`RunConfig`. Every value is checked against its field's type and range when it is read,
-and every error names the key and a fix. The ``offload`` section is jax_mlpo's own
-:class:`jax_mlpo.OffloadConfig` (built by :meth:`~jax_mlpo.OffloadConfig.from_dict`), with its
-tiers defaulting to ``<run_dir>/tiers/t0`` and ``t1``.
+:class:`RunConfig`. draccus reads the file, merges the overrides and types every value against
+its dataclass field; the checks here add the ranges and the rules between fields. Every error
+names the dotted key. The ``offload`` section is jax_mlpo's own :class:`jax_mlpo.OffloadConfig`,
+its fields typed by draccus and its tiers read by jax_mlpo, defaulting to
+``<run_dir>/tiers/t0`` and ``t1``.
 """
 
 from __future__ import annotations
@@ -297,6 +298,7 @@ def _decode_tuple(cls: Any, raw: Any, path: Sequence[str]) -> tuple:
 
 
 draccus.decode.register(tuple, _decode_tuple, include_subclasses=True)
+draccus.parsers.decoding.get_decoding_fn.cache_clear()  # decoders built before this one
 
 
 def _check(cfg: RunConfig) -> None:
