@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key (dotted for sections), value as YAML",
+        help="override a config key (dotted for sections), value as YAML; a mapping merges into "
+        "the section it names; applied in order",
     )
     parser.add_argument(
         "--optimizer",

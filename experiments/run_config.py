@@ -1,22 +1,24 @@
 """The run configuration of the pre-training job: typed sections read from YAML and ``--set``.
 
 A YAML file (see experiments/configs/) plus ``key=value`` overrides become a frozen
-:class:`RunConfig`. Every value is checked against its field's type and range when it is read,
-and every error names the key and a fix. The ``offload`` section is jax_mlpo's own
-:class:`jax_mlpo.OffloadConfig` (built by :meth:`~jax_mlpo.OffloadConfig.from_dict`), with its
-tiers defaulting to ``<run_dir>/tiers/t0`` and ``t1``.
+:class:`RunConfig`. draccus reads the file, merges the overrides and types every value against
+its dataclass field; the checks here add the ranges and the rules between fields. Every error
+names the dotted key. The ``offload`` section is jax_mlpo's own :class:`jax_mlpo.OffloadConfig`,
+its fields typed by draccus and its tiers read by jax_mlpo, defaulting to
+``<run_dir>/tiers/t0`` and ``t1``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import draccus
+import mergedeep
 import yaml
 
 import jax_mlpo
@@ -131,10 +133,15 @@ class RunConfig:
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Reads the YAML config, applies ``key=value`` overrides and validates the result.
 
+    draccus reads the file, types every value and builds the nested sections; an override is
+    merged into the file's values as draccus merges its own command line: the value is YAML,
+    a dotted key reaches into sections (``optimizer.peak_lr=1e-3``) and a mapping value is
+    merged into the section it names (``model_overrides={layers: 2}`` keeps the file's other
+    overrides; ``model_overrides=null`` first drops them).
+
     Args:
         path: a YAML file (see experiments/configs/), or None for the defaults.
-        overrides: ``key=value`` strings; dotted keys reach into sections
-            (``optimizer.peak_lr=1e-3``); values are parsed as YAML (``data.paths=[a, b]``).
+        overrides: ``key=value`` strings, applied in order.
 
     Returns:
         The validated config, its ``offload`` an OffloadConfig whose tiers default to
@@ -143,58 +150,63 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     Raises:
         ConfigError: for a missing file, an unknown key, a value of the wrong type, a missing
             data file, an unknown model preset or an invalid model or offload setting. The
-            message names the key and the fix.
+            message names the key.
     """
-    data: dict[str, Any] = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} not found; see experiments/configs/*.yaml")
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of keys, got {data!r}")
+    data = _read(path) if path else {}
     for item in overrides:
-        _set(data, item)
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set steps=100")
+        try:
+            value = draccus.cfgparsing.parse_string(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+        mergedeep.merge(data, draccus.utils.deflatten({key: value}))
     # Built last: its default tiers lie under run_dir, which the rest of the config gives.
     offload = data.pop("offload", None)
-    if not isinstance(offload, dict | None):
-        raise ConfigError(
-            f"config key 'offload' is a section, got {_describe(offload)}; set its keys "
-            "instead, e.g. --set offload.host_cache=4MiB"
-        )
-    cfg = _build(RunConfig, data, "")
+    try:
+        cfg = draccus.decode(RunConfig, data)
+    except draccus.ParsingError as e:
+        raise ConfigError(_explain(e)) from None
     _check(cfg)
     resolve_model(cfg)
-    return dataclasses.replace(cfg, offload=offload_config(offload or {}, cfg.run_dir))
+    return dataclasses.replace(cfg, offload=offload_config(offload, cfg.run_dir))
 
 
-def offload_config(section: dict[str, Any], run_dir: str) -> jax_mlpo.OffloadConfig:
+def offload_config(section: Mapping[str, Any] | None, run_dir: str) -> jax_mlpo.OffloadConfig:
     """The ``offload`` section as an OffloadConfig; tiers default to <run_dir>/tiers/t0 and t1.
 
+    draccus types the section's fields against OffloadConfig's own, so a field OffloadConfig
+    gains is read without a change here; jax_mlpo reads the tiers (paths, ``s3://`` URLs or
+    mappings of FileTier or ObjectTier fields, a union draccus does not decode) and checks the
+    values.
+
     Args:
-        section: the section's keys (OffloadConfig fields; tiers as paths or mappings).
+        section: the section's keys, or None for the defaults.
         run_dir: the run directory, home of the default tiers (not created).
 
     Returns:
         The OffloadConfig.
 
     Raises:
-        ConfigError: for an unknown key or an invalid value, naming the section.
+        ConfigError: for an unknown key or an invalid value, naming the field.
     """
-    tiers = Path(run_dir) / "tiers"
-    section = {"tiers": [str(tiers / "t0"), str(tiers / "t1")], **section}
-    if not isinstance(section["tiers"], list | tuple):  # a string would be split into characters
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
         raise ConfigError(
-            f"config key 'offload.tiers' must be a list of paths or {{path: ...}} mappings, got "
-            f"{_describe(section['tiers'])}; e.g. --set 'offload.tiers=[/nvme/run, /pfs/run]'"
+            f"config key 'offload' must be a mapping of OffloadConfig fields, got {section!r}; "
+            "e.g. --set offload.host_cache=4MiB"
         )
+    section = dict(section)
+    home = Path(run_dir) / "tiers"
+    tiers = section.pop("tiers", [str(home / "t0"), str(home / "t1")])
     try:
-        return jax_mlpo.OffloadConfig.from_dict(section)
+        return dataclasses.replace(draccus.decode(jax_mlpo.OffloadConfig, section), tiers=tiers)
+    except draccus.ParsingError as e:
+        raise ConfigError(_explain(e, "offload")) from None
     except (jax_mlpo.ConfigError, TypeError) as e:
-        message = str(e).removeprefix("offload: ")
-        raise ConfigError(f"config section 'offload': {message}") from None
+        raise ConfigError(f"config key 'offload': {e}") from None
 
 
 def resolve_model(cfg: RunConfig) -> LlamaConfig:
@@ -244,101 +256,49 @@ def plain(x: Any) -> Any:
     return x
 
 
-# -- reading and checking values ---------------------------------------------------------------
+# -- reading values ----------------------------------------------------------------------------
 
 
-def _describe(value: Any) -> str:
-    kinds = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an int"}
-    kind = kinds.get(type(value), f"a {type(value).__name__}")
-    return f"{value!r} ({kind})"
-
-
-def _coerce(value: Any, hint: Any, key: str, default: Any) -> Any:
-    """Checks ``value`` against the field type ``hint``; returns it converted (tuple, float)."""
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(
-                f"config key '{key}' is a section, got {_describe(value)}; set its keys "
-                f"instead, e.g. --set {key}.<key>=<value>"
-            )
-        return _build(hint, value, key)
-    args = typing.get_args(hint)
-    if type(None) in args:
-        if value is None:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-    example = f"--set {key}={default!r}" if default not in (None, (), {}) else f"--set {key}=..."
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and not isinstance(value, bool):
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    if hint is str and isinstance(value, str):
-        return value
-    if hint is dict and isinstance(value, dict | None):
-        return dict(value or {})
-    if typing.get_origin(hint) is tuple:
-        item = typing.get_args(hint)[0]  # tuple[X, ...]
-        if isinstance(value, list | tuple) and all(
-            isinstance(v, item) and not isinstance(v, bool) for v in value
-        ):
-            return tuple(value)
-        kind, eg = ("integers", "[2, 2]") if item is int else ("strings", "[a.txt, b.txt]")
-        raise ConfigError(
-            f"config key '{key}' must be a list of {kind}, got {_describe(value)}; "
-            f"e.g. {key}: {eg} in YAML or --set '{key}={eg}'"
-        )
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    want = names.get(hint, "a mapping" if hint is dict else str(hint))
-    raise ConfigError(f"config key '{key}' must be {want}, got {_describe(value)}; e.g. {example}")
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for name in data:
-        if name not in fields:
-            key = f"{where}.{name}" if where else name
-            close = difflib.get_close_matches(str(name), fields, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"unknown config key '{key}'; {hint}valid keys{' in ' + where if where else ''}: "
-                f"{', '.join(fields)}"
-            )
-    values = {}
-    for name, value in data.items():
-        f = fields[name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        values[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name, default)
-    return cls(**values)
-
-
-def _set(data: dict[str, Any], item: str) -> None:
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set steps=100")
-    node = data
-    *parents, leaf = key.split(".")
-    parts = key.split(".")
-    for i, p in enumerate(parents):
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise ConfigError(
-                f"--set {item!r}: config key '{'.'.join(parts[: i + 1])}' is "
-                f"{_describe(child)}, not a section, so it has no key '{parts[i + 1]}'"
-            )
-        node = child
+def _read(path: str) -> dict[str, Any]:
+    """The YAML file's mapping of keys, read by draccus."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found; see experiments/configs/*.yaml")
     try:
-        node[leaf] = yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+        with open(path) as f:
+            data = draccus.cfgparsing.load_config(f, file=path)
+    except draccus.ParsingError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e.__cause__}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys, got {data!r}")
+    return data
+
+
+def _explain(error: draccus.ParsingError, section: str = "") -> str:
+    """draccus's error with the dotted key it names first (``section`` is where it decoded)."""
+    cause = error.__cause__
+    if isinstance(cause, jax_mlpo.ConfigError):  # a value jax_mlpo's dataclasses refused
+        return f"config key '{section}': {cause}"
+    if isinstance(error, draccus.utils.DecodingError):
+        key = ".".join([section, *error.key_path] if section else error.key_path)
+        return f"config key '{key}': {error.message}" if key else error.message
+    return f"{error}: {cause}" if cause else str(error)
+
+
+def _decode_tuple(cls: Any, raw: Any, path: Sequence[str]) -> tuple:
+    """draccus's tuple decoding, for lists only: a string is not a list of its characters
+    (``data.paths=a.txt`` is refused, not read as five paths)."""
+    if not isinstance(raw, list | tuple):
+        example = "[2, 2]" if typing.get_args(cls)[:1] == (int,) else "[a, b]"
+        raise draccus.utils.DecodingError(
+            path, f"must be a list, got {raw!r}; e.g. --set '{'.'.join(path)}={example}'"
+        )
+    return draccus.parsers.decoding.decode_tuple(*typing.get_args(cls))(raw, path)
+
+
+draccus.decode.register(tuple, _decode_tuple, include_subclasses=True)
+draccus.parsers.decoding.get_decoding_fn.cache_clear()  # decoders built before this one
 
 
 def _check(cfg: RunConfig) -> None:

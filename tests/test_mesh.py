@@ -292,7 +292,8 @@ def test_tiny_job_on_a_mesh_refuses_a_wrong_shape(tmp_path):
         ("mesh.axes=[a, b, c]", "must name one or two distinct axes"),
         ("mesh.shape=[4]", "must give a positive size for each of mesh.axes"),
         ("mesh.shape=[2, 0]", "must give a positive size for each of mesh.axes"),
-        ("mesh.shape=[two, 2]", "must be a list of integers"),
+        ("mesh.shape=[two, 2]", "config key 'mesh.shape.0': Couldn't parse 'two' into an int"),
+        ("mesh.axes=fsdp", "config key 'mesh.axes': must be a list"),
     ],
 )
 def test_mesh_config_errors(item, message):

@@ -44,6 +44,7 @@ def _scaled(path: Path, tmp_path: Path) -> RunConfig:
     overrides = [
         f"run_dir={tmp_path / 'run'}",
         "model=tiny",
+        "model_overrides=null",  # a mapping merges into the file's: drop the file's first
         f"model_overrides={{param_dtype: {shape.param_dtype}}}",
         f"offload.subgroup_size={subgroup}",
         f"offload.tiers={json.dumps(tiers)}",
