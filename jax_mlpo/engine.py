@@ -4,7 +4,7 @@ One step is MLP-Offload's per-subgroup loop, in the order :mod:`jax_mlpo.schedul
 make the subgroup resident (a cache hit, or the read prefetched from its tier), prefetch the
 next ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.gradients`),
 run the fused AdamW kernel, then retain it in host memory or write it back behind the next
-subgroups (:mod:`jax_mlpo.tiers.host`). How many buffers there are and what is retained is
+subgroups (:mod:`jax_mlpo.buffers`). How many buffers there are and what is retained is
 :mod:`jax_mlpo.plan`'s; where subgroups live is :mod:`jax_mlpo.replan`'s.
 """
 
@@ -20,6 +20,8 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from jax_mlpo import kernels, placement, scheduler
+from jax_mlpo.buffers.cache import SlotCache, touched_buffer
+from jax_mlpo.buffers.pipeline import IOPipeline
 from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
@@ -27,11 +29,11 @@ from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
 from jax_mlpo.read_ahead import ReadAhead
 from jax_mlpo.replan import TierAssignment
-from jax_mlpo.snapshot import StateSnapshot, spare_buffers
+from jax_mlpo.snapshot import STATE, STATE_ALT, CopyOnWrite, StateSnapshot
+from jax_mlpo.state_stream import spare_buffers, stream_blobs
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.tiers.errors import TierIOError
 from jax_mlpo.tiers.file import FileTierStore, open_store
-from jax_mlpo.tiers.host import STATE, STATE_ALT, HostBufferPool, touched_buffer
 from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
@@ -86,11 +88,16 @@ class Engine:
         self._read_ahead: ReadAhead | None = None
         blob_elems = [sg.state_elems for sg in sgs]
         self._window = TierIOWindow(self.tiers)  # the list fills as the tiers open
+        # each subgroup's state is one of two blob kinds (copy-on-write during checkpoints)
+        self._kinds = CopyOnWrite(len(sgs))
         if self.host_only:  # a buffer per subgroup, all resident from the start
-            self.pool = HostBufferPool(
-                [touched_buffer(n) for n in blob_elems], blob_elems, [], None,
-                prefetch_depth=0, reuse_clean=False, fallback_on_full=False,
-                io_timeout_s=config.io_timeout_s, resident={i: i for i in range(len(sgs))},
+            self.cache = SlotCache(
+                [touched_buffer(n) for n in blob_elems], blob_elems, reuse_clean=False,
+                resident={i: i for i in range(len(sgs))},
+            )  # fmt: skip
+            self.pipeline = IOPipeline(
+                self.cache, [], None, self._kinds, prefetch_depth=0, fallback_on_full=False,
+                io_timeout_s=config.io_timeout_s,
             )  # fmt: skip
         else:
             try:
@@ -111,14 +118,13 @@ class Engine:
         if plan.problem:
             raise ConfigError(plan.problem)
         self._gradients = gradient_source(config, layout, plan.buffers)
-        # a subgroup's state is one of two blob kinds (copy-on-write during checkpoints)
         kinds = {STATE: blob_elems, STATE_ALT: blob_elems, **self._gradients.tier_kinds()}
         measured = config.placement == "measured"
         if measured:
             kinds.update(probe_kind(layout.max_state_elems))
         for tier in plan.tiers:
             self.tiers.append(open_store(tier, kinds, config.node_permits_dir))
-        # the pool's buffers: all the host memory the engine's state ever takes (host_cache)
+        # the cache's buffers: all the host memory the engine's state ever takes (host_cache)
         buffers = [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)]
         bandwidth = [
             tier_bandwidth(store, layout.max_state_elems, buffers) if measured else (1.0, 1.0)
@@ -130,20 +136,20 @@ class Engine:
             [store.tier.path for store in self.tiers], bandwidth, self.split,
             [4 * n for n in blob_elems], adaptive=config.replan and measured,
         )  # fmt: skip
-        self.pool = HostBufferPool(
-            buffers, blob_elems,
-            self.tiers, self._assignment, prefetch_depth=config.prefetch_depth,
-            reuse_clean=self._gradients.reuse_clean and config.retain,
-            fallback_on_full=config.fallback_on_full, io_timeout_s=config.io_timeout_s,
-            companion_reads=self._gradients.reads,
+        reuse_clean = self._gradients.reuse_clean and config.retain
+        self.cache = SlotCache(buffers, blob_elems, reuse_clean=reuse_clean)
+        self.pipeline = IOPipeline(
+            self.cache, self.tiers, self._assignment, self._kinds,
+            prefetch_depth=config.prefetch_depth, fallback_on_full=config.fallback_on_full,
+            io_timeout_s=config.io_timeout_s, companion_reads=self._gradients.reads,
         )  # fmt: skip
-        self._gradients.bind(self.pool, self.tiers, self._assignment)
+        self._gradients.bind(self.pipeline, self.tiers, self._assignment)
         buffers[0].fill(0.0)  # the probe may have used it
-        self.pool.write_all(buffers[0])  # zero moments (the master is set at step 1)
+        self.pipeline.write_all(buffers[0])  # zero moments (the master is set at step 1)
         # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
         # which the next backward pass has not produced yet.
         if config.read_ahead and config.delayed_conversion:
-            self._read_ahead = ReadAhead(self.pool)
+            self._read_ahead = ReadAhead(self.pipeline)
             self._resume_read_ahead()
 
     @property
@@ -163,11 +169,11 @@ class Engine:
 
     @property
     def host_bytes(self) -> int:
-        """The host memory the engine holds: its buffer pool (within ``host_cache``), the
+        """The host memory the engine holds: its cache's buffers (within ``host_cache``), the
         baseline's fp32 gradient buffers, and on a GPU the subgroup staging."""
-        pool = sum(b.nbytes for b in self.pool.buffers)
+        cached = sum(b.nbytes for b in self.cache.buffers)
         staging = self._staging.nbytes if self._staging is not None else 0
-        return pool + self._gradients.host_bytes + staging
+        return cached + self._gradients.host_bytes + staging
 
     @property
     def failed(self) -> bool:
@@ -241,22 +247,22 @@ class Engine:
             set(order) if self.host_only
             else scheduler.retain_set(order, self.tier_of, self.split.retained)
         )  # fmt: skip
-        pool, sgs = self.pool, self.layout.subgroups
+        io, sgs = self.pipeline, self.layout.subgroups
         t_start = time.monotonic()
         self._take_read_ahead(metrics)
         try:
             self._gradients.before_update(order, leaves, metrics)
-            pool.begin_step(order, metrics)
+            io.begin_step(order, metrics)
             for i in order:
-                resident = pool.acquire(i)  # a cache hit, or the read issued for it
-                pool.prefetch()  # the next subgroups' reads, prefetch_depth per tier
+                resident = io.acquire(i)  # a cache hit, or the read issued for it
+                io.prefetch()  # the next subgroups' reads, prefetch_depth per tier
                 with TraceAnnotation("jax_mlpo.read_wait", subgroup=i):
-                    pool.await_reads(i, resident)
+                    io.await_reads(i, resident)
                 t0 = time.monotonic()
                 with TraceAnnotation("jax_mlpo.adamw", subgroup=i):
                     leaves.fetch(sgs[i])
                     grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
-                    blob = pool.blob(i, resident.slot)
+                    blob = self.cache.blob(i, resident.slot)
                     kernels.adamw_subgroup(
                         self._kernel,
                         sgs[i],
@@ -273,12 +279,12 @@ class Engine:
                 metrics.subgroups += 1
                 metrics.cache_hits += resident.hit
                 with TraceAnnotation("jax_mlpo.release", subgroup=i):
-                    pool.release(i, resident.slot, keep=i in keep)  # retain, or write behind
+                    io.release(i, resident.slot, keep=i in keep)  # retain, or write behind
             leaves.finish()
-            pool.end_step(write_behind=self.config.write_behind)
+            io.end_step(write_behind=self.config.write_behind)
         except BaseException as e:
             self._failed = e
-            pool.abort()
+            io.abort()
             raise
         metrics.total_s = time.monotonic() - t_start
         self._window.close_into(metrics)
@@ -298,7 +304,7 @@ class Engine:
         self._read_ahead.start(scheduler.step_order(n, self.step_count, self.config.order))
 
     def _pause_read_ahead(self, *, cancel: bool = False) -> None:
-        """Gives the pool back to the caller: the reads issued ahead stay for the next update,
+        """Gives the cache back to the caller: the reads issued ahead stay for the next update,
         or are dropped with ``cancel`` (the state is about to be read out or replaced).
 
         Raises:
@@ -309,10 +315,10 @@ class Engine:
         try:
             self._read_ahead.stop()
             if cancel:
-                self.pool.cancel_reads()
+                self.pipeline.cancel_reads()
         except BaseException as e:
             self._failed = e
-            self.pool.abort()
+            self.pipeline.abort()
             raise
 
     def _take_read_ahead(self, metrics: StepMetrics) -> None:
@@ -323,9 +329,9 @@ class Engine:
             optimizer state is as the last update left it (the engine stays usable).
         """
         self._pause_read_ahead()
-        ahead = self.pool.reads_ahead
+        ahead = self.pipeline.reads_ahead
         metrics.reads_ahead = len(ahead)
-        failed = self.pool.failed_read_ahead()
+        failed = self.pipeline.failed_read_ahead()
         if failed is None:
             return
         index, error = failed
@@ -349,14 +355,14 @@ class Engine:
         self._resume_read_ahead()
 
     def _drain(self) -> None:
-        if not self.pool.writes:
+        if not self.pipeline.writes:
             return
         t0 = time.monotonic()
         try:
-            self.pool.drain()
+            self.pipeline.drain()
         except BaseException as e:
             self._failed = e
-            self.pool.abort(cancel=False)  # let the other write-backs land: less state lost
+            self.pipeline.abort(cancel=False)  # let the other write-backs land: less state lost
             raise
         if self.metrics:  # the last step's figures include its late write-backs
             last = self.metrics[-1]
@@ -395,7 +401,8 @@ class Engine:
             if concurrent:
                 self._flush()
             self._snapshot = StateSnapshot(
-                self.pool, self.layout, self.tiers, self.tier_of, self.step_count,
+                self.pipeline, self._kinds, self.layout, self.tiers, self.tier_of,
+                self.step_count,
                 concurrent=concurrent, on_close=self._snapshot_closed,
             )  # fmt: skip
             if concurrent:
@@ -410,7 +417,7 @@ class Engine:
         if not concurrent:
             self._window.reset()
         self._snapshot = None
-        if not concurrent:  # the free buffers are the pool's again
+        if not concurrent:  # the free buffers are the cache's again
             self._resume_read_ahead()
 
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
@@ -451,7 +458,7 @@ class Engine:
         Args:
           step: the step the new state is at.
           fill: fills a subgroup's blob (``[p | m | v]`` float32) with its new state; the
-            blobs are written to the tiers behind it, through the pool's free buffers.
+            blobs are written to the tiers behind it, through the cache's free buffers.
 
         Raises:
           TierIOError: a tier write failed (the engine is failed then).
@@ -464,8 +471,9 @@ class Engine:
             self._pause_read_ahead(cancel=True)  # they hold the state being replaced
             self._drain()
             try:
-                buffers = spare_buffers(self.pool, self.layout) if self.tiers else []
-                for sg, blob in self.pool.stream_blobs(self.layout.subgroups, buffers, load=True):
+                buffers = spare_buffers(self.pipeline, self.layout) if self.tiers else []
+                sgs = self.layout.subgroups
+                for sg, blob in stream_blobs(self.pipeline, sgs, buffers, load=True):
                     fill(sg, blob)
             except BaseException as e:
                 self._failed = e
@@ -495,7 +503,7 @@ class Engine:
         if self.host_only:
             return
         self._drain()
-        self.pool.flush()
+        self.pipeline.flush()
         self._window.reset()  # these writes belong to no update
 
     def close(self, *, flush: bool = True) -> None:
@@ -515,7 +523,7 @@ class Engine:
         try:
             if self._read_ahead is not None:
                 self._pause_read_ahead(cancel=True)
-            if flush and self.tiers and hasattr(self, "pool") and self._failed is None:
+            if flush and self.tiers and hasattr(self, "pipeline") and self._failed is None:
                 self._flush()
         finally:
             for tier in self.tiers:

@@ -11,19 +11,23 @@ gradient and never tests which one it has.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
+from jax_mlpo.buffers.cache import touched_buffer
+from jax_mlpo.buffers.pipeline import IOPipeline
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import Leaves
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.host import Future, HostBufferPool, touched_buffer
+
+Future = concurrent.futures.Future
 
 
 class GradientSource(Protocol):
@@ -38,9 +42,9 @@ class GradientSource(Protocol):
     def tier_kinds(self) -> dict[str, list[int]]:
         """Blob kinds the tiers must hold for it (slot length per subgroup)."""
 
-    def bind(self, pool: HostBufferPool, stores: Sequence[FileTierStore],
+    def bind(self, pipeline: IOPipeline, stores: Sequence[FileTierStore],
              assignment: TierAssignment) -> None:  # fmt: skip
-        """Connects it to the engine's pool and tiers (tiered engines only)."""
+        """Connects it to the engine's I/O pipeline and tiers (tiered engines only)."""
 
     def before_update(self, order: Sequence[int], leaves: Leaves,
                       metrics: StepMetrics) -> None:  # fmt: skip
@@ -62,7 +66,7 @@ class InMemoryGradients:
     def tier_kinds(self) -> dict[str, list[int]]:
         return {}
 
-    def bind(self, pool, stores, assignment) -> None:
+    def bind(self, pipeline, stores, assignment) -> None:
         pass
 
     def before_update(self, order, leaves, metrics) -> None:
@@ -78,14 +82,14 @@ class InMemoryGradients:
 class TierGradients:
     """The baseline: fp32 gradients written to the tier before the update and read back.
 
-    Each pool slot has a gradient buffer beside it; the read of a subgroup's state brings its
+    Each cache slot has a gradient buffer beside it; the read of a subgroup's state brings its
     gradient blob into that buffer. A subgroup resident in host memory takes its gradient from
     the leaves (its gradient blob was never written: ZeRO-Infinity does not swap the gradients
     of resident subgroups either).
 
     Args:
       layout: the subgroups.
-      slots: the pool's slot count.
+      slots: the cache's slot count.
     """
 
     reuse_clean = False
@@ -99,8 +103,8 @@ class TierGradients:
     def tier_kinds(self) -> dict[str, list[int]]:
         return {"grad": [sg.size for sg in self._layout.subgroups]}
 
-    def bind(self, pool, stores, assignment) -> None:
-        self._pool, self._stores, self._assignment = pool, stores, assignment
+    def bind(self, pipeline, stores, assignment) -> None:
+        self._io, self._stores, self._assignment = pipeline, stores, assignment
 
     def before_update(self, order, leaves, metrics) -> None:
         """Writes each non-resident subgroup's fp32 gradients to its tier, a slot's buffer at a
@@ -109,11 +113,11 @@ class TierGradients:
         free = collections.deque(self._buffers)
         pending: collections.deque = collections.deque()
         for i in order:
-            if i in self._pool.dirty:
+            if i in self._io.cache.dirty:
                 continue
             if not free:
                 future, buf, j = pending.popleft()
-                self._pool.wait(future, j)
+                self._io.wait(future, j)
                 free.append(buf)
             sg = self._layout.subgroups[i]
             full = free.popleft()
@@ -127,7 +131,7 @@ class TierGradients:
             pending.append((store.write(i, buf, kind="grad"), full, i))
         t0 = time.monotonic()
         for future, _, j in pending:
-            self._pool.wait(future, j)
+            self._io.wait(future, j)
         metrics.write_wait_s += time.monotonic() - t0
         metrics.grad_write_s = time.monotonic() - t_start
 

@@ -4,12 +4,12 @@ Between two updates the host buffers either hold subgroups the next update start
 come free as the last update's write-backs land (write-behind). The next update's order is
 known (:mod:`jax_mlpo.scheduler`) and nothing changes the state before it runs, so its reads
 can start in those free buffers right away instead of when the update does.
-:class:`ReadAhead` runs :meth:`~jax_mlpo.tiers.host.HostBufferPool.read_ahead` on a thread of
+:class:`ReadAhead` runs :meth:`~jax_mlpo.buffers.pipeline.IOPipeline.read_ahead` on a thread of
 its own after each update, once more each time a write-back frees a buffer, until no buffer
-is left or the engine needs its pool again: then :meth:`ReadAhead.stop` returns with the reads
+is left or the engine needs its cache again: then :meth:`ReadAhead.stop` returns with the reads
 issued so far still in flight, and the update finds them resident or on their way.
 
-The engine stops it before anything else touches the pool: an update (which keeps the reads),
+The engine stops it before anything else touches the cache: an update (which keeps the reads),
 a checkpoint snapshot, a ``load`` or ``close`` (which cancel them: the snapshot reads through the
 free buffers, the load replaces the state they hold).
 """
@@ -22,18 +22,19 @@ from collections.abc import Sequence
 
 import jax
 
-from jax_mlpo.tiers.host import HostBufferPool
+from jax_mlpo.buffers.pipeline import IOPipeline
 
 
 class ReadAhead:
-    """The read-ahead of one engine's pool: at most one pass between two updates.
+    """The read-ahead of one engine's I/O pipeline: at most one pass between two updates.
 
     Args:
-      pool: the engine's buffer pool; only this object's thread touches it while it runs.
+      pipeline: the engine's I/O pipeline; only this object's thread touches it (and its
+        cache) while it runs.
     """
 
-    def __init__(self, pool: HostBufferPool) -> None:
-        self._pool = pool
+    def __init__(self, pipeline: IOPipeline) -> None:
+        self._pipeline = pipeline
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -55,7 +56,7 @@ class ReadAhead:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops issuing reads and returns once the pool is the caller's again; the reads
+        """Stops issuing reads and returns once the pipeline is the caller's again; the reads
         issued stay in flight.
 
         Raises:
@@ -76,7 +77,7 @@ class ReadAhead:
         try:
             with jax.profiler.TraceAnnotation("jax_mlpo.read_ahead"):
                 while not self._stopping.is_set():
-                    pending = self._pool.read_ahead(order)
+                    pending = self._pipeline.read_ahead(order)
                     if pending is None:
                         return
                     pending.add_done_callback(self._woken)

@@ -443,10 +443,10 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
             traces.append(store.trace)
             updates, state = update(grads_for(params, step), state, params)
             jax.block_until_ready(updates)
-            in_flight.append(sum(not w.future.done() for w in engine.pool.writes))
+            in_flight.append(sum(not w.future.done() for w in engine.pipeline.writes))
             plan.release()
             if settle:
-                concurrent.futures.wait([w.future for w in engine.pool.writes])
+                concurrent.futures.wait([w.future for w in engine.pipeline.writes])
             params = optax.apply_updates(params, updates)
     return engine, state, params, in_flight, traces
 
@@ -459,7 +459,7 @@ def test_write_behind_returns_before_the_last_writes_and_changes_nothing(tmp_pat
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(want["w"]))
     # the state (state_dict waits for the writes) is the same bit for bit
     got_state, want_state_dict = engine.state_dict(), want_engine.state_dict()
-    assert not engine.pool.writes
+    assert not engine.pipeline.writes
     for name in ("mu", "nu"):
         for a, b in zip(got_state[name], want_state_dict[name], strict=True):
             np.testing.assert_array_equal(a, b)
@@ -519,7 +519,7 @@ def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
             plan.hang("write", slot=slot, limit_s=10).fail("write", slot=slot, errno=errno.EIO)
         updates, state = update(grads_for(params, 0), state, params)
         jax.block_until_ready(updates)  # returned while its last write-backs are in flight
-        assert any(not w.future.done() for w in engine.pool.writes)
+        assert any(not w.future.done() for w in engine.pipeline.writes)
         plan.release()
         with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
             jax.block_until_ready(update(grads_for(params, 1), state, params))
@@ -619,7 +619,7 @@ def test_load_state_dict_leaves_no_stale_subgroup_in_host_memory(tmp_path, state
     engine = make("used")
     for step in range(2):
         engine.step(step, hyper, [np.cos(params[0] * (step + 1))], params)
-    assert engine.pool.writes  # queued write-backs whose buffers hold the old state
+    assert engine.pipeline.writes  # queued write-backs whose buffers hold the old state
     loaded = {
         "mu": [np.full(params[0].shape, 0.5, np.float32)],
         "nu": [np.full(params[0].shape, 0.25, np.float32)],
@@ -627,7 +627,7 @@ def test_load_state_dict_leaves_no_stale_subgroup_in_host_memory(tmp_path, state
     }
     engine.load_state_dict(2, loaded)
     # no buffer may offer a subgroup as it was before the load (a clean hit would bypass it)
-    assert engine.pool.clean == {}
+    assert engine.cache.clean == {}
     fresh = make("fresh")
     fresh.load_state_dict(2, loaded)
     grads = [np.cos(params[0] * 3)]

@@ -154,6 +154,24 @@ def test_no_import_cycles_among_jax_mlpo_modules():
     assert not cycles, "import cycles:\n" + "\n".join(_describe(c, edges) for c in cycles)
 
 
+# what the storage layer may build on: the layers above it (the host cache, the engine, the
+# checkpoints) pass in what it needs instead
+TIERS_MAY_IMPORT = ("tiers", "native", "sizes", "types", "config", "errors")
+
+
+def test_the_tiers_import_nothing_above_them():
+    files = module_files(ROOT, "jax_mlpo")
+    allowed = tuple(f"jax_mlpo.{name}" for name in TIERS_MAY_IMPORT)
+    above = [
+        f"  {src} imports {dst} (line {', '.join(map(str, sorted(set(at))))})"
+        for (src, dst), at in sorted(import_edges(files).items())
+        if src.startswith("jax_mlpo.tiers.")
+        and not any(dst == a or dst.startswith(a + ".") for a in allowed)
+    ]
+    assert "jax_mlpo.tiers.file" in files
+    assert not above, "jax_mlpo.tiers imports from above it:\n" + "\n".join(above)
+
+
 def test_the_check_sees_function_level_and_relative_imports(tmp_path):
     sources = {
         "pkg/__init__.py": "from pkg import top\n",

@@ -133,7 +133,7 @@ def test_a_flipped_byte_in_a_stored_value_is_detected(server, tmp_path):
     update = jax.jit(tx.update)
     updates, state = update({"w": jnp.ones_like(params["w"])}, state, params)
     jax.block_until_ready(updates)
-    victim = next(i for i in range(8) if i not in engine.pool.dirty)  # read by the next step
+    victim = next(i for i in range(8) if i not in engine.cache.dirty)  # read by the next step
     kv = ts.KvStore.open(s3.spec()).result()
     value = bytearray(kv.read(f"state-{victim}.blob").result().value)
     value[1234] ^= 0x10

@@ -4,7 +4,7 @@ Between two updates (the forward and backward pass) the engine reads the next up
 subgroups into the host buffers that hold nothing it needs sooner. These tests check, through
 the tiers' request traces and the fault plans of :mod:`jax_mlpo.testing` (orders and counts,
 never times), that the reads happen before the next update starts, that they never take more
-than the pool's buffers, and that whatever arrives meanwhile (a checkpoint, a load, a re-plan, a
+than the cache's buffers, and that whatever arrives meanwhile (a checkpoint, a load, a re-plan, a
 failing tier, the baseline's switches) leaves the results exactly optax's.
 """
 
@@ -94,8 +94,8 @@ class Run:
         it can and those reads have landed."""
         while self.engine._read_ahead.running:
             threading.Event().wait(0.001)
-        for i in self.engine.pool.reads_ahead:
-            resident = self.engine.pool._reads[i]
+        for i in self.engine.pipeline.reads_ahead:
+            resident = self.engine.pipeline.issued[i]
             for future in resident.reads:
                 future.exception()  # waits
 
@@ -134,12 +134,12 @@ def test_reads_happen_before_the_update_that_needs_them(tmp_path, runs):
     want = optax_run(4)
     for step in range(4):
         run.settle()  # the forward and backward pass
-        ahead = run.engine.pool.reads_ahead
+        ahead = run.engine.pipeline.reads_ahead
         order = scheduler.step_order(N, step, "ascending")
         # the next update's first subgroups not in host memory, in its order
-        assert ahead == [i for i in order if i not in run.engine.pool.dirty][: len(ahead)]
+        assert ahead == [i for i in order if i not in run.engine.cache.dirty][: len(ahead)]
         # never more than the buffers the retained subgroups leave free
-        assert 0 < len(ahead) <= plan.buffers - len(run.engine.pool.dirty)
+        assert 0 < len(ahead) <= plan.buffers - len(run.engine.cache.dirty)
         store.trace = []
         run.train()
         m = run.engine.metrics[-1]
@@ -149,8 +149,8 @@ def test_reads_happen_before_the_update_that_needs_them(tmp_path, runs):
         assert len(read) + len(ahead) + m.cache_hits == N, (read, ahead, m.cache_hits)
         assert not set(read) & set(ahead), (read, ahead)
         np.testing.assert_allclose(np.asarray(run.params["w"]), want[step], rtol=1e-6, atol=1e-7)
-    # all within host_cache: the pool's buffers, allocated once
-    assert sum(b.nbytes for b in run.engine.pool.buffers) <= run.engine.config.host_cache
+    # all within host_cache: the cache's buffers, allocated once
+    assert sum(b.nbytes for b in run.engine.cache.buffers) <= run.engine.config.host_cache
 
 
 def test_the_same_results_and_bytes_with_and_without_read_ahead(tmp_path, runs):
@@ -247,7 +247,7 @@ def test_a_load_drops_the_reads_of_the_state_it_replaces(tmp_path, runs):
     run.train()  # step 3; then reads of step 4's subgroups are issued ahead
     third = np.asarray(run.params["w"])
     run.settle()
-    assert run.engine.pool.reads_ahead
+    assert run.engine.pipeline.reads_ahead
     # back to step 2: the reads ahead hold step 3's state and must not be used
     run.engine.load_state_dict(2, at_two)
     run.state = with_count(run.state, jnp.asarray(2, run.state.count.dtype))
@@ -305,7 +305,7 @@ def test_a_write_behind_that_fails_during_read_ahead_fails_the_next_update(tmp_p
         # the second update (descending) writes subgroup 0 back last
         plan.hang("write", slot=0, limit_s=10).fail("write", slot=0, errno=errno.EIO)
         run.train()  # returns with that write-back held (write-behind)
-        assert run.engine.pool.writes
+        assert run.engine.pipeline.writes
         plan.release()
         plan.wait_for(1, op="write", outcome="hung+failed")
         with pytest.raises(Exception, match="Input/output error"):
