@@ -5,7 +5,8 @@ make the subgroup resident (a cache hit, or the read prefetched from its tier), 
 next ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.gradients`),
 run the fused AdamW kernel, then retain it in host memory or write it back behind the next
 subgroups (:mod:`jax_mlpo.buffers`). How many buffers there are and what is retained is
-:mod:`jax_mlpo.plan`'s; where subgroups live is :mod:`jax_mlpo.replan`'s.
+:mod:`jax_mlpo.plan`'s; where subgroups live is :mod:`jax_mlpo.replan`'s; the tiers, the cache
+and its pipeline are made by :mod:`jax_mlpo.storage`.
 """
 
 from __future__ import annotations
@@ -19,22 +20,19 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jax_mlpo import kernels, placement, scheduler
-from jax_mlpo.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.buffers.pipeline import IOPipeline
-from jax_mlpo.config import ConfigError, OffloadConfig
-from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
+from jax_mlpo import kernels, scheduler
+from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
-from jax_mlpo.plan import HostPlan, TierSplit, layout_plan, tier_split
+from jax_mlpo.plan import HostPlan, TierSplit, layout_plan
 from jax_mlpo.read_ahead import ReadAhead
 from jax_mlpo.replan import TierAssignment
-from jax_mlpo.snapshot import STATE, STATE_ALT, CopyOnWrite, StateSnapshot
+from jax_mlpo.snapshot import StateSnapshot
 from jax_mlpo.state_stream import spare_buffers, stream_blobs
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
+from jax_mlpo.storage import host_storage, open_storage
 from jax_mlpo.tiers.errors import TierIOError
-from jax_mlpo.tiers.file import FileTierStore, open_store
-from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
+from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 logger = logging.getLogger(__name__)
@@ -79,78 +77,34 @@ class Engine:
         self._failed: BaseException | None = None
         self._closed = False
         self._kernel = kernels.native_adamw_step()
-        sgs = layout.subgroups
         self.plan: HostPlan = layout_plan(config, layout)
         self.tiers: list[FileTierStore] = []
-        self.split: TierSplit | None = None
-        self._assignment: TierAssignment | None = None
-        self._gradients: GradientSource = InMemoryGradients()
         self._read_ahead: ReadAhead | None = None
-        blob_elems = [sg.state_elems for sg in sgs]
         self._window = TierIOWindow(self.tiers)  # the list fills as the tiers open
-        # each subgroup's state is one of two blob kinds (copy-on-write during checkpoints)
-        self._kinds = CopyOnWrite(len(sgs))
-        if self.host_only:  # a buffer per subgroup, all resident from the start
-            self.cache = SlotCache(
-                [touched_buffer(n) for n in blob_elems], blob_elems, reuse_clean=False,
-                resident={i: i for i in range(len(sgs))},
+        try:
+            storage = (
+                host_storage(config, layout) if self.host_only
+                else open_storage(config, layout, self.plan, self.tiers)
             )  # fmt: skip
-            self.pipeline = IOPipeline(
-                self.cache, [], None, self._kinds, prefetch_depth=0, fallback_on_full=False,
-                io_timeout_s=config.io_timeout_s,
-            )  # fmt: skip
-        else:
-            try:
-                self._open_tiers(blob_elems)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
+        self.cache, self.pipeline = storage.cache, storage.pipeline
+        self._kinds, self._gradients = storage.kinds, storage.gradients
+        self.split: TierSplit | None = storage.split
+        self._assignment: TierAssignment | None = storage.assignment
+        # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
+        # which the next backward pass has not produced yet.
+        if not self.host_only and config.read_ahead and config.delayed_conversion:
+            self._read_ahead = ReadAhead(self.pipeline)
+            self._resume_read_ahead()
         logger.info(
             "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state); %s",
-            layout.num_params, len(sgs), layout.state_bytes / 2**20,
+            layout.num_params, len(layout.subgroups), layout.state_bytes / 2**20,
             "all in host memory" if self.host_only else
             f"{self.plan.buffers} host buffers, {self.plan.retained} retained across steps, "
             f"tiers {list(self.split.counts)} subgroups",
         )  # fmt: skip
-
-    def _open_tiers(self, blob_elems: list[int]) -> None:
-        config, layout, plan = self.config, self.layout, self.plan
-        if plan.problem:
-            raise ConfigError(plan.problem)
-        self._gradients = gradient_source(config, layout, plan.buffers)
-        kinds = {STATE: blob_elems, STATE_ALT: blob_elems, **self._gradients.tier_kinds()}
-        measured = config.placement == "measured"
-        if measured:
-            kinds.update(probe_kind(layout.max_state_elems))
-        for tier in plan.tiers:
-            self.tiers.append(open_store(tier, kinds, config.node_permits_dir))
-        # the cache's buffers: all the host memory the engine's state ever takes (host_cache)
-        buffers = [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)]
-        bandwidth = [
-            tier_bandwidth(store, layout.max_state_elems, buffers) if measured else (1.0, 1.0)
-            for store in self.tiers
-        ]
-        effective = [placement.effective_bandwidth(r, w) for r, w in bandwidth]
-        self.split = tier_split(len(blob_elems), effective, plan.retained, config.retain_policy)
-        self._assignment = TierAssignment(
-            [store.tier.path for store in self.tiers], bandwidth, self.split,
-            [4 * n for n in blob_elems], adaptive=config.replan and measured,
-        )  # fmt: skip
-        reuse_clean = self._gradients.reuse_clean and config.retain
-        self.cache = SlotCache(buffers, blob_elems, reuse_clean=reuse_clean)
-        self.pipeline = IOPipeline(
-            self.cache, self.tiers, self._assignment, self._kinds,
-            prefetch_depth=config.prefetch_depth, fallback_on_full=config.fallback_on_full,
-            io_timeout_s=config.io_timeout_s, companion_reads=self._gradients.reads,
-        )  # fmt: skip
-        self._gradients.bind(self.pipeline, self.tiers, self._assignment)
-        buffers[0].fill(0.0)  # the probe may have used it
-        self.pipeline.write_all(buffers[0])  # zero moments (the master is set at step 1)
-        # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
-        # which the next backward pass has not produced yet.
-        if config.read_ahead and config.delayed_conversion:
-            self._read_ahead = ReadAhead(self.pipeline)
-            self._resume_read_ahead()
 
     @property
     def host_only(self) -> bool:

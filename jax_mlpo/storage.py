@@ -1,0 +1,113 @@
+"""An engine's storage, made from its plan: tiers, placement, the host cache and its I/O.
+
+:func:`open_storage` opens the plan's tiers, measures them where placement is ``"measured"``,
+splits the subgroups over them (:mod:`jax_mlpo.placement`), allocates the host cache's
+buffers and writes the zero state; :func:`host_storage` holds a state that fits in host memory,
+a buffer per subgroup and no tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_mlpo import placement
+from jax_mlpo.buffers.cache import SlotCache, touched_buffer
+from jax_mlpo.buffers.pipeline import IOPipeline
+from jax_mlpo.config import ConfigError, OffloadConfig
+from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
+from jax_mlpo.layout import Layout
+from jax_mlpo.plan import HostPlan, TierSplit, tier_split
+from jax_mlpo.replan import TierAssignment
+from jax_mlpo.snapshot import STATE, STATE_ALT, CopyOnWrite
+from jax_mlpo.tiers.file import FileTierStore, open_store
+from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where an engine's state lives and how it moves.
+
+    Attributes:
+      cache: the host cache (all the host memory the state takes: ``host_cache``).
+      pipeline: the reads and write-backs between the cache and the tiers.
+      kinds: the blob kind of each subgroup's state (copy-on-write during checkpoints).
+      gradients: where an update's gradients come from.
+      split: subgroups and retained subgroups per tier (None without tiers).
+      assignment: each subgroup's tier (None without tiers).
+    """
+
+    cache: SlotCache
+    pipeline: IOPipeline
+    kinds: CopyOnWrite
+    gradients: GradientSource
+    split: TierSplit | None = None
+    assignment: TierAssignment | None = None
+
+
+def host_storage(config: OffloadConfig, layout: Layout) -> Storage:
+    """A state all in host memory: a buffer per subgroup, every subgroup resident (dirty)."""
+    elems = [sg.state_elems for sg in layout.subgroups]
+    cache = SlotCache(
+        [touched_buffer(n) for n in elems], elems, reuse_clean=False,
+        resident={i: i for i in range(len(elems))},
+    )  # fmt: skip
+    kinds = CopyOnWrite(len(elems))
+    pipeline = IOPipeline(
+        cache, [], None, kinds, prefetch_depth=0, fallback_on_full=False,
+        io_timeout_s=config.io_timeout_s,
+    )  # fmt: skip
+    return Storage(cache, pipeline, kinds, InMemoryGradients())
+
+
+def open_storage(
+    config: OffloadConfig, layout: Layout, plan: HostPlan, stores: list[FileTierStore]
+) -> Storage:
+    """Opens the plan's tiers into ``stores`` and lays the zero state out over them.
+
+    Args:
+      config: the offload configuration.
+      layout: the subgroups.
+      plan: the host budget's plan (buffers, retained count, tiers).
+      stores: filled with the opened tiers as they open, so that the caller closes them if a
+        later step fails.
+
+    Returns:
+      The storage, every subgroup's state zero on its tier (the master is set at step 1).
+
+    Raises:
+      ConfigError: the plan's problem (the host cache cannot hold the pipeline's buffers, or
+        the state does not fit in it and no tier is configured).
+    """
+    if plan.problem:
+        raise ConfigError(plan.problem)
+    elems = [sg.state_elems for sg in layout.subgroups]
+    gradients = gradient_source(config, layout, plan.buffers)
+    kinds = {STATE: elems, STATE_ALT: elems, **gradients.tier_kinds()}
+    measured = config.placement == "measured"
+    if measured:
+        kinds.update(probe_kind(layout.max_state_elems))
+    for tier in plan.tiers:
+        stores.append(open_store(tier, kinds, config.node_permits_dir))
+    # the cache's buffers: all the host memory the engine's state ever takes (host_cache)
+    buffers = [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)]
+    bandwidth = [
+        tier_bandwidth(store, layout.max_state_elems, buffers) if measured else (1.0, 1.0)
+        for store in stores
+    ]
+    effective = [placement.effective_bandwidth(r, w) for r, w in bandwidth]
+    split = tier_split(len(elems), effective, plan.retained, config.retain_policy)
+    assignment = TierAssignment(
+        [store.tier.path for store in stores], bandwidth, split, [4 * n for n in elems],
+        adaptive=config.replan and measured,
+    )  # fmt: skip
+    cache = SlotCache(buffers, elems, reuse_clean=gradients.reuse_clean and config.retain)
+    copy_on_write = CopyOnWrite(len(elems))
+    pipeline = IOPipeline(
+        cache, stores, assignment, copy_on_write, prefetch_depth=config.prefetch_depth,
+        fallback_on_full=config.fallback_on_full, io_timeout_s=config.io_timeout_s,
+        companion_reads=gradients.reads,
+    )  # fmt: skip
+    gradients.bind(pipeline, stores, assignment)
+    buffers[0].fill(0.0)  # the probe may have used it
+    pipeline.write_all(buffers[0])
+    return Storage(cache, pipeline, copy_on_write, gradients, split, assignment)
