@@ -39,6 +39,7 @@ from checkpoint_job import (
 
 import jax_mlpo
 from jax_mlpo import checkpoint
+from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
 from jax_mlpo.snapshot import StateSnapshot
 
 PACKAGE = Path(jax_mlpo.__file__).parent
@@ -424,7 +425,7 @@ def test_every_flipped_byte_is_detected(tmp_path):
                 jax_mlpo.close(opt_state)
                 _, _, fresh, opt_state = start_job(target)
     for item in ("params", "opt_state", "extra"):
-        assert set(outcomes[step_dir / item / checkpoint.CHECKSUMS_FILE]) == {"digest"}
+        assert set(outcomes[step_dir / item / CHECKSUMS_FILE]) == {"digest"}
     # zarr3's array files have no checksum: flips in the params' data are caught by the manifest
     # (the optimizer state's orbax part is a few scalars; its arrays are streamed: below)
     data = max((p for p in files if p.relative_to(step_dir).parts[0] == "params"

@@ -25,6 +25,7 @@ from processes import ROOT, run_workers
 
 from experiments.processes import free_port
 from jax_mlpo import checkpoint
+from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
 
 WORKER = pathlib.Path(__file__).with_name("ckpt_dist_worker.py")
 STEPS = 6
@@ -183,12 +184,12 @@ def test_a_corrupt_file_of_the_multiprocess_save_is_detected(nproc, runs):
 def test_a_manifest_missing_a_process_s_shard_is_refused(runs, tmp_path):
     """The manifest must cover every leaf exactly once: without one process's digests of a leaf
     (resealed, as if written so), the checkpoint is refused before anything is read."""
-    manifest = json.loads((runs["ckpt"] / str(STEPS) / "opt_state" / checkpoint.CHECKSUMS_FILE)
+    manifest = json.loads((runs["ckpt"] / str(STEPS) / "opt_state" / CHECKSUMS_FILE)
                           .read_text())  # fmt: skip
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     body["streamed"]["tree/1/mu/3"]["shards"].pop()  # w1's rows of process 1
     sealed = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    (tmp_path / checkpoint.CHECKSUMS_FILE).write_text(json.dumps({**body, "sha256": sealed}))
+    (tmp_path / CHECKSUMS_FILE).write_text(json.dumps({**body, "sha256": sealed}))
     with pytest.raises(
         checkpoint.CorruptCheckpointError, match="array tree/1/mu/3 do not cover it"
     ):

@@ -216,7 +216,7 @@ def test_a_manager_creating_directories_asynchronously(tmp_path):
     params, tx, step = make_job(tmp_path)
     opt_state = tx.init(params)
     mngr = ocp.CheckpointManager(tmp_path / "ckpt")  # orbax's defaults, not checkpoint.manager
-    assert mngr._options.async_options is None  # noqa: SLF001 - creation is asynchronous
+    assert ocp.CheckpointManagerOptions().async_options is None  # creation is asynchronous
     for k in range(1, 4):
         params, opt_state = step(params, opt_state, float(k))
         checkpoint.save(mngr, k, params, opt_state, blocking=k % 2 == 0)

@@ -37,6 +37,8 @@ import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import digest, host_arrays, state_reader, stream
 from jax_mlpo.checkpoint.blocks import Region, full, volume
+from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
+from jax_mlpo.checkpoint.space import space_needed
 from jax_mlpo.layout import build_layout, gather_state, scatter_state
 
 
@@ -121,7 +123,7 @@ def test_a_format_4_checkpoint_of_sha256s_still_restores_and_is_checked(tmp_path
     jax_mlpo.close(opt_state)
     step = Path(spec["ckpt"]) / "2"
     for item in ("params", "opt_state", "extra"):
-        path = step / item / checkpoint.CHECKSUMS_FILE
+        path = step / item / CHECKSUMS_FILE
         body = {k: v for k, v in json.loads(path.read_text()).items() if k != "sha256"}
         assert body["format"] == 5
         body = {**_as_format_4(body), "format": 4}
@@ -150,7 +152,7 @@ def test_no_room_for_an_async_save_falls_back_or_fails_clearly(tmp_path, monkeyp
     _, update, params, opt_state = start_job(spec)
     params, opt_state, _ = job.train(update, params, opt_state, 0, 1)
     mngr = checkpoint.manager(spec["ckpt"])
-    need = checkpoint.space_needed(opt_state, spec["ckpt"], concurrent=True)
+    need = space_needed(opt_state, spec["ckpt"], concurrent=True)
     # one file system: the checkpoint and the tier's copy-on-write room add up
     ((path, nbytes),) = need.items()
     state = jax_mlpo.engine_of(opt_state).layout.state_bytes

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jax_mlpo
+from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE, FORMAT
 
 STEPS = 6
 
@@ -111,9 +112,9 @@ def test_an_unknown_checkpoint_format_is_refused_by_name(tmp_path):
     """A checkpoint whose manifest names a format this version cannot read is refused before
     anything is loaded, naming the formats it reads."""
     state, mngr, target = _saved_step_1(tmp_path)
-    manifest = tmp_path / "ckpt" / "1" / "default" / jax_mlpo.checkpoint.CHECKSUMS_FILE
+    manifest = tmp_path / "ckpt" / "1" / "default" / CHECKSUMS_FILE
     body = json.loads(manifest.read_text())
-    assert body["format"] == jax_mlpo.checkpoint.FORMAT
+    assert body["format"] == FORMAT
     body["format"] = 999
     manifest.write_text(json.dumps(body))
     with pytest.raises(jax_mlpo.CorruptCheckpointError, match="999"):

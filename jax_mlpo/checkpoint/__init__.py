@@ -92,35 +92,19 @@ Modules, one concept each:
   arithmetic and the leaf kinds and names they share.
 """
 
-from jax_mlpo.checkpoint.blocks import Index
 from jax_mlpo.checkpoint.handler import OffloadCheckpointHandler, OffloadRestore, OffloadSave
-from jax_mlpo.checkpoint.manifest import (
-    CHECKSUMS_FILE,
-    FORMAT,
-    PROCESS_CHECKSUMS_FILE,
-    READABLE_FORMATS,
-    CorruptCheckpointError,
-)
-from jax_mlpo.checkpoint.snapshot import check_savable
-from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space, space_needed
+from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
+from jax_mlpo.checkpoint.space import CheckpointSpaceError
 from jax_mlpo.checkpoint.training import Restored, manager, restore, save
 
 __all__ = [
-    "CHECKSUMS_FILE",
-    "FORMAT",
-    "Index",
-    "PROCESS_CHECKSUMS_FILE",
-    "READABLE_FORMATS",
     "CheckpointSpaceError",
     "CorruptCheckpointError",
     "OffloadCheckpointHandler",
     "OffloadRestore",
     "OffloadSave",
     "Restored",
-    "check_savable",
-    "check_space",
     "manager",
     "restore",
     "save",
-    "space_needed",
 ]

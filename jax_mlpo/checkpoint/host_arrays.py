@@ -30,7 +30,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jax_mlpo.checkpoint import host_reads
 from jax_mlpo.checkpoint.digest import Digest
@@ -253,13 +252,15 @@ def _writes_host_arrays() -> bool:
 def tree_handler(handler: DirectNumpyHandler) -> ocp.PyTreeCheckpointHandler:
     """orbax's tree handler with ``handler`` for numpy arrays, uncompressed zarr3 without OCDBT.
 
-    Uncompressed: random floats do not compress and zstd's buffers grew RSS by the params'
-    size; without OCDBT: the large arrays' chunk files are plain files jax_mlpo writes itself.
+    The other types orbax supports keep the handlers registered for them. Uncompressed: random
+    floats do not compress and zstd's buffers grew RSS by the params' size; without OCDBT: the
+    large arrays' chunk files are plain files jax_mlpo writes itself.
     """
-    registry = type_handler_registry.create_type_handler_registry(
+    type_handlers = ocp.type_handlers
+    registry = type_handlers.create_type_handler_registry(
         *(
-            (ty, handler if ty is np.ndarray else h)
-            for ty, h in type_handler_registry._DEFAULT_TYPE_HANDLERS  # noqa: SLF001
+            (ty, handler if ty is np.ndarray else type_handlers.get_type_handler(ty))
+            for ty in type_handlers.supported_types()
         )
     )
     return ocp.PyTreeCheckpointHandler(

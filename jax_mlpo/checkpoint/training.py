@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from typing import Any, NamedTuple
 
 import orbax.checkpoint as ocp
@@ -23,6 +24,11 @@ from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 
 logger = logging.getLogger(__name__)
+
+# The options of the managers :func:`manager` made (orbax keeps a manager's options private).
+_OPTIONS: weakref.WeakKeyDictionary[ocp.CheckpointManager, ocp.CheckpointManagerOptions] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Restored(NamedTuple):
@@ -59,12 +65,17 @@ def manager(
     options.setdefault("todelete_subdir", RECYCLED)
     # the params are written while save runs (host_arrays): their directory must exist then
     options.setdefault("async_options", ocp.AsyncOptions(create_directories_asynchronously=False))
-    return ocp.CheckpointManager(
-        os.path.abspath(os.fspath(directory)),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, **options
-        ),
+    made = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, **options
     )
+    mngr = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=made)
+    _OPTIONS[mngr] = made
+    return mngr
+
+
+def _options_of(mngr: ocp.CheckpointManager) -> ocp.CheckpointManagerOptions:
+    """The options :func:`manager` made ``mngr`` with; orbax's defaults for another manager."""
+    return _OPTIONS.get(mngr) or ocp.CheckpointManagerOptions()
 
 
 def save(
@@ -89,7 +100,9 @@ def save(
     global state.
 
     Args:
-      mngr: from :func:`manager` (or any ``ocp.CheckpointManager``).
+      mngr: from :func:`manager`, or any ``ocp.CheckpointManager``: one made otherwise is
+        taken to have orbax's default options (asynchronous saves, deleted checkpoints not
+        rewritten); pass ``blocking=True`` with a synchronous one.
       step: the checkpoint's step, usually the number of updates applied.
       params: the params pytree.
       opt_state: the optimizer state (e.g. an ``optax.chain`` state with ``jax_mlpo.adamw``).
@@ -111,7 +124,7 @@ def save(
     check_savable(opt_state)  # before orbax starts a step directory
     if not force and not mngr.should_save(step):
         return False  # without waiting for a save in flight
-    options = mngr._options  # noqa: SLF001
+    options = _options_of(mngr)
     concurrent = options.enable_async_checkpointing and blocking is not True
     mngr.wait_until_finished()  # the last save may still delete a step into the recycled files
     spares = spare_files(mngr.directory) if options.todelete_subdir == RECYCLED else None
