@@ -22,11 +22,8 @@ import mergedeep
 import yaml
 
 import jax_mlpo
+from jax_mlpo import ConfigError
 from models import LlamaConfig, get_preset
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the key and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,27 +34,12 @@ from jax_mlpo.types import F32
 
 
 @dataclasses.dataclass(frozen=True)
-class Wanted:
-    """What the target asks of a leaf, before the manifest is read.
+class Need:
+    """What this process needs of a leaf: asked by the target, then checked against the
+    manifest.
 
     A dataclass rather than a NamedTuple: it is a leaf of the planned trees, and jax would
     flatten a NamedTuple.
-
-    Attributes:
-      dtype: the leaf's dtype.
-      shape: its global shape.
-      sharding: the leaf's sharding where this process needs only its shards; None where it
-        needs all of it.
-    """
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    sharding: jax.sharding.Sharding | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """What this process needs of a saved leaf, once checked against the manifest.
 
     Attributes:
       dtype: the leaf's dtype.
@@ -140,7 +125,7 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
         )
 
     def plan(path: tuple[Any, ...], w: Any) -> Any:
-        if not isinstance(w, Wanted):
+        if not isinstance(w, Need):
             return w
         name = path_name(path)
         need = _need(name, w, saved[name], directory)
@@ -275,7 +260,7 @@ def read_sharding(need: Need, shards: list[tuple[Index, str]]) -> jax.sharding.S
 
 
 def _abstract(target: Any) -> Any:
-    """The host tree a checkpoint of ``target`` holds, with a :class:`Wanted` per array leaf."""
+    """The host tree a checkpoint of ``target`` holds, with a :class:`Need` per array leaf."""
 
     def sharded(x: Any) -> jax.sharding.Sharding | None:
         sharding = getattr(x, "sharding", None)
@@ -283,19 +268,19 @@ def _abstract(target: Any) -> Any:
 
     def convert(x: Any) -> Any:
         if is_offloaded(x):  # its arrays are streamed (see _plan_streams)
-            return {"count": Wanted(np.dtype(np.int32), ())}
+            return {"count": Need(np.dtype(np.int32), ())}
         if is_key(x):
             x = jax.eval_shape(jax.random.key_data, x)
-            return Wanted(np.dtype(x.dtype), tuple(x.shape))  # small: read whole everywhere
+            return Need(np.dtype(x.dtype), tuple(x.shape))  # small: read whole everywhere
         if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
-            return Wanted(np.dtype(x.dtype), tuple(x.shape), sharding=sharded(x))
+            return Need(np.dtype(x.dtype), tuple(x.shape), sharding=sharded(x))
         return x
 
     return jax.tree.map(convert, target, is_leaf=is_offloaded)
 
 
-def _need(name: str, wanted: Wanted, record: dict[str, Any], directory: Any) -> Need:
-    """What this process needs of the saved leaf ``name``, checked against its record.
+def _need(name: str, wanted: Need, record: dict[str, Any], directory: Any) -> Need:
+    """What the target asks of the saved leaf ``name``, checked against its record.
 
     Raises:
       ValueError: the saved leaf's dtype or shape is not the target's.
@@ -306,4 +291,4 @@ def _need(name: str, wanted: Wanted, record: dict[str, Any], directory: Any) -> 
             f"checkpoint {directory}: leaf {name} is {got[0]}{got[1]}, the target's is "
             f"{wanted.dtype.name}{list(wanted.shape)}"
         )
-    return Need(wanted.dtype, tuple(wanted.shape), wanted.sharding)
+    return wanted
