@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 import tensorstore as ts
+from test_checkpoint_host_arrays import bits, make_job
 
 import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import host_arrays, recycle, shard_file
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
 from jax_mlpo.tiers.submit import aligned_empty, round_up_pages
-from tests.test_checkpoint_host_arrays import bits, make_job
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
