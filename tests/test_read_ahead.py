@@ -19,26 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_faults import BLOB, LR, SUB, WD, N, grads_for, make_params  # the same problem
 
 import jax_mlpo
 from jax_mlpo import scheduler
 from jax_mlpo.layout import gather_state
 from jax_mlpo.opt_state import with_count
 from jax_mlpo.testing import tier_faults
-
-SUB = 4096  # elements per subgroup
-N = 8  # subgroups
-BLOB = 8 * SUB  # fp32 params: m | v
-LR, WD = 1e-3, 0.1
-
-
-def make_params() -> dict[str, jax.Array]:
-    return {"w": jnp.linspace(-1.0, 1.0, N * SUB, dtype=jnp.float32)}
-
-
-def grads_for(params: dict[str, jax.Array], step: int) -> dict[str, jax.Array]:
-    """Gradients that depend on the params, so a wrong state shows in every later step."""
-    return {"w": jnp.cos(params["w"] * (step + 1))}
 
 
 def config(tmp_path, name: str = "tier", **switches) -> jax_mlpo.OffloadConfig:
