@@ -22,18 +22,18 @@ from jax.profiler import TraceAnnotation
 
 from jax_mlpo import kernels, scheduler
 from jax_mlpo.config import OffloadConfig
-from jax_mlpo.layout import Layout, Subgroup, gather_state, scatter_state
+from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.plan import HostPlan, TierSplit, layout_plan
 from jax_mlpo.read_ahead import ReadAhead
 from jax_mlpo.replan import TierAssignment
 from jax_mlpo.snapshot import StateSnapshot
-from jax_mlpo.state_stream import spare_buffers, stream_blobs
+from jax_mlpo.state_io import EngineStateIO
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.storage import host_storage, open_storage
 from jax_mlpo.tiers.errors import TierIOError
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.types import BF16, F32, AdamWHyper
+from jax_mlpo.types import F32, AdamWHyper
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class EngineFailedError(RuntimeError):
     """A previous update failed midway; the host state is not consistent any more."""
 
 
-class Engine:
+class Engine(EngineStateIO):
     """Owns the AdamW state of one params pytree, in host memory and file tiers.
 
     Args:
@@ -323,118 +323,6 @@ class Engine:
             last.write_wait_s += time.monotonic() - t0
             last.total_s += time.monotonic() - t0
         self._window.close_into(self.metrics[-1] if self.metrics else None)
-
-    # -- state in the logical layout (checkpoints) ------------------------------------------
-
-    def snapshot(self, *, concurrent: bool = False) -> StateSnapshot:
-        """The state at this step, to read subgroup by subgroup (:mod:`jax_mlpo.snapshot`).
-
-        Args:
-          concurrent: whether updates may run before it is closed (an asynchronous checkpoint):
-            the dirty subgroups are written to their tiers now, and later write-backs leave the
-            blobs it reads intact. Otherwise no update may run until it is closed.
-
-        Returns:
-          The snapshot; close it when done.
-
-        Raises:
-          EngineFailedError: the engine failed or was closed.
-          RuntimeError: another snapshot of this engine is open (a checkpoint being written).
-        """
-        with self._step_lock:
-            self._check_usable()
-            if self._snapshot is not None:
-                raise RuntimeError(
-                    "a checkpoint of this optimizer is still being written: wait for it "
-                    "(CheckpointManager.wait_until_finished()) before saving another"
-                )
-            # Between steps the snapshot reads through the free buffers: the reads issued
-            # ahead give theirs back. A concurrent one has buffers of its own.
-            self._pause_read_ahead(cancel=not concurrent)
-            self._drain()
-            if concurrent:
-                self._flush()
-            self._snapshot = StateSnapshot(
-                self.pipeline, self._kinds, self.layout, self.tiers, self.tier_of,
-                self.step_count,
-                concurrent=concurrent, on_close=self._snapshot_closed,
-            )  # fmt: skip
-            if concurrent:
-                self._resume_read_ahead()
-            return self._snapshot
-
-    def _snapshot_closed(self) -> None:
-        # Between steps the snapshot's I/O belongs to no update. A concurrent one closes on the
-        # checkpoint's thread, maybe inside an update: its reads count in the updates' tier
-        # bytes then, rather than the window being reset under the update.
-        concurrent = self._snapshot.concurrent
-        if not concurrent:
-            self._window.reset()
-        self._snapshot = None
-        if not concurrent:  # the free buffers are the cache's again
-            self._resume_read_ahead()
-
-    def state_dict(self) -> dict[str, list[np.ndarray | None]]:
-        """AdamW's state per parameter leaf, independent of subgroups and tiers.
-
-        The whole state in new arrays: for tests and small states (checkpoints stream it
-        through :meth:`snapshot` instead).
-
-        Returns:
-          ``{"mu": [...], "nu": [...], "master": [...]}``, float32 arrays of each leaf's shape
-          (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
-          whose master copy is the params themselves).
-        """
-        shapes, dtypes = self.layout.shapes, self.layout.dtypes
-        out = {name: [np.zeros(s, F32) for s in shapes] for name in ("mu", "nu")}
-        out["master"] = [np.zeros(s, F32) if dt == BF16 else None for s, dt in zip(
-            shapes, dtypes, strict=True)]  # fmt: skip
-        with self.snapshot() as snap:
-            for sg, blob in snap.blobs():
-                gather_state(sg, blob, out)
-        return out
-
-    def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
-        """Replaces AdamW's state with ``state`` (as :meth:`state_dict` gives it) at ``step``.
-
-        Raises:
-          ValueError: if the leaves' shapes differ from the layout's.
-        """
-        for name in ("mu", "nu"):
-            shapes = tuple(tuple(np.shape(x)) for x in state[name])
-            if shapes != self.layout.shapes:
-                raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
-        self.load(step, lambda sg, blob: scatter_state(sg, state, blob))
-
-    def load(self, step: int, fill: Callable[[Subgroup, np.ndarray], None]) -> None:
-        """Replaces AdamW's state at ``step``, subgroup by subgroup in order.
-
-        Args:
-          step: the step the new state is at.
-          fill: fills a subgroup's blob (``[p | m | v]`` float32) with its new state; the
-            blobs are written to the tiers behind it, through the cache's free buffers.
-
-        Raises:
-          TierIOError: a tier write failed (the engine is failed then).
-          Whatever ``fill`` raises (the engine is failed then: its state is partly replaced).
-        """
-        with self._step_lock:
-            self._check_usable()
-            if self._snapshot is not None:
-                raise RuntimeError("a checkpoint of this optimizer is being written")
-            self._pause_read_ahead(cancel=True)  # they hold the state being replaced
-            self._drain()
-            try:
-                buffers = spare_buffers(self.pipeline, self.layout) if self.tiers else []
-                sgs = self.layout.subgroups
-                for sg, blob in stream_blobs(self.pipeline, sgs, buffers, load=True):
-                    fill(sg, blob)
-            except BaseException as e:
-                self._failed = e
-                raise
-            self._window.reset()  # this I/O belongs to no update
-            self.step_count = int(step)
-            self._resume_read_ahead()
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -611,6 +611,7 @@ def test_load_state_dict_leaves_no_stale_subgroup_in_host_memory(tmp_path, state
             host_cache=5 * blob, tiers=[FileTier(str(tmp_path / name), sync=False)],
             subgroup_size=OVERLAP_SUBGROUP, prefetch_depth=1, placement="even",
             order="ascending",  # the pipeline's write-backs end the step still queued
+            read_ahead=False,  # and stay queued: the read-ahead would reclaim them as they land
         )  # fmt: skip
         state = jax_mlpo.adamw(1e-3, offload=config).init({"w": jnp.asarray(params[0])})
         states.append(state)

@@ -111,6 +111,10 @@ class SlotCache:
         if self._reuse_clean:
             self.clean[index] = slot
 
+    def give_back(self, slot: int) -> None:
+        """Frees ``slot``, whose read was dropped before anything used it."""
+        self._free.append(slot)
+
     def claim(self, index: int, *, evict_sooner: bool) -> int | None:
         """A free slot to read subgroup ``index`` into, taken from the free ones.
 
@@ -152,6 +156,14 @@ class SlotCache:
         self.clean.clear()
         taken = set(self.dirty.values()) | set(busy)
         return [b for slot, b in enumerate(self.buffers) if slot not in taken]
+
+    def position(self, index: int) -> int:
+        """Where subgroup ``index`` is in this step's order."""
+        return self._position[index]
+
+    def needed_after(self, j: int, index: int) -> bool:
+        """Whether this step needs subgroup ``j`` after subgroup ``index``."""
+        return self._position[j] > self._position[index]
 
     def _next_use(self, index: int) -> float:
         n = self._position[index]

@@ -312,9 +312,28 @@ class IOPipeline:
                 return None
             if self.writes:
                 self._reclaim(block=True)
-            elif not self._evict_dirty():
+            elif not self._evict_dirty() and not self._drop_read_needed_last(index):
                 return None
         return slot
+
+    def _drop_read_needed_last(self, index: int) -> bool:
+        """Gives up the read of another subgroup needed after ``index`` and frees its slot
+        (False: none): reads issued ahead of a step may hold every free slot when a subgroup
+        before them still needs one (it was being written when they were issued); that
+        subgroup is read again later."""
+        later = [j for j in self.issued if j != index and self.cache.needed_after(j, index)]
+        if not later:
+            return False
+        j = max(later, key=self.cache.position)
+        dropped = self.issued.pop(j)
+        concurrent.futures.wait(dropped.reads, timeout=self.io_timeout_s)
+        if not all(f.done() for f in dropped.reads):
+            raise TierIOError(
+                f"subgroup {j}: a read did not complete within io_timeout_s="
+                f"{self.io_timeout_s} s: the tier may be hung"
+            )
+        self.cache.give_back(dropped.slot)
+        return True
 
     def _evict_dirty(self) -> bool:
         """Writes back the dirty subgroup needed last and frees its slot (False: none).
