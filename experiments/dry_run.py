@@ -1,10 +1,10 @@
 """The dry run: a config's memory plan per process and tier, without allocating anything.
 
 The figures come from jax_mlpo's own plan (:func:`jax_mlpo.plan.host_plan` for the host
-buffers, :func:`jax_mlpo.plan.tier_split` for the tiers), the functions the engine builds itself
-from, so what ``pretrain.py --dry-run`` prints is what a run allocates. The state is assumed
-sharded evenly over the processes (each owns a contiguous 1/N of the flat parameters, as ZeRO-3
-does), each process running its own engine with the config's ``offload`` section.
+buffers, :func:`jax_mlpo.placement.split.tier_split` for the tiers), the functions the engine
+builds itself from, so what ``pretrain.py --dry-run`` prints is what a run allocates. The state
+is assumed sharded evenly over the processes (each owns a contiguous 1/N of the flat parameters,
+as ZeRO-3 does), each process running its own engine with the config's ``offload`` section.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from experiments.host_memory import meminfo, training_memory
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import placement
 from jax_mlpo.layout import state_bytes_per_param
-from jax_mlpo.plan import HostPlan, TierSplit, host_plan, tier_split
+from jax_mlpo.placement.split import TierSplit, tier_split
+from jax_mlpo.plan import HostPlan, host_plan
 from models import param_count
 
 

@@ -8,7 +8,7 @@ from jax_mlpo import checkpoint
 from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
-from jax_mlpo.engine import EngineFailedError, StaleStateError
+from jax_mlpo.errors import EngineFailedError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
 from jax_mlpo.opt_state import OffloadedAdamWState
 from jax_mlpo.registry import close, closing, engine_of, metrics

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jax_mlpo.errors import ConfigError
 from jax_mlpo.object_tier import ObjectTier
-from jax_mlpo.sizes import ConfigError, check_keys, parse_rates, parse_size
+from jax_mlpo.sizes import check_keys, parse_rates, parse_size
 
 __all__ = ["ConfigError", "FileTier", "ObjectTier", "OffloadConfig", "parse_size"]
 

@@ -1,12 +1,13 @@
-"""The host update: AdamW over every subgroup, its state streamed through the host cache.
+"""The host update: the optimizer over every subgroup, its state streamed through the host cache.
 
-One step is MLP-Offload's per-subgroup loop, in the order :mod:`jax_mlpo.scheduler` gives:
+One step is MLP-Offload's per-subgroup loop, in the order :mod:`jax_mlpo.retention` gives:
 make the subgroup resident (a cache hit, or the read prefetched from its tier), prefetch the
-next ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.gradients`),
-run the fused AdamW kernel, then retain it in host memory or write it back behind the next
-subgroups (:mod:`jax_mlpo.buffers`). How many buffers there are and what is retained is
-:mod:`jax_mlpo.plan`'s; where subgroups live is :mod:`jax_mlpo.replan`'s; the tiers, the cache
-and its pipeline are made by :mod:`jax_mlpo.storage`.
+next ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.conversion`),
+run the fused kernel, then retain it in host memory or write it back behind the next subgroups
+(:mod:`jax_mlpo.buffers`). The buffers are :mod:`jax_mlpo.plan`'s; where subgroups live is
+:mod:`jax_mlpo.placement`'s; :mod:`jax_mlpo.storage` opens the tiers and makes the cache. What
+the I/O does between updates is :mod:`jax_mlpo.idle_io`'s, the state's checkpoints and loads
+:mod:`jax_mlpo.state_io`'s.
 """
 
 from __future__ import annotations
@@ -20,33 +21,27 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jax_mlpo import kernels, scheduler
+from jax_mlpo import kernels, retention
 from jax_mlpo.config import OffloadConfig
+from jax_mlpo.errors import EngineFailedError, StaleStateError
+from jax_mlpo.idle_io import EngineIdleIO
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
-from jax_mlpo.plan import HostPlan, TierSplit, layout_plan
+from jax_mlpo.placement.replan import TierAssignment
+from jax_mlpo.placement.split import TierSplit
+from jax_mlpo.plan import HostPlan, layout_plan
 from jax_mlpo.read_ahead import ReadAhead
-from jax_mlpo.replan import TierAssignment
 from jax_mlpo.snapshot import StateSnapshot
 from jax_mlpo.state_io import EngineStateIO
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.storage import host_storage, open_storage
-from jax_mlpo.tiers.errors import TierIOError
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.types import F32, AdamWHyper
 
 logger = logging.getLogger(__name__)
 
 
-class StaleStateError(RuntimeError):
-    """The optimizer state handed to update is not the one the host state was last advanced to."""
-
-
-class EngineFailedError(RuntimeError):
-    """A previous update failed midway; the host state is not consistent any more."""
-
-
-class Engine(EngineStateIO):
+class Engine(EngineStateIO, EngineIdleIO):
     """Owns the AdamW state of one params pytree, in host memory and file tiers.
 
     Args:
@@ -91,8 +86,8 @@ class Engine(EngineStateIO):
             raise
         self.cache, self.pipeline = storage.cache, storage.pipeline
         self._kinds, self._gradients = storage.kinds, storage.gradients
-        self.split: TierSplit | None = storage.split
         self._assignment: TierAssignment | None = storage.assignment
+        self.split: TierSplit | None = storage.assignment.split if storage.assignment else None
         # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
         # which the next backward pass has not produced yet.
         if not self.host_only and config.read_ahead and config.delayed_conversion:
@@ -196,10 +191,10 @@ class Engine(EngineStateIO):
         hypers = (hyper._replace(weight_decay=0.0), hyper)  # masked out, decayed
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
-        order = scheduler.step_order(len(self.layout.subgroups), count, self.config.order)
+        order = retention.step_order(len(self.layout.subgroups), count, self.config.order)
         keep = (
             set(order) if self.host_only
-            else scheduler.retain_set(order, self.tier_of, self.split.retained)
+            else retention.retain_set(order, self.tier_of, self.split.retained)
         )  # fmt: skip
         io, sgs = self.pipeline, self.layout.subgroups
         t_start = time.monotonic()
@@ -248,82 +243,6 @@ class Engine(EngineStateIO):
             self._assignment.observe(metrics)
         self._resume_read_ahead()
 
-    # -- read-ahead between steps (jax_mlpo.read_ahead) -------------------------------------
-
-    def _resume_read_ahead(self) -> None:
-        """Starts reading the next update's subgroups into the buffers free between steps."""
-        if self._read_ahead is None or self._closed or self._failed is not None:
-            return
-        n = len(self.layout.subgroups)
-        self._read_ahead.start(scheduler.step_order(n, self.step_count, self.config.order))
-
-    def _pause_read_ahead(self, *, cancel: bool = False) -> None:
-        """Gives the cache back to the caller: the reads issued ahead stay for the next update,
-        or are dropped with ``cancel`` (the state is about to be read out or replaced).
-
-        Raises:
-          TierIOError: a write-back the pass reclaimed had failed (the engine is failed then).
-        """
-        if self._read_ahead is None:
-            return
-        try:
-            self._read_ahead.stop()
-            if cancel:
-                self.pipeline.cancel_reads()
-        except BaseException as e:
-            self._failed = e
-            self.pipeline.abort()
-            raise
-
-    def _take_read_ahead(self, metrics: StepMetrics) -> None:
-        """Stops the read-ahead before an update, which uses the reads it issued.
-
-        Raises:
-          TierIOError: a read issued ahead has failed: the update does not start, the
-            optimizer state is as the last update left it (the engine stays usable).
-        """
-        self._pause_read_ahead()
-        ahead = self.pipeline.reads_ahead
-        metrics.reads_ahead = len(ahead)
-        failed = self.pipeline.failed_read_ahead()
-        if failed is None:
-            return
-        index, error = failed
-        self._pause_read_ahead(cancel=True)
-        message = (
-            f"subgroup {index}: a read issued ahead of this update failed ({error}). The "
-            "update did not start and the optimizer state is as the last update left it: "
-            "retry the step once the tier is readable, or restore from a checkpoint."
-        )
-        raise (type(error) if isinstance(error, TierIOError) else TierIOError)(message) from error
-
-    def drain(self) -> None:
-        """Waits for the write-backs the last update left in flight (``write_behind``); the
-        read-ahead goes on into the buffers they free.
-
-        Raises:
-          TierIOError: if one failed (and no other tier took it); the engine is failed then.
-        """
-        self._pause_read_ahead()
-        self._drain()
-        self._resume_read_ahead()
-
-    def _drain(self) -> None:
-        if not self.pipeline.writes:
-            return
-        t0 = time.monotonic()
-        try:
-            self.pipeline.drain()
-        except BaseException as e:
-            self._failed = e
-            self.pipeline.abort(cancel=False)  # let the other write-backs land: less state lost
-            raise
-        if self.metrics:  # the last step's figures include its late write-backs
-            last = self.metrics[-1]
-            last.write_wait_s += time.monotonic() - t0
-            last.total_s += time.monotonic() - t0
-        self._window.close_into(self.metrics[-1] if self.metrics else None)
-
     def _check_usable(self) -> None:
         if self._closed:
             raise EngineFailedError("this optimizer was closed (jax_mlpo.close); init a new one")
@@ -332,21 +251,6 @@ class Engine(EngineStateIO):
                 f"an earlier update failed midway ({self._failed!r}), so the offloaded state is "
                 "partly updated. Restore from your last checkpoint and init a new optimizer."
             ) from self._failed
-
-    def flush(self) -> None:
-        """Writes the subgroups retained in host memory to their tiers (they stay cached)."""
-        if self.host_only or self._failed is not None:
-            return
-        self._pause_read_ahead()
-        self._flush()
-        self._resume_read_ahead()
-
-    def _flush(self) -> None:
-        if self.host_only:
-            return
-        self._drain()
-        self.pipeline.flush()
-        self._window.reset()  # these writes belong to no update
 
     def close(self, *, flush: bool = True) -> None:
         """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent.

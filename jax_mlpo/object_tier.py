@@ -17,7 +17,8 @@ import dataclasses
 import json
 from typing import Any
 
-from jax_mlpo.sizes import ConfigError, parse_rates
+from jax_mlpo.errors import ConfigError
+from jax_mlpo.sizes import parse_rates
 
 _CREDENTIALS = ("environment", "anonymous", "default", "imds", "ecs")
 

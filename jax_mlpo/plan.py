@@ -1,4 +1,4 @@
-"""How the host budget becomes buffers, and how many subgroups each tier holds and retains.
+"""How the host budget becomes buffers: how big, how many, how many the pipeline needs.
 
 One owner for these figures: the engine builds itself from them, and ``pretrain.py --dry-run``
 prints them without allocating anything, so the two cannot drift apart.
@@ -7,15 +7,15 @@ The host cache is cut into buffers of the largest subgroup blob (plus its fp32 g
 conversion is not delayed). The pipeline needs ``prefetch_depth`` reads in flight per tier, the
 subgroup being updated and the one being written back: ``prefetch_depth x tiers + 2`` buffers.
 With retention the remaining buffers keep subgroups across the step boundary (MLP-Offload's
-cache reuse; :mod:`jax_mlpo.scheduler` decides which), and placement splits the rest of the
-subgroups over the tiers by bandwidth (:mod:`jax_mlpo.placement`).
+cache reuse; :mod:`jax_mlpo.retention` decides how many and which), and placement splits the
+rest of the subgroups over the tiers by bandwidth (:mod:`jax_mlpo.placement`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax_mlpo import placement
+from jax_mlpo import retention
 from jax_mlpo.config import FileTier, OffloadConfig
 from jax_mlpo.layout import Layout
 
@@ -95,17 +95,9 @@ def host_plan(
             f"needs {minimum}. Raise host_cache to at least {needed}, or lower subgroup_size "
             "or prefetch_depth."
         )
-    if not config.retain:
-        retained = 0
-    elif config.order == "alternate":
-        # Every buffer: the next step starts with the subgroups this one ends with, so each
-        # buffer's subgroup is updated again before any read needs the buffer, and writing it
-        # back at the end of this step would only write it twice (20% fewer bytes written per
-        # step than keeping only the buffers beyond the pipeline, in the same time on one
-        # disk: docs/design.md, "One buffer pool, used as a cache").
-        retained = min(buffers, num_subgroups)
-    else:  # the next step starts elsewhere: the pipeline's buffers must be free then
-        retained = max(0, min(buffers - minimum, num_subgroups))
+    retained = retention.retained_count(
+        config, buffers=buffers, minimum=minimum, subgroups=num_subgroups
+    )
     return HostPlan(
         False, state_bytes, tuple(tiers), per_buffer, buffers, minimum, retained, problem
     )
@@ -121,26 +113,3 @@ def layout_plan(config: OffloadConfig, layout: Layout) -> HostPlan:
         max_state_elems=layout.max_state_elems,
         max_subgroup_elems=max((sg.size for sg in sgs), default=0),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class TierSplit:
-    """How many subgroups each tier holds and how many of those it retains in host memory."""
-
-    counts: tuple[int, ...]
-    retained: tuple[int, ...]
-
-
-def tier_split(
-    num_subgroups: int, bandwidths: list[float], retained: int, policy: str
-) -> TierSplit:
-    """Subgroups per tier for effective ``bandwidths`` (bytes/s, or any common unit).
-
-    Args:
-      num_subgroups: subgroups to place.
-      bandwidths: each tier's effective bandwidth (:func:`placement.effective_bandwidth`).
-      retained: the plan's retained count (:attr:`HostPlan.retained`).
-      policy: ``OffloadConfig.retain_policy``.
-    """
-    kept = placement.retained_per_tier(bandwidths, retained, policy)
-    return TierSplit(tuple(placement.tier_counts(num_subgroups, bandwidths, kept)), tuple(kept))

@@ -2,7 +2,7 @@
 
 Between two updates the host buffers either hold subgroups the next update starts with, or
 come free as the last update's write-backs land (write-behind). The next update's order is
-known (:mod:`jax_mlpo.scheduler`) and nothing changes the state before it runs, so its reads
+known (:mod:`jax_mlpo.retention`) and nothing changes the state before it runs, so its reads
 can start in those free buffers right away instead of when the update does.
 :class:`ReadAhead` runs :meth:`~jax_mlpo.buffers.pipeline.IOPipeline.read_ahead` on a thread of
 its own after each update, once more each time a write-back frees a buffer, until no buffer

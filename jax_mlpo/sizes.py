@@ -1,4 +1,4 @@
-"""Byte counts and rates in configs ("8GiB", "600MB/s"), and the error every config raises.
+"""Byte counts and rates in configs ("8GiB", "600MB/s").
 
 Shared by :mod:`jax_mlpo.config` and :mod:`jax_mlpo.object_tier` (below both, so neither
 imports the other for them).
@@ -11,6 +11,8 @@ import math
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from jax_mlpo.errors import ConfigError
 
 _UNITS = {
     "": 1,
@@ -25,10 +27,6 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*(?:/S)?\s*$")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 def parse_size(value: int | float | str, field: str) -> int:

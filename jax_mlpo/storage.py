@@ -1,7 +1,7 @@
 """An engine's storage, made from its plan: tiers, placement, the host cache and its I/O.
 
 :func:`open_storage` opens the plan's tiers, measures them where placement is ``"measured"``,
-splits the subgroups over them (:mod:`jax_mlpo.placement`), allocates the host cache's
+places the subgroups on them (:mod:`jax_mlpo.placement`), allocates the host cache's
 buffers and writes the zero state; :func:`host_storage` holds a state that fits in host memory,
 a buffer per subgroup and no tier.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_mlpo import placement
 from jax_mlpo.buffers.cache import SlotCache, touched_buffer
 from jax_mlpo.buffers.pipeline import IOPipeline
 from jax_mlpo.config import ConfigError, OffloadConfig
-from jax_mlpo.gradients import GradientSource, InMemoryGradients, gradient_source
+from jax_mlpo.conversion import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.layout import Layout
-from jax_mlpo.plan import HostPlan, TierSplit, tier_split
-from jax_mlpo.replan import TierAssignment
+from jax_mlpo.placement.assign import assign_tiers
+from jax_mlpo.placement.probe import probe_kind
+from jax_mlpo.placement.replan import TierAssignment
+from jax_mlpo.plan import HostPlan
 from jax_mlpo.snapshot import STATE, STATE_ALT, CopyOnWrite
 from jax_mlpo.tiers.file import FileTierStore, open_store
-from jax_mlpo.tiers.probe import probe_kind, tier_bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,6 @@ class Storage:
       pipeline: the reads and write-backs between the cache and the tiers.
       kinds: the blob kind of each subgroup's state (copy-on-write during checkpoints).
       gradients: where an update's gradients come from.
-      split: subgroups and retained subgroups per tier (None without tiers).
       assignment: each subgroup's tier (None without tiers).
     """
 
@@ -40,7 +39,6 @@ class Storage:
     pipeline: IOPipeline
     kinds: CopyOnWrite
     gradients: GradientSource
-    split: TierSplit | None = None
     assignment: TierAssignment | None = None
 
 
@@ -83,23 +81,13 @@ def open_storage(
     elems = [sg.state_elems for sg in layout.subgroups]
     gradients = gradient_source(config, layout, plan.buffers)
     kinds = {STATE: elems, STATE_ALT: elems, **gradients.tier_kinds()}
-    measured = config.placement == "measured"
-    if measured:
+    if config.placement == "measured":
         kinds.update(probe_kind(layout.max_state_elems))
     for tier in plan.tiers:
         stores.append(open_store(tier, kinds, config.node_permits_dir))
     # the cache's buffers: all the host memory the engine's state ever takes (host_cache)
     buffers = [touched_buffer(layout.max_state_elems) for _ in range(plan.buffers)]
-    bandwidth = [
-        tier_bandwidth(store, layout.max_state_elems, buffers) if measured else (1.0, 1.0)
-        for store in stores
-    ]
-    effective = [placement.effective_bandwidth(r, w) for r, w in bandwidth]
-    split = tier_split(len(elems), effective, plan.retained, config.retain_policy)
-    assignment = TierAssignment(
-        [store.tier.path for store in stores], bandwidth, split, [4 * n for n in elems],
-        adaptive=config.replan and measured,
-    )  # fmt: skip
+    assignment = assign_tiers(config, stores, elems, plan.retained, buffers)
     cache = SlotCache(buffers, elems, reuse_clean=gradients.reuse_clean and config.retain)
     copy_on_write = CopyOnWrite(len(elems))
     pipeline = IOPipeline(
@@ -110,4 +98,4 @@ def open_storage(
     gradients.bind(pipeline, stores, assignment)
     buffers[0].fill(0.0)  # the probe may have used it
     pipeline.write_all(buffers[0])
-    return Storage(cache, pipeline, copy_on_write, gradients, split, assignment)
+    return Storage(cache, pipeline, copy_on_write, gradients, assignment)

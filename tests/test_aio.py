@@ -13,9 +13,9 @@ from jax_mlpo.config import FileTier
 from jax_mlpo.native.aio import AioQueue, AioRequest, AioUnavailableError
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers import submit
+from jax_mlpo.tiers.concurrency import TierPermits
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.submit import ALIGN, AioSubmitter, Chunk, ThreadSubmitter, aligned_empty
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from jax_mlpo.buffers.cache import SlotCache, touched_buffer
 from jax_mlpo.buffers.pipeline import IOPipeline, PendingWrite
-from jax_mlpo.plan import TierSplit
-from jax_mlpo.replan import TierAssignment
+from jax_mlpo.placement.replan import TierAssignment
+from jax_mlpo.placement.split import TierSplit
 from jax_mlpo.snapshot import CopyOnWrite
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError

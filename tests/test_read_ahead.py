@@ -22,7 +22,7 @@ import pytest
 from test_faults import BLOB, LR, SUB, WD, N, grads_for, make_params  # the same problem
 
 import jax_mlpo
-from jax_mlpo import scheduler
+from jax_mlpo import retention
 from jax_mlpo.layout import gather_state
 from jax_mlpo.opt_state import with_count
 from jax_mlpo.testing import tier_faults
@@ -122,7 +122,7 @@ def test_reads_happen_before_the_update_that_needs_them(tmp_path, runs):
     for step in range(4):
         run.settle()  # the forward and backward pass
         ahead = run.engine.pipeline.reads_ahead
-        order = scheduler.step_order(N, step, "ascending")
+        order = retention.step_order(N, step, "ascending")
         # the next update's first subgroups not in host memory, in its order
         assert ahead == [i for i in order if i not in run.engine.cache.dirty][: len(ahead)]
         # never more than the buffers the retained subgroups leave free

@@ -18,15 +18,9 @@ import pytest
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.testing import tier_faults
-from jax_mlpo.tiers.file import (
-    CorruptBlobError,
-    FileTierStore,
-    NodeTokenBucket,
-    TierIOError,
-    TokenBucket,
-)
+from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
+from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
-from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.submit import ALIGN, aligned_empty
 
 CRC = 4  # bytes the crc32c codec appends to every chunk file (tensorstore engine)

@@ -10,7 +10,8 @@ Every slot holds at most one subgroup's ``[p | m | v]`` blob, in one of three wa
 A read takes an empty slot, or evicts the clean subgroup needed last in this step's order
 (Belady), never one needed before the subgroup it reads. With the alternating order the
 subgroups the last step wrote last are the first this step needs, so the whole cache is reused,
-not only its dirty part. All memory is allocated (and touched) when the cache is made.
+not only its dirty part: cache reuse with Belady eviction. All memory is allocated (and
+touched) when the cache is made.
 """
 
 from __future__ import annotations

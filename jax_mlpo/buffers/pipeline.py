@@ -1,4 +1,5 @@
-"""The I/O pipeline between the host cache and the tiers: prefetch, read-ahead, write-behind.
+"""The I/O pipeline between the host cache and the tiers: MLP-Offload's multi-path asynchronous
+offloading (prefetch and write-behind on every tier at once), the reads issued ahead, fallback.
 
 :meth:`IOPipeline.acquire` makes a subgroup resident (a hit in the :class:`SlotCache`, or the
 read issued for it), :meth:`IOPipeline.prefetch` keeps ``prefetch_depth`` reads in flight per
@@ -24,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from jax_mlpo.buffers.cache import SlotCache
-from jax_mlpo.replan import TierAssignment
+from jax_mlpo.placement.replan import TierAssignment
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 from jax_mlpo.tiers.file import FileTierStore

@@ -25,7 +25,7 @@ from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Region, engine_regions
 from jax_mlpo.checkpoint.host_arrays import writes_directly
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name
-from jax_mlpo.engine import EngineFailedError, StaleStateError
+from jax_mlpo.errors import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
 from jax_mlpo.opt_state import OffloadedAdamWState, count_of
 from jax_mlpo.registry import engine_of, mesh_plan_of

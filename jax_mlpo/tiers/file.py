@@ -1,8 +1,8 @@
 """A file tier: a directory of checksummed subgroup blobs, read and written asynchronously.
 
 :class:`FileTierStore` is what the engine sees of a tier: ``read``/``write`` of whole blobs as
-futures, each holding a read or write permit (:mod:`jax_mlpo.tiers.permits`, in the process and
-on the node) and paced by the tier's bandwidth cap, with byte counts, busy time and an optional
+futures, each holding a read or write permit (:mod:`jax_mlpo.tiers.concurrency`, in the process
+and on the node) and paced by the tier's bandwidth cap, with byte counts, busy time and an optional
 trace. The bytes move through the tier's I/O engine: :mod:`jax_mlpo.tiers.posix` (chunked
 ``pread``/``pwrite`` with O_DIRECT, the default) or :mod:`jax_mlpo.tiers.zarr` (tensorstore).
 Errors name the tier, the blob's file, the cause and what to do.
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
-import fcntl
 import hashlib
 import os
-import struct
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -29,9 +27,9 @@ from jax.profiler import TraceAnnotation
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.tiers import kvstore
+from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
 from jax_mlpo.tiers.errors import CorruptBlobError, TierFullError, TierIOError
 from jax_mlpo.tiers.lock import TierLock
-from jax_mlpo.tiers.permits import TierPermits
 from jax_mlpo.tiers.posix import PosixBlobs
 from jax_mlpo.tiers.zarr import ZarrBlobs
 
@@ -41,10 +39,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CorruptBlobError",
     "FileTierStore",
-    "NodeTokenBucket",
     "TierFullError",
     "TierIOError",
-    "TokenBucket",
     "open_store",
 ]
 
@@ -62,79 +58,6 @@ def _trace_name(direction: str, kind: str) -> str:
     """A request's name in the traces: ``"read"``/``"write"``, ``"-grad"``/``"-probe"`` added
     for those kinds (both state kinds are the subgroup's state)."""
     return direction if kind.startswith("state") else f"{direction}-{kind}"
-
-
-class TokenBucket:
-    """Paces transfers to ``rate`` bytes/s across all threads of a tier.
-
-    Each transfer reserves ``nbytes / rate`` seconds on a shared virtual clock and, once its real
-    I/O is done, sleeps until its reservation ends: the tier never exceeds the cap, and a disk
-    slower than the cap is not slowed further.
-    """
-
-    def __init__(self, rate: float) -> None:
-        self.rate = float(rate)
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def reserve(self, nbytes: int) -> float:
-        """Returns the monotonic time at which a transfer of ``nbytes`` may complete."""
-        return self.reserve_span(nbytes)[1]
-
-    def reserve_span(self, nbytes: int) -> tuple[float, float]:
-        """Reserves ``nbytes / rate`` seconds of the clock for a transfer of ``nbytes``.
-
-        Returns:
-          The reservation's (start, end) in ``time.monotonic()`` seconds: it starts when the
-          previous one ends, or now if that is later (idle time is not banked as credit); the
-          transfer may complete at its end.
-        """
-        with self._lock:
-            start = max(time.monotonic(), self._next)
-            self._next = start + nbytes / self.rate
-            return start, self._next
-
-    @staticmethod
-    def wait_until(deadline: float) -> None:
-        delay = deadline - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-
-
-class NodeTokenBucket(TokenBucket):
-    """:class:`TokenBucket` pacing shared by every process of a node (``node_bandwidth_cap``).
-
-    The virtual clock (a float64 ``time.monotonic()`` value: one clock for the whole machine on
-    Linux) lives in a file on a node-local file system; ``reserve`` reads and advances it under
-    an exclusive ``flock``, so the transfers of all processes queue on one clock and together
-    never exceed ``rate``.
-
-    Args:
-      path: the clock's file (created).
-      rate: bytes per second of the shared device.
-    """
-
-    def __init__(self, path: str, rate: float) -> None:
-        super().__init__(rate)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def reserve_span(self, nbytes: int) -> tuple[float, float]:
-        with self._lock:  # flock belongs to the open file: this process's threads take turns
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._fd, 8, 0)
-                start = time.monotonic()
-                if len(raw) == 8:
-                    start = max(start, struct.unpack("<d", raw)[0])
-                deadline = start + nbytes / self.rate
-                os.pwrite(self._fd, struct.pack("<d", deadline), 0)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return start, deadline
-
-    def close(self) -> None:
-        os.close(self._fd)
 
 
 class FileTierStore:

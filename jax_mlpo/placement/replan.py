@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from jax_mlpo import placement, scheduler
-from jax_mlpo.plan import TierSplit
+from jax_mlpo import placement, retention
+from jax_mlpo.placement.split import TierSplit
 from jax_mlpo.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class TierAssignment:
     Args:
       paths: each tier's path (the keys of a step's per-tier metrics).
       bandwidth: each tier's ``(read, write)`` bytes/s.
-      split: the tier split of the plan (its retained counts stay fixed).
+      split: the tier split of the plan (its retained counts stay fixed), kept as ``split``.
       blob_bytes: each subgroup's state bytes.
       adaptive: whether :meth:`observe` re-plans (``replan`` with measured placement).
     """
@@ -46,6 +46,7 @@ class TierAssignment:
     ) -> None:
         self._paths = list(paths)
         self.bandwidth = list(bandwidth)
+        self.split = split
         self.retained = list(split.retained)
         self._blob_bytes = list(blob_bytes)
         self._adaptive = adaptive
@@ -110,7 +111,7 @@ class TierAssignment:
     def _slowest_tier_time(self, tier_of: Sequence[int]) -> float:
         """Modelled per-step I/O time of the busiest tier if subgroups lived at ``tier_of``."""
         time_of = [0.0] * len(self._paths)
-        retained = scheduler.retain_set(
+        retained = retention.retain_set(
             range(len(tier_of)), tier_of, self.retained
         )  # same count either way the order runs
         for i, k in enumerate(tier_of):

@@ -1,4 +1,4 @@
-"""Where the update's gradients come from (MLP-Offload principle e: delayed conversion).
+"""Where the update's gradients come from: MLP-Offload's delayed gradient conversion.
 
 MLP-Offload keeps the gradients in the dtype the backward pass produced (bf16) in memory and
 converts each subgroup's share to fp32 inside the fused AdamW kernel, so no fp32 copy is ever
@@ -23,7 +23,7 @@ from jax_mlpo.buffers.pipeline import IOPipeline
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import Leaves
-from jax_mlpo.replan import TierAssignment
+from jax_mlpo.placement.replan import TierAssignment
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore
 

@@ -1,4 +1,4 @@
-"""Placement of subgroups on tiers by a measured bandwidth model (MLP-Offload principles a, b).
+"""The bandwidth model that places subgroups on tiers.
 
 Each tier k has an effective bandwidth ``BW_k = 1 / (1/read_k + 1/write_k)``: every uncached
 subgroup is read and written once per step. With ``C_k`` of tier k's subgroups retained in host
@@ -6,7 +6,7 @@ memory across steps, the per-step I/O time of tier k is ``(n_k - C_k) * blob / B
 minimised (the slowest tier finishes when the others do) by
 ``n_k - C_k = (N - sum C) * BW_k / sum BW``. Counts are rounded by largest remainder and the
 assignment is interleaved so consecutive subgroups hit different tiers. The bandwidths come
-from :mod:`jax_mlpo.tiers.probe`.
+from :mod:`jax_mlpo.placement.probe`.
 """
 
 from __future__ import annotations
@@ -26,20 +26,6 @@ def largest_remainder(targets: list[float], total: int) -> list[int]:
     for k in order[: total - sum(floors)]:
         floors[k] += 1
     return floors
-
-
-def retained_per_tier(bandwidths: list[float], retained: int, policy: str) -> list[int]:
-    """How many of the ``retained`` subgroups each tier contributes.
-
-    ``"slow_tiers"`` retains the slowest tiers' subgroups first (each retained subgroup saves
-    the most I/O time there); ``"equal"`` spreads them evenly, as the MLP-Offload artifact did.
-    """
-    k = len(bandwidths)
-    if policy == "equal":
-        return largest_remainder([retained / k] * k, retained)
-    counts = [0] * k
-    counts[int(np.argmin(bandwidths))] = retained
-    return counts
 
 
 def tier_counts(num_subgroups: int, bandwidths: list[float], retained: list[int]) -> list[int]:

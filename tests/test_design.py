@@ -1,0 +1,116 @@
+"""docs/design.md's map of the package, checked against the code.
+
+Each principle of MLP-Offload has exactly one home: the module or package the principles
+table names, whose docstring names the principle, and no other module's docstring does. Every
+module appears in the module map, and no module outgrows one concept (400 lines; the engine's
+update loop 300).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jax_mlpo"
+DESIGN = ROOT / "docs" / "design.md"
+
+# The paper's principles (../shared/reference/mlp-offload.md, "The four design principles":
+# its multi-path offloading counted apart from the placement that feeds it).
+PAPER_PRINCIPLES = {
+    "multi-path asynchronous offloading",
+    "placement by a bandwidth model",
+    "concurrency control",
+    "cache-friendly ordering",
+    "delayed gradient conversion",
+}
+MAX_LINES = 400
+MAX_ENGINE_LINES = 300
+
+
+def _section(title: str) -> str:
+    text = DESIGN.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def _table(section: str) -> list[list[str]]:
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
+
+
+def _docstring(path: pathlib.Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.lower().split())
+
+
+def _home_docstring(home: str) -> pathlib.Path:
+    path = PACKAGE / home
+    return path / "__init__.py" if home.endswith("/") else path
+
+
+def _modules() -> list[pathlib.Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+
+
+def principles() -> dict[str, str]:
+    """``{principle: home}`` from the principles table."""
+    homes = {}
+    for principle, home, _ in _table(_section("Principles and their homes")):
+        assert principle not in homes, f"{principle!r} has two rows"
+        homes[principle] = home.strip("`")
+    return homes
+
+
+def test_each_principle_of_the_paper_has_one_home_in_the_table():
+    homes = principles()
+    assert set(homes) >= PAPER_PRINCIPLES, PAPER_PRINCIPLES - set(homes)
+    for principle, home in homes.items():
+        assert _home_docstring(home).is_file(), f"{principle}: no module {home}"
+
+
+def test_each_principle_is_named_by_its_home_and_no_other_module():
+    for principle, home in principles().items():
+        naming = {
+            path.relative_to(PACKAGE).as_posix()
+            for path in PACKAGE.rglob("*.py")
+            if principle.lower() in _docstring(path)
+        }
+        expected = _home_docstring(home).relative_to(PACKAGE).as_posix()
+        assert naming == {expected}, f"{principle!r} is named by {sorted(naming)}, not {expected}"
+
+
+def test_every_module_is_in_the_module_map():
+    section = _section("Modules")
+    rows = {row[0]: row[1] for row in _table(section)}
+    missing = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        package, _, name = rel.rpartition("/")
+        in_package_row = any(
+            f"`{package}/`" in cells and f"`{name}`" in concept for cells, concept in rows.items()
+        )
+        if f"`{rel}`" not in section and not in_package_row:
+            missing.append(rel)
+    assert not missing, f"modules missing from docs/design.md's module map: {missing}"
+
+
+def test_no_module_outgrows_one_concept():
+    sources = [p for p in PACKAGE.rglob("*") if p.suffix in {".py", ".cc", ".cu", ".h"}]
+    assert any(p.suffix == ".cc" for p in sources)
+    long = {
+        p.relative_to(PACKAGE).as_posix(): n
+        for p in sources
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
+    engine = len((PACKAGE / "engine.py").read_text().splitlines())
+    assert engine <= MAX_ENGINE_LINES, f"engine.py has {engine} lines"
+
+
+def test_the_table_parser_reads_the_rows():
+    # the checks above are only as good as the parse: a row with a backticked home is read
+    rows = _table("## T\n| a | b |\n|---|---|\n| x | `y.py` |\n")
+    assert rows == [["x", "`y.py`"]] and re.fullmatch(r"`[^`]+`", rows[0][1])
