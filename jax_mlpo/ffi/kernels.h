@@ -3,7 +3,8 @@
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
 // x86-64, AVX2, AVX-512); kernels.cc picks one table at load time with cpuid, splits large calls
-// over a thread pool and exports the C entry points that Python loads with ctypes.
+// over the thread pool (thread_pool.cc) and exports the C entry points that Python loads with
+// ctypes.
 #ifndef JAX_MLPO_FFI_KERNELS_H_
 #define JAX_MLPO_FFI_KERNELS_H_
 
