@@ -77,6 +77,8 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
     off = cfg.offload
     n = param_count(model)
     moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)  # dtype names numpy knows
+    if cfg.optimizer.name == "lion":
+        moments = moments[:1]
     per_param = state_bytes_per_param(model.param_dtype == "bfloat16", moments)
     per_proc = math.ceil(n / processes)
     size = min(off.subgroup_size, per_proc)
@@ -142,7 +144,8 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "state_bytes_per_param": per_param,
         "state_parts": ", ".join(
             (["fp32 master"] if plan.param_dtype == "bfloat16" else [])
-            + [f"m {cfg.optimizer.mu_dtype}", f"v {cfg.optimizer.nu_dtype}"]
+            + [f"m {cfg.optimizer.mu_dtype}"]
+            + ([f"v {cfg.optimizer.nu_dtype}"] if cfg.optimizer.name == "adamw" else [])
         ),
         "state_bytes": math.ceil(plan.params * per_param),
         "state_bytes_per_process": state,

@@ -92,12 +92,17 @@ def training_memory(
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:
-        if cfg.optimizer.mu_dtype == "bfloat16":
-            device["optax.adamw m (bfloat16) and v (params' dtype)"] = n * (2 + pbytes)
+        if cfg.optimizer.name == "lion":  # one moment
+            moments = n * (2 if cfg.optimizer.mu_dtype == "bfloat16" else pbytes)
+            device["optax.lion m"] = moments
+        elif cfg.optimizer.mu_dtype == "bfloat16":
+            moments = n * (2 + pbytes)
+            device["optax.adamw m (bfloat16) and v (params' dtype)"] = moments
         else:
-            device["optax.adamw m and v (params' dtype)"] = 2 * n * pbytes
+            moments = 2 * n * pbytes
+            device["optax.adamw m and v (params' dtype)"] = moments
         device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
-        return TrainingMemory(device, host, on_cpu, 2 * n * pbytes)
+        return TrainingMemory(device, host, on_cpu, moments)
     host["jax_mlpo host cache (engine)"] = engine.host.host_bytes
     if not on_cpu:
         host["subgroup staging (3 x 4 B x subgroup)"] = 12 * engine.subgroup_elems

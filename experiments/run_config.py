@@ -43,6 +43,9 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    name: str = "adamw"
+    """adamw (jax_mlpo.adamw, or optax.adamw) or lion (jax_mlpo.lion, or optax.lion: one moment,
+    b1 and b2 as Lion's; eps, nu_dtype and q8 do not apply)."""
     peak_lr: float = 3e-3
     """Peak learning rate of the warm-up + cosine schedule."""
     warmup_steps: int = 30
@@ -336,6 +339,13 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.seq_len < 2:
         raise ConfigError(f"config key 'seq_len' must be >= 2 (input + target), got {cfg.seq_len}")
+    if cfg.optimizer.name not in ("adamw", "lion"):
+        raise ConfigError(
+            f"config key 'optimizer.name' must be 'adamw' or 'lion', got {cfg.optimizer.name!r}"
+        )
+    if cfg.optimizer.name == "lion" and "q8" in (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype):
+        raise ConfigError("config key 'optimizer.mu_dtype': lion stores its moment in float32 or "
+                          "bfloat16, not q8")  # fmt: skip
     for key in ("b1", "b2"):
         if not 0 <= getattr(cfg.optimizer, key) < 1:
             raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")

@@ -119,12 +119,12 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> TokenDataset:
 
 
 def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
-    """AdamW with the config's schedule, decay mask and clipping.
+    """The config's optimizer (``optimizer.name``) with its schedule, decay mask and clipping.
 
     Args:
       cfg: the run config.
-      use_optax: optax's in-memory AdamW (clipping chained before it) instead of jax_mlpo's
-        offloaded one (clipping inside the host update).
+      use_optax: optax's in-memory optimizer (clipping chained before it) instead of
+        jax_mlpo's offloaded one (AdamW's clipping inside the host update).
 
     Returns:
       The transformation. The parents of default tiers (under ``<run_dir>/tiers``) are
@@ -144,6 +144,13 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
 
     kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
                   mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
+    _make_default_tier_parents(cfg)
+    clip = optax.clip_by_global_norm(o.clip_norm)
+    if o.name == "lion":
+        del kwargs["eps"]
+        if use_optax:
+            return optax.chain(clip, optax.lion(schedule, **kwargs))
+        return optax.chain(clip, jax_mlpo.lion(schedule, **kwargs, offload=cfg.offload))
     if use_optax:
         if o.nu_dtype != "float32":
             raise ConfigError(
@@ -155,15 +162,19 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
                 "optimizer.mu_dtype=q8 is jax_mlpo's; optax.adamw takes a float mu_dtype: drop "
                 "--optimizer optax or set optimizer.mu_dtype=bfloat16 or float32"
             )
-        return optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(schedule, **kwargs))
+        return optax.chain(clip, optax.adamw(schedule, **kwargs))
     kwargs["nu_dtype"] = None if o.nu_dtype == "float32" else o.nu_dtype
     kwargs["q8_rounding"] = o.q8_rounding
-    for tier in cfg.offload.tiers:
-        if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
-            Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
     # The same clipping as the chain above, applied inside the host update (no pass of XLA's
     # over the gradients to scale them).
     return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
+
+
+def _make_default_tier_parents(cfg: RunConfig) -> None:
+    """Creates the parents of default tiers (under ``<run_dir>/tiers``)."""
+    for tier in cfg.offload.tiers:
+        if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
+            Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:

@@ -15,7 +15,7 @@ from jax_mlpo.registry import close, closing, engine_of, metrics
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
-from jax_mlpo.transform import adamw
+from jax_mlpo.transform import adamw, lion
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "TierIOError",
     "TierInUseError",
     "adamw",
+    "lion",
     "checkpoint",
     "close",
     "closing",

@@ -17,16 +17,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jax_mlpo import kernels, retention
+from jax_mlpo import retention
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.errors import EngineFailedError, StaleStateError
 from jax_mlpo.idle_io import EngineIdleIO
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
+from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.placement.replan import TierAssignment
 from jax_mlpo.placement.split import TierSplit
 from jax_mlpo.plan import HostPlan, layout_plan
@@ -36,34 +38,32 @@ from jax_mlpo.state_io import EngineStateIO
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.storage import host_storage, open_storage
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.types import F32, AdamWHyper
+from jax_mlpo.types import F32
 
 logger = logging.getLogger(__name__)
 
 
 class Engine(EngineStateIO, EngineIdleIO):
-    """Owns the AdamW state of one params pytree, in host memory and file tiers.
+    """Owns the optimizer state of one params pytree, in host memory and file tiers.
 
     Args:
-      layout: the subgroups of the params.
+      layout: the subgroups of the params (laid out for ``optimizer``'s moments).
       config: the offload configuration (already validated).
-      b1, b2, eps, weight_decay: AdamW hyper-parameters given at construction (an update may
-        pass others in its :class:`~jax_mlpo.types.AdamWHyper`: optax.inject_hyperparams).
-      stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
+      optimizer: the per-subgroup math (:mod:`jax_mlpo.optimizers`) and its hyper-parameters
+        given at construction (an update may pass others: optax.inject_hyperparams).
 
     Raises:
       ConfigError: if the host cache cannot hold the pipeline's buffers, or the state does not
         fit in the host cache and no tier is configured.
     """
 
-    def __init__(
-        self, layout: Layout, config: OffloadConfig, *, b1: float, b2: float, eps: float,
-        weight_decay: float, stochastic_rounding: bool = False,
-    ) -> None:  # fmt: skip
-        self.layout, self.config = layout, config
-        self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
-        self.stochastic_rounding = bool(stochastic_rounding)  # of q8 moments
-        self.weight_decay = float(weight_decay)
+    def __init__(self, layout: Layout, config: OffloadConfig, optimizer: HostOptimizer) -> None:
+        if layout.moment_names != optimizer.moment_names:
+            raise ValueError(
+                f"the layout has moments {layout.moment_names}, {optimizer.name} keeps "
+                f"{optimizer.moment_names}"
+            )
+        self.layout, self.config, self.optimizer = layout, config, optimizer
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
         self._snapshot: StateSnapshot | None = None
@@ -71,7 +71,6 @@ class Engine(EngineStateIO, EngineIdleIO):
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self._failed: BaseException | None = None
         self._closed = False
-        self._kernel = kernels.native_adamw_step()
         self.plan: HostPlan = layout_plan(config, layout)
         self.tiers: list[FileTierStore] = []
         self._read_ahead: ReadAhead | None = None
@@ -132,14 +131,15 @@ class Engine(EngineStateIO, EngineIdleIO):
     # -- the update ---------------------------------------------------------------------------
 
     def step(
-        self, count: int, hyper: AdamWHyper, grads: Sequence[np.ndarray],
+        self, count: int, hyper: Any, grads: Sequence[np.ndarray],
         params: Sequence[np.ndarray], updates: Sequence[np.ndarray] | None = None,
     ) -> list[np.ndarray]:  # fmt: skip
-        """Runs one AdamW update over every subgroup.
+        """Runs one update of the optimizer over every subgroup.
 
         Args:
           count: the optimizer step count in the state handed to update (0 for the first).
-          hyper: the step's scalars; its ``weight_decay`` applies where the layout's mask is set.
+          hyper: the step's scalars (the optimizer's: :class:`~jax_mlpo.types.AdamWHyper`,
+            :class:`~jax_mlpo.types.LionHyper`); weight decay applies where the mask is set.
           grads: the gradient leaves, flattened (float32 or bfloat16).
           params: the param leaves, flattened (float32 or bfloat16).
           updates: the flat update leaves to write (XLA's buffers, ``updates[k]`` possibly
@@ -158,7 +158,7 @@ class Engine(EngineStateIO, EngineIdleIO):
         self.step_leaves(count, hyper, HostLeaves(grads, params, updates))
         return list(updates)
 
-    def step_leaves(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
+    def step_leaves(self, count: int, hyper: Any, leaves: Leaves) -> None:
         """:meth:`step` on leaves wherever they are (:mod:`jax_mlpo.leaves`)."""
         # the lock: XLA may run two programs' calls at once (a discarded update)
         with self._step_lock, TraceAnnotation("jax_mlpo.update", step=count + 1):
@@ -174,7 +174,7 @@ class Engine(EngineStateIO, EngineIdleIO):
             self._staging = SubgroupStaging(self.layout.max_subgroup_elems, pin, unpin)
         return self._staging
 
-    def _step(self, count: int, hyper: AdamWHyper, leaves: Leaves) -> None:
+    def _step(self, count: int, hyper: Any, leaves: Leaves) -> None:
         self._check_usable()
         if self._snapshot is not None and not self._snapshot.concurrent:
             raise RuntimeError("an update ran while a synchronous snapshot of its state was open")
@@ -188,7 +188,6 @@ class Engine(EngineStateIO, EngineIdleIO):
                 "step was retried."
             )
         leaves.check(self.layout)
-        hypers = (hyper._replace(weight_decay=0.0), hyper)  # masked out, decayed
         metrics = StepMetrics(step=count + 1)
         self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
         order = retention.step_order(len(self.layout.subgroups), count, self.config.order)
@@ -208,21 +207,11 @@ class Engine(EngineStateIO, EngineIdleIO):
                 with TraceAnnotation("jax_mlpo.read_wait", subgroup=i):
                     io.await_reads(i, resident)
                 t0 = time.monotonic()
-                with TraceAnnotation("jax_mlpo.adamw", subgroup=i):
+                with TraceAnnotation(f"jax_mlpo.{self.optimizer.name}", subgroup=i):
                     leaves.fetch(sgs[i])
                     grad_blob = self._gradients.subgroup(resident.slot, sgs[i].size, resident.hit)
                     blob = self.cache.blob(i, resident.slot)
-                    kernels.adamw_subgroup(
-                        self._kernel,
-                        sgs[i],
-                        blob,
-                        leaves,
-                        grad_blob,
-                        hypers,
-                        init_master=count == 0,
-                        count=count,
-                        stochastic=self.stochastic_rounding,
-                    )
+                    self.optimizer.update(sgs[i], blob, leaves, grad_blob, hyper, count=count)
                     leaves.store(sgs[i])
                 metrics.compute_s += time.monotonic() - t0
                 metrics.subgroups += 1

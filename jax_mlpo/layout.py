@@ -1,17 +1,20 @@
 """Params pytree ↔ flat subgroups.
 
 The leaves of the params pytree are laid end to end (in ``jax.tree`` order) in one flat index
-space, which is cut into subgroups of ``subgroup_size`` elements; a leaf may span subgroups. Each
-subgroup is a list of segments, a segment being the part of one leaf that falls in the subgroup,
-so it has one dtype and one weight-decay flag.
+space, which is cut into subgroups of ``subgroup_size`` elements; a leaf may span subgroups.
+Each subgroup is a list of segments, a segment being the part of one leaf that falls in the
+subgroup, so it has one dtype and one weight-decay flag.
 
 A subgroup's blob is ``[p | m | v]`` when it holds any bfloat16 leaf (``p`` is the fp32 master
-copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves). The blob is a
-float32 buffer; ``m`` and ``v`` are float32, bfloat16 or q8 (``mu_dtype``, ``nu_dtype``), each
-padded to whole float32 words, so a bfloat16 moment halves its part of every read and write and
-a q8 one (:mod:`jax_mlpo.quantize`: a byte per element) quarters it. A q8 moment's block scales
-follow the codes: ``[p | m | v | m scales | v scales]``, one scale per 256 elements of each
-segment (blocks start at segment starts, where the kernel's calls start).
+copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves); an optimizer with
+one moment (Lion) has ``[p | m]`` or ``[m]``. The moments are named by the optimizer
+(:mod:`jax_mlpo.optimizers`: ``"mu"``, ``"nu"``), and those names are the arrays of
+``state_dict`` and of checkpoints. The blob is a float32 buffer; each moment is float32,
+bfloat16 or q8 (``mu_dtype``, ``nu_dtype``), padded to whole float32 words, so a bfloat16 moment
+halves its part of every read and write and a q8 one (:mod:`jax_mlpo.quantize`: a byte per
+element) quarters it. A q8 moment's block scales follow the codes: ``[p | m | v | m scales | v
+scales]``, one scale per 256 elements of each segment (blocks start at segment starts, where the
+kernel's calls start).
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ SUPPORTED_PARAM_DTYPES = (F32, BF16)
 SUPPORTED_MOMENT_DTYPES = (F32, BF16, Q8)
 
 Moment = np.ndarray | Quantized  # a moment's view: float32/bfloat16 elements, or q8 codes
+ADAMW_MOMENTS = ("mu", "nu")
+
+
+def is_signed(moment: str) -> bool:
+    """Whether a moment takes negative values (its q8 code has a sign bit): all but ``nu``."""
+    return moment != "nu"
 
 
 def _words(n: int, dtype: np.dtype) -> int:
@@ -75,7 +84,8 @@ class Subgroup:
     size: int
     segments: tuple[Segment, ...]
     has_master: bool
-    moment_dtypes: tuple[np.dtype, np.dtype] = (F32, F32)  # m's and v's
+    moment_dtypes: tuple[np.dtype, ...] = (F32, F32)  # each moment's, in the blob's order
+    moment_names: tuple[str, ...] = ADAMW_MOMENTS  # the optimizer's names for them
 
     @functools.cached_property
     def block_starts(self) -> dict[int, int]:
@@ -98,9 +108,9 @@ class Subgroup:
     def state_bytes(self) -> int:
         return 4 * self.state_elems
 
-    def split(self, blob: np.ndarray) -> tuple[np.ndarray | None, Moment, Moment]:
-        """Views of this subgroup's blob: the fp32 master p (or None), m and v (arrays of their
-        dtypes, or :class:`~jax_mlpo.quantize.Quantized` codes and scales)."""
+    def split(self, blob: np.ndarray) -> tuple[Any, ...]:
+        """Views of this subgroup's blob: the fp32 master p (or None), then each moment (arrays
+        of their dtypes, or :class:`~jax_mlpo.quantize.Quantized` codes and scales)."""
         n, blocks = self.size, self.block_starts[self.size]
         at = n if self.has_master else 0
         p = blob[:n] if self.has_master else None
@@ -112,7 +122,7 @@ class Subgroup:
             if dt == Q8:
                 views[k] = Quantized(views[k], blob[at : at + blocks])
                 at += blocks
-        return p, views[0], views[1]
+        return (p, *views)
 
     def segment(self, moment: Moment, seg: Segment) -> Moment:
         """The part of a moment view (:meth:`split`) that holds segment ``seg``."""
@@ -132,7 +142,8 @@ class Layout:
     dtypes: tuple[np.dtype, ...]
     subgroups: tuple[Subgroup, ...]
     subgroup_size: int
-    moment_dtypes: tuple[np.dtype, np.dtype] = (F32, F32)  # m's and v's
+    moment_dtypes: tuple[np.dtype, ...] = (F32, F32)  # each moment's
+    moment_names: tuple[str, ...] = ADAMW_MOMENTS  # the optimizer's names for them
 
     @property
     def num_params(self) -> int:
@@ -217,15 +228,17 @@ def resolve_mask(mask: Any, params: Any) -> list[bool]:
     return out
 
 
-def check_moment_dtypes(moment_dtypes: Sequence[Any]) -> tuple[np.dtype, np.dtype]:
-    """``(mu_dtype, nu_dtype)`` as a layout keeps them (numpy dtypes; q8 is
+def check_moment_dtypes(
+    moment_dtypes: Sequence[Any], names: Sequence[str] = ADAMW_MOMENTS
+) -> tuple[np.dtype, ...]:
+    """Moment dtypes (``mu_dtype``, ``nu_dtype``) as a layout keeps them (numpy dtypes; q8 is
     :data:`jax_mlpo.quantize.Q8`).
 
     Raises:
       ValueError: for a dtype other than float32, bfloat16 and "q8".
     """
     moments = []
-    for name, spec in zip(("mu_dtype", "nu_dtype"), moment_dtypes, strict=True):
+    for name, spec in zip((f"{n}_dtype" for n in names), moment_dtypes, strict=True):
         try:
             dt = moment_dtype(spec)
         except TypeError:
@@ -239,12 +252,12 @@ def check_moment_dtypes(moment_dtypes: Sequence[Any]) -> tuple[np.dtype, np.dtyp
                 'or "q8" (8-bit blockwise)'
             )
         moments.append(dt)
-    return moments[0], moments[1]
+    return tuple(moments)
 
 
 def build_layout(
     params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None,
-    moment_dtypes: tuple[Any, Any] = (F32, F32),
+    moment_dtypes: Sequence[Any] = (F32, F32), moment_names: Sequence[str] = ADAMW_MOMENTS,
 ) -> Layout:  # fmt: skip
     """Cuts the params pytree into subgroups.
 
@@ -253,7 +266,8 @@ def build_layout(
         so this works on tracers too).
       subgroup_size: elements per subgroup.
       decay_flags: per-leaf weight-decay flags (default: all True).
-      moment_dtypes: the dtypes m and v are stored in (float32, bfloat16 or "q8").
+      moment_dtypes: the dtypes the moments are stored in (float32, bfloat16 or "q8").
+      moment_names: the optimizer's names of the moments (:mod:`jax_mlpo.optimizers`).
 
     Returns:
       The layout.
@@ -262,7 +276,8 @@ def build_layout(
       ValueError: for a parameter dtype other than float32 or bfloat16, or a moment dtype
         other than those.
     """
-    moments = check_moment_dtypes(moment_dtypes)
+    moments = check_moment_dtypes(moment_dtypes, moment_names)
+    names = tuple(moment_names)
     leaves, treedef = jax.tree.flatten(params)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(np.dtype(x.dtype) for x in leaves)
@@ -284,7 +299,9 @@ def build_layout(
         nonlocal segments, filled
         if filled:
             has_master = any(s.master for s in segments)
-            subgroups.append(Subgroup(len(subgroups), filled, tuple(segments), has_master, moments))
+            subgroups.append(
+                Subgroup(len(subgroups), filled, tuple(segments), has_master, moments, names)
+            )
         segments, filled = [], 0
 
     for i, shape in enumerate(shapes):
@@ -298,7 +315,7 @@ def build_layout(
             if filled == subgroup_size:
                 close()
     close()
-    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments)
+    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments, names)
 
 
 def moment_f32(moment: Moment, *, signed: bool) -> np.ndarray:
@@ -319,13 +336,13 @@ def store_f32(moment: Moment, values: np.ndarray, *, signed: bool) -> None:
 
 
 def gather_state(sg: Subgroup, blob: np.ndarray, state: dict[str, list[np.ndarray | None]]) -> None:
-    """Copies a subgroup's blob into per-leaf ``{"mu", "nu", "master"}`` arrays (converting)."""
-    p, m, v = sg.split(blob)
+    """Copies a subgroup's blob into per-leaf arrays, one list per moment name and ``"master"``
+    (converting to float32)."""
+    p, *moments = sg.split(blob)
     for seg in sg.segments:
-        mu = moment_f32(sg.segment(m, seg), signed=True)
-        state["mu"][seg.leaf].reshape(-1)[seg.leaf_span] = mu
-        state["nu"][seg.leaf].reshape(-1)[seg.leaf_span] = moment_f32(sg.segment(v, seg),
-                                                                      signed=False)  # fmt: skip
+        for name, moment in zip(sg.moment_names, moments, strict=True):
+            values = moment_f32(sg.segment(moment, seg), signed=is_signed(name))
+            state[name][seg.leaf].reshape(-1)[seg.leaf_span] = values
         if seg.master:
             state["master"][seg.leaf].reshape(-1)[seg.leaf_span] = p[seg.span]
 
@@ -333,16 +350,16 @@ def gather_state(sg: Subgroup, blob: np.ndarray, state: dict[str, list[np.ndarra
 def scatter_state(
     sg: Subgroup, state: dict[str, list[np.ndarray | None]], blob: np.ndarray
 ) -> None:
-    """Fills a subgroup's blob from per-leaf ``{"mu", "nu", "master"}`` arrays.
+    """Fills a subgroup's blob from per-leaf arrays, one list per moment name and ``"master"``.
 
     Raises:
       ValueError: if a bfloat16 leaf has no master copy.
     """
-    p, m, v = sg.split(blob)
+    p, *moments = sg.split(blob)
     for seg in sg.segments:
-        for name, moment, signed in (("mu", m, True), ("nu", v, False)):
+        for name, moment in zip(sg.moment_names, moments, strict=True):
             values = np.asarray(state[name][seg.leaf], F32).reshape(-1)[seg.leaf_span]
-            store_f32(sg.segment(moment, seg), values, signed=signed)
+            store_f32(sg.segment(moment, seg), values, signed=is_signed(name))
         if seg.master:
             master = state["master"][seg.leaf]
             if master is None:

@@ -72,18 +72,19 @@ class EngineStateIO:
             self._resume_read_ahead()
 
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
-        """AdamW's state per parameter leaf, independent of subgroups and tiers.
+        """The optimizer's state per parameter leaf, independent of subgroups and tiers.
 
         The whole state in new arrays: for tests and small states (checkpoints stream it
         through :meth:`snapshot` instead).
 
         Returns:
-          ``{"mu": [...], "nu": [...], "master": [...]}``, float32 arrays of each leaf's shape
+          ``{"mu": [...], "nu": [...], "master": [...]}`` (the optimizer's moments by name:
+          Lion has no ``nu``), float32 arrays of each leaf's shape
           (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
           whose master copy is the params themselves).
         """
         shapes, dtypes = self.layout.shapes, self.layout.dtypes
-        out = {name: [np.zeros(s, F32) for s in shapes] for name in ("mu", "nu")}
+        out = {name: [np.zeros(s, F32) for s in shapes] for name in self.layout.moment_names}
         out["master"] = [np.zeros(s, F32) if dt == BF16 else None for s, dt in zip(
             shapes, dtypes, strict=True)]  # fmt: skip
         with self.snapshot() as snap:
@@ -92,19 +93,20 @@ class EngineStateIO:
         return out
 
     def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
-        """Replaces AdamW's state with ``state`` (as :meth:`state_dict` gives it) at ``step``.
+        """Replaces the optimizer's state with ``state`` (as :meth:`state_dict` gives it) at
+        ``step``.
 
         Raises:
           ValueError: if the leaves' shapes differ from the layout's.
         """
-        for name in ("mu", "nu"):
+        for name in self.layout.moment_names:
             shapes = tuple(tuple(np.shape(x)) for x in state[name])
             if shapes != self.layout.shapes:
                 raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
         self.load(step, lambda sg, blob: scatter_state(sg, state, blob))
 
     def load(self, step: int, fill: Callable[[Subgroup, np.ndarray], None]) -> None:
-        """Replaces AdamW's state at ``step``, subgroup by subgroup in order.
+        """Replaces the optimizer's state at ``step``, subgroup by subgroup in order.
 
         Args:
           step: the step the new state is at.

@@ -1,6 +1,6 @@
-"""The small types every layer shares: the two dtypes of params and state, AdamW's scalars.
+"""The small types every layer shares: the two dtypes of params and state, the optimizers' scalars.
 
-They live here, below both the numpy reference (:mod:`jax_mlpo.kernels`) and the native
+They live here, below both the numpy references (:mod:`jax_mlpo.optimizers`) and the native
 library's wrappers, so that neither imports the other for them.
 """
 
@@ -47,3 +47,14 @@ def moment_decay(decay: float, moment_dtype: np.dtype) -> float:
     if np.dtype(moment_dtype) == BF16:
         return float(np.float32(decay).astype(BF16))
     return float(decay)
+
+
+class LionHyper(NamedTuple):
+    """Scalars of one Lion step: ``lr`` the (scheduled) learning rate, evaluated by XLA in
+    float32 as optax does; the others as given (Python floats, or float32 arrays from
+    ``optax.inject_hyperparams``)."""
+
+    lr: float
+    b1: float
+    b2: float
+    weight_decay: float

@@ -12,7 +12,8 @@ Usage: ``python integration_worker.py KIND OPTIMIZER PHASE WORKDIR``
   ``nnx.state``) or ``linen`` (a ``flax.training.train_state.TrainState``).
 - OPTIMIZER: ``optax`` (``optax.adamw``, ``StandardSave``) or ``mlpo`` (``jax_mlpo.adamw``,
   ``OffloadSave``) or ``mlpo-plain`` (``jax_mlpo.adamw`` saved with orbax's ``StandardSave``);
-  ``optax-inject`` and ``mlpo-inject``: each wrapped in ``optax.inject_hyperparams``.
+  ``optax-inject`` and ``mlpo-inject``: each wrapped in ``optax.inject_hyperparams``;
+  ``optax-lion`` and ``mlpo-lion``: ``optax.lion`` and ``jax_mlpo.lion`` instead of AdamW.
 - PHASE: ``all`` (STEPS steps), ``first`` (SAVE_AT steps, saving every step), ``resume``
   (restores the latest checkpoint into a fresh model and optimizer, then runs to STEPS).
 
@@ -47,8 +48,12 @@ SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, STEPS, 3e-3)
 
 def make_optimizer(name: str, workdir: str) -> optax.GradientTransformation:
     kwargs = dict(b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
+    if name.endswith("lion"):
+        kwargs.pop("eps")
     if name == "optax":
         inner = optax.adamw(SCHEDULE, **kwargs)
+    elif name == "optax-lion":
+        inner = optax.lion(SCHEDULE, **kwargs)
     elif name == "optax-inject":
         inner = optax.inject_hyperparams(optax.adamw)(SCHEDULE, **kwargs)
     else:
@@ -56,7 +61,7 @@ def make_optimizer(name: str, workdir: str) -> optax.GradientTransformation:
             host_cache=3 * 8 * 256, subgroup_size=256, prefetch_depth=1,
             tiers=[jax_mlpo.FileTier(os.path.join(workdir, f"tier-{os.getpid()}"))],
         )  # fmt: skip
-        factory = jax_mlpo.adamw
+        factory = jax_mlpo.lion if name == "mlpo-lion" else jax_mlpo.adamw
         if name == "mlpo-inject":  # the schedule and the floats as per-step arrays
             factory = optax.inject_hyperparams(jax_mlpo.adamw)
         inner = factory(SCHEDULE, offload=config, **kwargs)
@@ -106,13 +111,13 @@ def manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def save_args(item, optimizer: str):
-    if optimizer in ("mlpo", "mlpo-inject"):
+    if optimizer in ("mlpo", "mlpo-inject", "mlpo-lion"):
         return jax_mlpo.checkpoint.OffloadSave(item)
     return ocp.args.StandardSave(item)
 
 
 def restore_args(target, optimizer: str):
-    if optimizer in ("mlpo", "mlpo-inject"):
+    if optimizer in ("mlpo", "mlpo-inject", "mlpo-lion"):
         return jax_mlpo.checkpoint.OffloadRestore(target)
     return ocp.args.StandardRestore(target)
 

@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from jax_mlpo import native
-from jax_mlpo.kernels import adamw_step_reference
+from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 SIZES = (1, 7, 22, 64, 1000, 1048577)

@@ -470,6 +470,25 @@ def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
         run_config.load_config(TINY, ["optimizer.mu_dtype=float16"])
 
 
+def test_lion_in_the_config_trains_beside_optax_lion(data_cache, tmp_path):
+    """optimizer.name=lion: one moment in the plan and on the tiers (4 B/param for fp32
+    params), and the offloaded run's losses are optax.lion's in the same job."""
+    sets = ["--set", "optimizer.name=lion", "--set", "optimizer.peak_lr=1e-3",
+            "--set", "report.plot=false"]  # fmt: skip
+    cfg = run_config.load_config(TINY, ["optimizer.name=lion", f"run_dir={tmp_path}"])
+    plan = dry_run(cfg, 1)
+    assert plan["state_bytes_per_process"] == 4 * param_count(get_preset("tiny"))
+    assert plan["state_parts"] == "m float32"
+    offload = _main(tmp_path, data_cache, *sets)
+    optax = _main(tmp_path, data_cache, *sets, "--optimizer", "optax")
+    assert np.mean(offload["losses"][-3:]) < offload["losses"][0] - 0.2  # it learns
+    np.testing.assert_allclose(offload["losses"], optax["losses"], rtol=0, atol=1e-4)
+    with pytest.raises(run_config.ConfigError, match="'optimizer.name' must be"):
+        run_config.load_config(TINY, ["optimizer.name=sgd"])
+    with pytest.raises(run_config.ConfigError, match="not q8"):
+        run_config.load_config(TINY, ["optimizer.name=lion", "optimizer.mu_dtype=q8"])
+
+
 def test_q8_moments_in_the_config(tmp_path):
     """optimizer.mu_dtype/nu_dtype=q8: a byte and 4/256 of a scale each in the plan and the
     optimizer, q8_rounding passed on; optax refuses q8 (it has no such dtype)."""
@@ -482,7 +501,7 @@ def test_q8_moments_in_the_config(tmp_path):
     assert plan["state_parts"] == "m q8, v q8"
     state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
     engine = jax_mlpo.engine_of(state)
-    assert engine.stochastic_rounding
+    assert engine.optimizer.stochastic_rounding
     assert engine.layout.state_bytes == 2 * 64_000 + 8 * math.ceil(64_000 / 256)
     jax_mlpo.close(state)
     with pytest.raises(run_config.ConfigError, match="mu_dtype=q8 is jax_mlpo's"):

@@ -15,8 +15,10 @@ from helpers import make_hyper as _hyper
 from helpers import problem as _problem
 
 import jax_mlpo
-from jax_mlpo import kernels, native
+from jax_mlpo import native
 from jax_mlpo.native.quantize import q8_decode, q8_encode
+from jax_mlpo.optimizers import fma64
+from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.quantize import BLOCK, Quantized, decode_reference, encode_reference, num_blocks
 from jax_mlpo.types import BF16, F32
 
@@ -157,7 +159,7 @@ def test_kernel_equals_the_reference_on_every_isa(n, grad_bf16, seed, kinds):
     m0, v0 = moment(kinds[0], n, True), moment(kinds[1], n, False)
     runs = {}
     for isa in ["reference", *isas()]:
-        step = kernels.adamw_step_reference if isa == "reference" else native.adamw_step
+        step = adamw_step_reference if isa == "reference" else native.adamw_step
         m, v, p, u = copy_moment(m0), copy_moment(v0), p0.copy(), view(n)
         master = p0.copy()
         base = p0.astype(BF16)
@@ -187,16 +189,16 @@ def test_the_q8_kernel_rounds_its_fma_once():
     m = encode_reference(np.array([2.0**-60], F32), signed=True)  # b1 * m: below a float64 ulp
     v = encode_reference(np.array([1.0], F32), signed=False)
     # v stays 1.0 (b2 rounds to 1 in float32, and 2^-30 * g^2 is lost in the sum): u = m
-    hyper = jax_mlpo.kernels.AdamWHyper(bc1=1.0, bc2=1.0, lr=-1.0, b1=b1, b2=1.0 - 2**-30,
+    hyper = jax_mlpo.types.AdamWHyper(bc1=1.0, bc2=1.0, lr=-1.0, b1=b1, b2=1.0 - 2**-30,
                                         eps=0.0, weight_decay=0.0)  # fmt: skip
     updates = {}
-    for name, step in (("native", native.adamw_step), ("reference", kernels.adamw_step_reference)):
+    for name, step in (("native", native.adamw_step), ("reference", adamw_step_reference)):
         u = np.empty(1, F32)
         step(copy_moment(m), copy_moment(v), g, np.zeros(1, F32), u, hyper)
         updates[name] = u[0]
     once = np.float32(0.5 + 2**-12 + 2**-24)  # the exact sum, rounded up
     twice = np.float32(0.5 + 2**-12)  # the float64 sum is the midpoint: ties to even, down
-    assert kernels._fma(c1, g, np.float32(b1) * np.float32(2.0**-60))[0] == twice
+    assert fma64(c1, g, np.float32(b1) * np.float32(2.0**-60))[0] == twice
     assert updates["native"] == updates["reference"] == once
 
 

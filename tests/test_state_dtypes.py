@@ -18,7 +18,7 @@ from helpers import problem as _problem
 
 import jax_mlpo
 from jax_mlpo import native
-from jax_mlpo.kernels import adamw_step_reference
+from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.quantize import decode_reference, encode_reference
 from jax_mlpo.types import BF16, F32
 

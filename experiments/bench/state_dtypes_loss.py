@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from experiments.bench.harness import write_json
+from experiments.bench.loss_curves import plot, pretrain_records
 
 logger = logging.getLogger("bench.state_dtypes_loss")
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,57 +34,12 @@ VARIANTS = {  # name: (mu_dtype, nu_dtype, q8_rounding)
 
 
 def run_variant(args, name: str, run_dir: Path) -> list[float]:
-    """One pretrain.py run; its per-step losses from the metrics JSONL."""
+    """One pretrain.py run; its per-step losses."""
     mu, nu, rounding = VARIANTS[name]
-    shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [f"run_dir={run_dir}", f"steps={args.steps}", f"log_every={args.log_every}",
-            f"optimizer.mu_dtype={mu}", f"optimizer.nu_dtype={nu}",
-            f"optimizer.q8_rounding={rounding}", "report.plot=false",
-            "checkpoint.every=0"]  # fmt: skip
-    if args.tier:  # a config's explicit tier (e2e-125m.yaml's): one per variant, under run_dir
-        sets.append(f"offload.tiers=[{{path: {run_dir / 'tier'}}}]")
-    cmd = [sys.executable, "experiments/pretrain.py", "--config", args.config]
-    for item in sets:
-        cmd += ["--set", item]
-    logger.info("%s: %s", name, " ".join(cmd))
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    with open(run_dir / "metrics-offload.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    losses = [r["loss"] for r in records if "loss" in r]
-    shutil.rmtree(run_dir, ignore_errors=True)  # tiers and checkpoints; the losses are kept
-    return losses
-
-
-def plot(curves: dict[str, list[float]], path: str, title: str, window: int = 20) -> None:
-    """The loss curves, and below them each variant's loss minus the float32 state's (a
-    running mean over ``window`` steps: the curves themselves overlap)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})  # fmt: skip
-    base = np.asarray(curves.get("fp32", []))
-    for name, losses in curves.items():
-        steps = np.arange(1, len(losses) + 1)
-        (line,) = top.plot(steps, losses, label=name, linewidth=1)
-        if base.size == len(losses) and name != "fp32":
-            diff = np.convolve(np.asarray(losses) - base, np.ones(window) / window, "valid")
-            bottom.plot(steps[window - 1 :], diff, label=f"{name} - fp32", linewidth=1,
-                        color=line.get_color())  # fmt: skip
-    top.set_ylabel("training loss")
-    top.set_title(title)
-    top.legend()
-    bottom.axhline(0.0, color="gray", linewidth=0.5)
-    bottom.set_xlabel("step")
-    bottom.set_ylabel(f"difference ({window}-step mean)")
-    bottom.legend()
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    sets = [f"steps={args.steps}", f"log_every={args.log_every}", f"optimizer.mu_dtype={mu}",
+            f"optimizer.nu_dtype={nu}", f"optimizer.q8_rounding={rounding}"]  # fmt: skip
+    records = pretrain_records(args.config, sets, run_dir, tier=args.tier, name=name)
+    return [r["loss"] for r in records]
 
 
 def main() -> None:
@@ -111,7 +64,7 @@ def main() -> None:
         with open(args.replot) as f:
             saved = json.load(f)
         title = f"{Path(saved['config']).name}, {saved['steps']} steps, same seed"
-        plot(saved["losses"], args.plot, title)
+        plot(saved["losses"], args.plot, title, base="fp32")
         return
 
     curves, reused = {}, []
@@ -146,7 +99,8 @@ def main() -> None:
         logger.info("%s: final loss %.4f%s", name, value,
                     f" ({value / base:.4f}x float32)" if base else "")  # fmt: skip
     if args.plot:
-        plot(curves, args.plot, f"{Path(args.config).name}, {args.steps} steps, same seed")
+        title = f"{Path(args.config).name}, {args.steps} steps, same seed"
+        plot(curves, args.plot, title, base="fp32")
     if args.json:
         write_json(args.json, result)
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Index, Region, engine_regions, full, index_of
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
-from jax_mlpo.checkpoint.stream import QUANTITIES
+from jax_mlpo.checkpoint.stream import quantities
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
 from jax_mlpo.opt_state import OffloadedAdamWState
 from jax_mlpo.registry import engine_of, mesh_plan_of
@@ -168,7 +168,7 @@ def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, 
         for leaf, dtype in zip(owners, layout.dtypes, strict=True):
             dtypes.setdefault(leaf, dtype)
         for leaf, dtype in sorted(dtypes.items()):
-            for quantity in QUANTITIES:
+            for quantity in quantities(layout):
                 if quantity != "master" or dtype != F32:
                     arrays[f"{state}/{quantity}/{leaf}"] = (x, state, quantity, leaf)
     return arrays

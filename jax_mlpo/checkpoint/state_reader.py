@@ -22,8 +22,8 @@ from jax_mlpo.checkpoint.blocks import Region, saved_region
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
 from jax_mlpo.checkpoint.shard_file import ShardReader, check_array, whole_pages
-from jax_mlpo.checkpoint.stream import CHUNK_ELEMS, QUANTITIES, split_quantities
-from jax_mlpo.layout import Subgroup, store_f32
+from jax_mlpo.checkpoint.stream import CHUNK_ELEMS, quantities, split_quantities
+from jax_mlpo.layout import Subgroup, is_signed, store_f32
 from jax_mlpo.quantize import Quantized
 from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
@@ -104,7 +104,7 @@ class StateReader:
             parts[name][at : at + math.prod(shape)].reshape(shape)[into] = source
         for name, moment in coded.items():
             for seg in sg.segments:
-                store_f32(sg.segment(moment, seg), parts[name][seg.span], signed=name == "mu")
+                store_f32(sg.segment(moment, seg), parts[name][seg.span], signed=is_signed(name))
         keep = {(p[1]["array"], p[2]) for later in self._planned.values() for p in later}
         for key in [key for key in self._reads if key not in keep]:
             buffer, _ = self._reads.pop(key)  # read and used: its buffer serves another
@@ -117,7 +117,7 @@ class StateReader:
         for seg in sg.segments:
             region = self._regions[seg.leaf]
             start = region.start + seg.leaf_start  # the segment in its region's block
-            for name in QUANTITIES:
+            for name in quantities(sg):
                 if name == "master" and not seg.master:
                     continue
                 shape = self._shapes[region.leaf]

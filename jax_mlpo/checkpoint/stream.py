@@ -36,21 +36,25 @@ from jax_mlpo.checkpoint.shard_file import (
     sync_directories,
     whole_pages,
 )
-from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, moment_f32
+from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, is_signed, moment_f32
 from jax_mlpo.quantize import moment_dtype_name
 from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
 
-QUANTITIES = ("mu", "nu", "master")
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best
 MAX_IN_FLIGHT = 8  # pieces being written or read at once (and the host memory they hold)
 IO_THREADS = 4  # each moves one piece at a time and digests it
 SYNC_THREADS = 2  # arrays being made durable at once
 
 
+def quantities(sg_or_layout: Subgroup | Layout) -> tuple[str, ...]:
+    """The arrays a state is saved as: its optimizer's moments by name, then ``"master"``."""
+    return (*sg_or_layout.moment_names, "master")
+
+
 def split_quantities(sg: Subgroup, blob: np.ndarray) -> dict[str, Moment | None]:
-    p, m, v = sg.split(blob)
-    return {"mu": m, "nu": v, "master": p}
+    p, *moments = sg.split(blob)
+    return {**dict(zip(sg.moment_names, moments, strict=True)), "master": p}
 
 
 def _segment_f32(sg: Subgroup, parts: dict[str, Moment | None], name: str, seg: Segment):
@@ -58,7 +62,7 @@ def _segment_f32(sg: Subgroup, parts: dict[str, Moment | None], name: str, seg: 
     into a new array of the segment's size; a bfloat16 one widened where it is copied)."""
     if name == "master":
         return parts[name][seg.span]
-    return moment_f32(sg.segment(parts[name], seg), signed=name == "mu")
+    return moment_f32(sg.segment(parts[name], seg), signed=is_signed(name))
 
 
 class _OpenArray:
@@ -119,7 +123,7 @@ class StateWriter:
             size = int(np.prod(shape, dtype=np.int64))
             if j in self._skip or not size:
                 continue
-            for name in QUANTITIES:
+            for name in quantities(self._layout):
                 if name != "master" or self._layout.dtypes[j] != F32:
                     out.append((name, j, size))
         return out
@@ -150,7 +154,7 @@ class StateWriter:
                 for seg in sg.segments:
                     if seg.leaf in self._skip:
                         continue
-                    for name in QUANTITIES:
+                    for name in quantities(sg):
                         if name != "master" or seg.master:
                             data = _segment_f32(sg, parts, name, seg)
                             self._append(name, seg.leaf, seg.leaf_start, data)
@@ -273,13 +277,14 @@ def write_streams(
             held: dict[int, list[int]] = {}  # each leaf's engine leaves in this process
             for j, region in enumerate(stream.regions):
                 held.setdefault(region.leaf, []).append(j)
-            kept = dict(zip(("mu", "nu"), stream.layout.moment_dtypes, strict=True), master=F32)
+            layout = stream.layout
+            kept = dict(zip(layout.moment_names, layout.moment_dtypes, strict=True), master=F32)
             for leaf, shape in enumerate(stream.shapes):
                 mine = held.get(leaf)
                 if not mine:
                     continue  # this process holds none of it
-                for name in QUANTITIES:
-                    if name == "master" and stream.layout.dtypes[mine[0]] == F32:
+                for name in quantities(layout):
+                    if name == "master" and layout.dtypes[mine[0]] == F32:
                         continue
                     records[f"{stream.name}/{name}/{leaf}"] = {
                         "dtype": "float32", "state_dtype": moment_dtype_name(kept[name]),

@@ -69,6 +69,18 @@ void AdamW(const AdamWArgs& args, size_t n) {
               [&](size_t b, size_t e) { fn(args, b, e); });
 }
 
+void Lion(const LionArgs& args, size_t n) {
+  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
+                  : args.update_out == nullptr ? kOutNone
+                  : args.delta_base != nullptr ? kOutDelta
+                                               : kOutUpdate;
+  const LionRangeFn fn = Kernels().lion(LionIndex(args.grad_bf16, args.has_wd, args.update_param,
+                                                  args.param_bf16_out != nullptr, out,
+                                                  args.mu_bf16));
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
 void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,
               bool stochastic, uint32_t seed) {
   auto fn = Kernels().q8_encode;
@@ -229,6 +241,60 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_
   a.has_wd = has_wd != 0;
   a.update_param = update_param != 0;
   jax_mlpo::AdamW(a, size_t(n));
+  return kOk;
+}
+
+// Lion's step with jax_mlpo_adamw_step's outputs and checks. scalars: c1, b1, c2, b2,
+// weight_decay, -lr (float32, prepared by jax_mlpo.native exactly as the numpy reference does).
+// mu_bf16: m is bfloat16. Returns 0 or an error code.
+int jax_mlpo_lion_step(void* m, int mu_bf16, const void* grad, int grad_bf16, float* param,
+                       int update_param, void* update_out, int update_bf16,
+                       const uint16_t* delta_base, uint16_t* param_bf16_out, int64_t n,
+                       const float* scalars, int has_wd) {
+  if (n < 0) return kErrSize;
+  if (n == 0) return kOk;
+  if (!m || !grad || !param || !scalars) return kErrNull;
+  if (delta_base && !update_out) return kErrDeltaWithoutOut;
+  if (update_bf16 && !delta_base) return kErrBf16WithoutDelta;
+  const size_t f = size_t(n) * 4, h = size_t(n) * 2;
+  const bool in_place = update_out == grad && (grad_bf16 != 0) == (update_bf16 != 0);
+  const Range ranges[] = {
+      {static_cast<const char*>(m), mu_bf16 ? h : f, true},
+      {static_cast<const char*>(grad), grad_bf16 ? h : f, false},
+      {reinterpret_cast<const char*>(param), f, update_param != 0},
+      {static_cast<const char*>(update_out), update_bf16 ? h : f, true},
+      {reinterpret_cast<const char*>(delta_base), h, false},
+      {reinterpret_cast<const char*>(param_bf16_out), h, true},
+  };
+  constexpr int kRanges = sizeof ranges / sizeof ranges[0];
+  for (int i = 0; i < kRanges; ++i)
+    for (int j = i + 1; j < kRanges; ++j) {
+      if (in_place && i == 1 && j == 3) continue;  // the update over its gradient
+      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j]))
+        return kErrOverlap;
+    }
+  jax_mlpo::LionArgs a{};
+  a.m = m;
+  a.grad = grad;
+  a.param = param;
+  if (update_bf16) {
+    a.update_bf16 = static_cast<uint16_t*>(update_out);
+  } else {
+    a.update_out = static_cast<float*>(update_out);
+  }
+  a.delta_base = delta_base;
+  a.param_bf16_out = param_bf16_out;
+  a.c1 = scalars[0];
+  a.b1 = scalars[1];
+  a.c2 = scalars[2];
+  a.b2 = scalars[3];
+  a.wd = scalars[4];
+  a.neg_lr = scalars[5];
+  a.grad_bf16 = grad_bf16 != 0;
+  a.mu_bf16 = mu_bf16 != 0;
+  a.has_wd = has_wd != 0;
+  a.update_param = update_param != 0;
+  jax_mlpo::Lion(a, size_t(n));
   return kOk;
 }
 

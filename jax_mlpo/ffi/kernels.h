@@ -1,4 +1,4 @@
-// Host kernels of jax_mlpo: fused AdamW, bf16 <-> fp32 conversion, the 8-bit blockwise moment
+// Host kernels of jax_mlpo: fused AdamW and Lion, bf16 <-> fp32 conversion, the 8-bit blockwise moment
 // code, STREAM triad, parallel copy.
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
@@ -47,6 +47,34 @@ enum AdamWOut : int { kOutNone = 0, kOutUpdate = 1, kOutDelta = 2, kOutDeltaBf16
 
 using AdamWRangeFn = void (*)(const AdamWArgs&, size_t begin, size_t end);
 
+// One Lion step over n contiguous elements (optax.lion: scale_by_lion, add_decayed_weights,
+// scale_by_learning_rate), with AdamWArgs's outputs. The scalars are float32 values prepared
+// exactly as the numpy reference does (jax_mlpo/optimizers/lion.py).
+struct LionArgs {
+  void* m;                     // in/out: float32 or bfloat16 (mu_bf16)
+  const void* grad;            // float32 or bfloat16 (grad_bf16)
+  float* param;                // read; written when update_param
+  float* update_out;           // optional
+  const uint16_t* delta_base;  // optional bfloat16; needs update_out
+  uint16_t* param_bf16_out;    // optional
+  uint16_t* update_bf16;       // optional bfloat16 update (needs delta_base, no update_out)
+  float c1, b1, c2, b2;        // c1 = f32(1 - b1), c2 = f32(1 - b2); b1, b2 as applied to m
+  float wd, neg_lr;
+  bool grad_bf16;
+  bool mu_bf16;
+  bool has_wd;
+  bool update_param;
+};
+
+using LionRangeFn = void (*)(const LionArgs&, size_t begin, size_t end);
+
+constexpr int LionIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
+                        bool mu_bf16) {
+  return int(grad_bf16) | int(has_wd) << 1 | int(update_param) << 2 | int(bf16_out) << 3 |
+         out << 4 | int(mu_bf16) << 6;
+}
+constexpr size_t kLionVariants = 128;
+
 // The 8-bit blockwise moment (q8, jax_mlpo/quantize.py has the reference and the reasons): blocks
 // of kQ8Block elements from the start of each call's range, a power-of-two float32 scale per
 // block (the smallest at or above the block's largest magnitude), and per element a float with 3
@@ -72,6 +100,7 @@ struct KernelTable {
   void (*bf16_to_f32)(const uint16_t* src, float* dst, size_t n);
   void (*f32_to_bf16)(const float* src, uint16_t* dst, size_t n);
   void (*triad)(float* a, const float* b, const float* c, float s, size_t n);
+  LionRangeFn (*lion)(int index);  // the loop of a LionIndex() (lion_isa.cc)
 };
 
 constexpr int AdamWIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
@@ -91,6 +120,7 @@ const KernelTable& Kernels();
 // Multi-threaded drivers used by both the ctypes API and the XLA FFI handlers. They run with
 // IEEE floating point (no flush-to-zero), whatever the calling thread's MXCSR says.
 void AdamW(const AdamWArgs& args, size_t n);
+void Lion(const LionArgs& args, size_t n);
 void Bf16ToF32(const uint16_t* src, float* dst, size_t n);
 // n elements in blocks of kQ8Block from x's start; `first` numbers x[0] for the random stream.
 void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,

@@ -18,30 +18,12 @@
 #define JAX_MLPO_STR(x) JAX_MLPO_STR2(x)
 
 namespace jax_mlpo::JAX_MLPO_ISA_NS {
+
+LionRangeFn LionLoopAt(int index);  // lion_isa.cc, compiled for the same instruction set
+
 namespace {
 
-inline uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-
-inline float FromBits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
-inline float Bf16ToF32Elem(uint16_t h) { return FromBits(uint32_t(h) << 16); }
-
-// Round to nearest even, as XLA's and ml_dtypes' conversions: NaN -> sign | 0x7fc0 (quiet NaN,
-// payload dropped), inf stays inf, overflow rounds to inf, denormals are kept (no DAZ/FTZ).
-inline uint16_t F32ToBf16Elem(float f) {
-  const uint32_t x = Bits(f);
-  uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  uint32_t nan = ((x >> 16) & 0x8000u) | 0x7fc0u;
-  return uint16_t((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+#include "elementwise_isa.h"  // bf16 conversions, loads and stores, Fma64, the outputs
 
 struct Scalars {
   float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale;
@@ -52,19 +34,6 @@ struct Scalars {
 inline Scalars ScalarsOf(const AdamWArgs& a) {
   return Scalars{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
                  a.eps, a.wd, a.neg_lr, a.grad_scale};
-}
-
-// Gradients and moments are float32 or bfloat16 (uint16_t bits); all arithmetic is float32.
-inline float Load(const float* x, size_t i) { return x[i]; }
-inline float Load(const uint16_t* x, size_t i) { return Bf16ToF32Elem(x[i]); }
-inline void Store(float* x, size_t i, float f) { x[i] = f; }
-inline void Store(uint16_t* x, size_t i, float f) { x[i] = F32ToBf16Elem(f); }
-
-// float32 a * x + y as the reference computes it: the product is exact in float64, the sum is
-// rounded to float64 and then to float32 (XLA:CPU uses a float32 fma here; the two differ only
-// in rare double-rounding cases). Written out so that the result does not depend on the ISA.
-inline float Fma64(float a, float x, float y) {
-  return float(double(a) * double(x) + double(y));
 }
 
 // Both moments q8: they are rounded to 3 bits anyway, so their loop uses the float32 fma itself
@@ -88,28 +57,6 @@ inline float AdamWUpdate(const Scalars& s, float mi, float vi, float p) {
   return u * s.neg_lr;
 }
 
-// Where an element's update goes: the param in place, the update itself or the new param's
-// difference to the bf16 params (float32 or bfloat16), and the new param rounded to bfloat16.
-template <bool kUpdateParam, bool kBf16Out, int kOut>
-inline void AdamWOutputs(size_t i, float u, float* __restrict p, float* __restrict out,
-                         const uint16_t* __restrict base, uint16_t* __restrict pb,
-                         uint16_t* __restrict ub) {
-  float pn = 0.0f;
-  if constexpr (kUpdateParam || kOut >= kOutDelta || kBf16Out) pn = p[i];
-  if constexpr (kUpdateParam) {
-    pn = pn + u;
-    p[i] = pn;
-  }
-  if constexpr (kOut == kOutUpdate) out[i] = u;
-  if constexpr (kOut == kOutDelta) out[i] = pn - Bf16ToF32Elem(base[i]);
-  // Both operands are bf16 values, so the float32 difference is bf16 subtraction's exact
-  // result before its one rounding (exact itself when they are within 2x: Sterbenz).
-  if constexpr (kOut == kOutDeltaBf16) {
-    ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
-  }
-  if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
-}
-
 // The loop proper. The pointers are __restrict function parameters: GCC ignores restrict on
 // locals here and would fall back to run-time alias checks (or scalar code).
 // A bfloat16 moment is widened on load and rounded (to nearest even) on store; the update uses
@@ -129,7 +76,7 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restr
     Store(m, i, mi);
     Store(v, i, vi);
     const float u = AdamWUpdate<kWd, false>(s, mi, vi, p[i]);
-    AdamWOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
+    WriteOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
 }
 
@@ -250,7 +197,7 @@ __attribute__((noinline)) void AdamWQ8Block(
     m_amax = std::max(m_amax, AbsBits(mi));
     v_amax = std::max(v_amax, AbsBits(vi));
     const float u = AdamWUpdate<kWd, true>(s, mi, vi, p[i]);
-    AdamWOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
+    WriteOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
   if (stochastic) {
     EncodeQ8Moments<true>(m, v, n, m_amax, v_amax, mc, ms, vc, vs, key, first);
@@ -326,7 +273,7 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>, std::index_sequence<J
   return KernelTable{JAX_MLPO_STR(JAX_MLPO_ISA_NS) + 4,  // drop "isa_"
                      {AdamWEntry<I>()...}, {AdamWBlockedEntry<J>()...}, {AdamWQ8Entry<K>()...},
                      &Q8EncodeLoop, &Q8DecodeLoop,
-                     &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop};
+                     &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop, &LionLoopAt};
 }
 
 constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>(),

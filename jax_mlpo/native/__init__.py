@@ -5,8 +5,9 @@ One module per concern of the compiled library, all re-exported here:
 * :mod:`~jax_mlpo.native.library`: loading the library; :func:`isa`, :func:`set_isa`,
   :func:`num_threads`, :func:`set_num_threads`.
 * :mod:`~jax_mlpo.native.adamw`: the fused AdamW kernel, :func:`adamw_step` on numpy arrays
-  (bit for bit :func:`jax_mlpo.kernels.adamw_step_reference`) and :func:`adamw_update` inside
-  ``jax.jit``.
+  (bit for bit :func:`jax_mlpo.optimizers.adamw.adamw_step_reference`) and
+  :func:`adamw_update` inside ``jax.jit``.
+* :mod:`~jax_mlpo.native.lion`: the fused Lion kernel, :func:`lion_step` on numpy arrays.
 * :mod:`~jax_mlpo.native.copies`: host buffers and XLA: :func:`host_descriptor`,
   :func:`copy_to_host`, :func:`copy_from_host` (CPU, or ``cudaMemcpyAsync`` on a GPU backend),
   :func:`cuda_host_register`, and :func:`bf16_to_f32`, :func:`f32_to_bf16`,
@@ -36,6 +37,7 @@ from jax_mlpo.native.copies import (
 # keeps working; import the module itself as ``from jax_mlpo.native.crc32c import ...``.
 from jax_mlpo.native.crc32c import crc32c, crc32c_hardware
 from jax_mlpo.native.library import isa, num_threads, set_isa, set_num_threads
+from jax_mlpo.native.lion import lion_step
 
 __all__ = [
     "adamw_step",
@@ -50,6 +52,7 @@ __all__ = [
     "f32_to_bf16",
     "host_descriptor",
     "isa",
+    "lion_step",
     "num_threads",
     "parallel_copy",
     "set_isa",

@@ -8,8 +8,8 @@ Two ways in to the same loop (``jax_mlpo/ffi/kernels_isa.cc``):
   ``input_output_aliases`` when m, v and param are donated.
 
 Both compute the numpy reference's float32 operations in its order
-(:func:`jax_mlpo.kernels.adamw_step_reference`), bit for bit, on every instruction set. Those
-are optax's expressions in the form XLA:CPU compiles them: the moment updates
+(:func:`jax_mlpo.optimizers.adamw.adamw_step_reference`), bit for bit, on every instruction
+set. Those are optax's expressions in the form XLA:CPU compiles them: the moment updates
 ``(1 - b) * x + b * t`` and the weight decay ``u + wd * p`` are fused multiply-adds, computed
 in float64 and rounded to float32 (the float32 product is exact in float64, so this is XLA's
 float32 fma except in the rare cases where rounding the sum twice moves the last bit); division
@@ -73,7 +73,7 @@ def adamw_step(
 ) -> None:
     """One fused AdamW step over a contiguous segment, in place (native, multi-threaded).
 
-    Same arguments and the same bits as :func:`jax_mlpo.kernels.adamw_step_reference` (the
+    Same arguments and the same bits as :func:`jax_mlpo.optimizers.adamw.adamw_step_reference` (the
     module docstring says which float32 operations). Arrays may be views into larger buffers;
     ``grad``, ``delta_base`` and ``param`` (unless ``update_param``) may be read-only.
     ``update_out`` may be ``grad`` itself (the same buffer, the same dtype): the update then

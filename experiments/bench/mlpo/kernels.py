@@ -1,9 +1,10 @@
-"""Host kernel bandwidth: fused AdamW (native) beside STREAM triad, memcpy, XLA and numpy.
+"""Host kernel bandwidth: fused AdamW and Lion (native) beside STREAM triad, memcpy, XLA, numpy.
 
 Effective bandwidth is the bytes the algorithm must move / time (STREAM convention: no
 write-allocate traffic counted). AdamW reads m, v, g, p and writes m, v and u (or p in place):
 7 x 4 bytes per element with fp32 gradients (3 x 4 + 4 x 2 with bfloat16 m and v, 3 x 4 + 4 x 1
-+ 4 x 4 / 256 with q8 m and v and their block scales); triad
++ 4 x 4 / 256 with q8 m and v and their block scales); Lion reads m, g, p and writes m and u:
+5 x 4; triad
 a = b + s * c moves 3 x 4; memcpy 2 x 4.
 All kernels run in one process, interleaved round-robin (the machines are shared and their
 bandwidth drifts; interleaving exposes every kernel to the same conditions), one warm-up each,
@@ -32,13 +33,15 @@ import optax
 
 from experiments.bench.harness import round_robin, write_json
 from jax_mlpo import native
-from jax_mlpo.kernels import BF16, F32, AdamWHyper, adamw_step_reference
 from jax_mlpo.native.quantize import q8_encode
+from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.quantize import BLOCK, Quantized, num_blocks
+from jax_mlpo.types import BF16, F32, AdamWHyper, LionHyper
 
 log = logging.getLogger("bench.kernels")
 
 HYPER = AdamWHyper(bc1=0.19, bc2=0.002, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+LION = LionHyper(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.1)
 
 
 class Case(NamedTuple):
@@ -84,6 +87,10 @@ def native_cases(n: int) -> list[Case]:
              lambda: native.adamw_step(m8, v8, g, p, u, HYPER)),
         Case("adamw_q8_stochastic_gbps", "native AdamW, q8 m, v, stochastic", q8_bytes,
              lambda: native.adamw_step(m8, v8, g, p, u, HYPER, seed=1)),
+        Case("lion_gbps", "native Lion (r m,g,p; w m,u)", 20,
+             lambda: native.lion_step(m, g, p, u, LION)),
+        Case("lion_bf16_moment_gbps", "native Lion, bf16 m (r m,g,p; w m,u)", 16,
+             lambda: native.lion_step(m16, g, p, u, LION)),
         Case("triad_gbps", "STREAM triad a=b+s*c (native)", 12,
              lambda: native.stream_triad(a, p, g, 3.0)),
         Case("memcpy_gbps", "memcpy (native, threaded)", 8, lambda: native.parallel_copy(a, p)),
@@ -207,6 +214,7 @@ TARGETS = {
     "ratio_adamw_bf16_moments_over_triad": 0.6,
     "ratio_adamw_q8_moments_over_triad": 0.6,
     "ratio_adamw_q8_stochastic_over_triad": 0.6,
+    "ratio_lion_over_triad": 0.8,
     "ratio_adamw_over_xla": 1.3,
     "ratio_adamw_inplace_over_xla_inplace": 1.3,
     "ratio_adamw_over_numpy": 5.0,
@@ -218,7 +226,7 @@ def table(cases: list[Case], figures: dict[str, float]) -> str:
         f"| {'kernel':<42} | {'B/elem':>6} | {'GB/s':>6} |",
         f"|{'-' * 44}|{'-' * 8}|{'-' * 8}|",
     ]
-    order = ["adamw", "ffi", "xla", "numpy", "triad", "memcpy", "bf16", "f32"]
+    order = ["adamw", "lion", "ffi", "xla", "numpy", "triad", "memcpy", "bf16", "f32"]
     for c in sorted(cases, key=lambda c: order.index(c.key.split("_")[0])):
         rows.append(f"| {c.label:<42} | {c.bytes_per_elem:>6.4g} | {figures[c.key]:>6.1f} |")
     rows += ["", f"| {'ratio':<42} | {'value':>6} | {'target':>6} |", rows[1]]
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["ratio_adamw_bf16_moments_over_triad"] = (
         figures["adamw_bf16_moments_gbps"] / figures["triad_gbps"]
     )
+    figures["ratio_lion_over_triad"] = figures["lion_gbps"] / figures["triad_gbps"]
     for kind in ("q8_moments", "q8_stochastic"):
         figures[f"ratio_adamw_{kind}_over_triad"] = (
             figures[f"adamw_{kind}_gbps"] / figures["triad_gbps"]

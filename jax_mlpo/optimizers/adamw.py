@@ -1,6 +1,6 @@
-"""The host AdamW kernel behind one function, with a numpy reference implementation.
+"""AdamW on the host: the engine's optimizer, its numpy reference kernel.
 
-The engine calls the kernel (:func:`native_adamw_step`, the compiled one, by default) once per
+:class:`AdamW` calls the kernel (:func:`jax_mlpo.native.adamw_step`, the compiled one) once per
 contiguous segment of a subgroup (a segment is the
 part of one parameter leaf that falls in one subgroup, so it has one weight-decay value). The
 arithmetic follows ``optax.adamw`` operation by operation (``scale_by_adam`` →
@@ -11,17 +11,21 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
 from jax_mlpo import native
 from jax_mlpo.layout import Subgroup
 from jax_mlpo.leaves import Leaves
+from jax_mlpo.optimizers import fma64, segment_calls, write_update
 from jax_mlpo.quantize import Quantized, decode_reference, encode_reference, segment_seed
-from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
+from jax_mlpo.types import F32, AdamWHyper, moment_decay
 
-__all__ = ["BF16", "F32", "AdamWHyper", "adamw_step_reference", "native_adamw_step"]
+__all__ = ["AdamW", "AdamWHyper", "adamw_step_reference", "adamw_subgroup"]
 
 
 def adamw_step_reference(
@@ -75,7 +79,7 @@ def adamw_step_reference(
     # uses the float32 values, as optax does with mu_dtype (types.moment_decay: the decay).
     # With both moments q8 the kernel uses the float32 fma itself (one rounding), not its
     # float64 emulation: the moments are rounded to 3 bits anyway, and it is 1.3x faster.
-    fma = _fma_single if all(q8) else _fma
+    fma = _fma_single if all(q8) else fma64
     m32 = fma(f32(1.0 - hyper.b1), g, f32(moment_decay(hyper.b1, m.dtype)) * m.astype(F32))
     v32 = fma(f32(1.0 - hyper.b2), g * g, f32(hyper.b2) * v.astype(F32))
     for stored, x, signed in ((m_stored, m32, True), (v_stored, v32, False)):
@@ -89,23 +93,7 @@ def adamw_step_reference(
     if hyper.weight_decay != 0.0:
         u = fma(f32(hyper.weight_decay), param, u)
     u = u * f32(-hyper.lr)
-    if update_param:
-        param += u
-    if update_out is not None:
-        if delta_base is not None and update_out.dtype == BF16:
-            new = param.astype(BF16).astype(F32)
-            update_out[...] = (new - delta_base.astype(F32)).astype(BF16)
-        elif delta_base is not None:
-            np.subtract(param, delta_base.astype(F32), out=update_out)
-        else:
-            update_out[...] = u
-    if param_bf16_out is not None:
-        param_bf16_out[...] = param.astype(BF16)
-
-
-def _fma(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """float32 a * x + y with one rounding (via float64, where the product is exact)."""
-    return (np.float64(a) * x.astype(np.float64) + y).astype(F32)
+    write_update(u, param, update_out, update_param, delta_base, param_bf16_out)
 
 
 def _fma_single(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -123,15 +111,6 @@ def _fma_single(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return s.astype(F32)
 
 
-def native_adamw_step() -> Callable[..., None]:
-    """The compiled kernel, bitwise equal to the reference.
-
-    Returns:
-      :func:`jax_mlpo.native.adamw_step`, with :func:`adamw_step_reference`'s signature.
-    """
-    return native.adamw_step
-
-
 def adamw_subgroup(
     kernel: Callable[..., None],
     sg: Subgroup,
@@ -146,7 +125,7 @@ def adamw_subgroup(
     """One AdamW step of a resident subgroup: ``kernel`` over each of its segments.
 
     Args:
-      kernel: :func:`native_adamw_step` or :func:`adamw_step_reference`.
+      kernel: :func:`jax_mlpo.native.adamw_step` or :func:`adamw_step_reference`.
       sg: the subgroup.
       blob: its ``[p | m | v]`` (or ``[m | v]``) state, updated in place.
       leaves: the update's gradients, params and updates (fetched for this subgroup); the
@@ -158,20 +137,47 @@ def adamw_subgroup(
       count: the optimizer's step count (0 for the first), which seeds stochastic rounding.
       stochastic: q8 moments are rounded stochastically (else to nearest).
     """
-    p, m, v = sg.split(blob)
-    stochastic = stochastic and (isinstance(m, Quantized) or isinstance(v, Quantized))
-    for seg in sg.segments:
-        s = seg.span
-        grad, param, out = leaves.segment(seg)
-        if grad_blob is not None:
-            grad = grad_blob[s]
-        hyper = hypers[seg.decay]
-        moments = sg.segment(m, seg), sg.segment(v, seg)
-        seed = segment_seed(count, sg.index, seg.start) if stochastic else None
-        if seg.master:
-            if init_master:
-                p[s] = param.astype(F32)
-            kernel(*moments, grad, p[s], out, hyper, update_param=True, delta_base=param,
-                   seed=seed)  # fmt: skip
-        else:
-            kernel(*moments, grad, param, out, hyper, seed=seed)
+    q8 = any(isinstance(x, Quantized) for x in sg.split(blob)[1:])
+    calls = segment_calls(sg, blob, leaves, grad_blob, init_master=init_master)
+    for seg, moments, grad, param, out, base in calls:
+        seed = segment_seed(count, sg.index, seg.start) if stochastic and q8 else None
+        master = {"update_param": True, "delta_base": base} if base is not None else {}
+        kernel(*moments, grad, param, out, hypers[seg.decay], seed=seed, **master)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """``optax.adamw``'s per-subgroup math, the engine's optimizer (:mod:`jax_mlpo.optimizers`).
+
+    Attributes:
+      b1, b2, eps, weight_decay: the values given at construction, used where an update passes
+        none (Python floats, kept in double precision as optax uses them).
+      stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
+    """
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    stochastic_rounding: bool = False
+    name: ClassVar[str] = "adamw"
+    moment_names: ClassVar[tuple[str, ...]] = ("mu", "nu")
+
+    def hyper(self, scalars: Sequence[float]) -> AdamWHyper:
+        """lr, bc1, bc2, grad scale, then b1, b2, eps and weight decay where the update was
+        given them as arrays (optax.inject_hyperparams), NaN where they are this object's."""
+        lr, bc1, bc2, scale, *given = (float(x) for x in scalars)
+        own = (self.b1, self.b2, self.eps, self.weight_decay)
+        b1, b2, eps, wd = (o if math.isnan(x) else x for x, o in zip(given, own, strict=True))
+        return AdamWHyper(bc1, bc2, lr, b1, b2, eps, wd, grad_scale=scale)
+
+    def update(
+        self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
+        hyper: AdamWHyper, *, count: int,
+    ) -> None:  # fmt: skip
+        """:meth:`HostOptimizer.update` with the native kernel."""
+        hypers = (hyper._replace(weight_decay=0.0), hyper)  # masked out, decayed
+        adamw_subgroup(
+            native.adamw_step, sg, blob, leaves, grad_blob, hypers, init_master=count == 0,
+            count=count, stochastic=self.stochastic_rounding,
+        )  # fmt: skip

@@ -1,0 +1,102 @@
+"""The fused Lion kernel on numpy arrays: one call per contiguous segment (``ffi/lion_isa.cc``).
+
+The same float32 operations as the numpy reference (:func:`jax_mlpo.optimizers.lion.
+lion_step_reference`), in its order, bit for bit on every instruction set: optax.lion's
+``(1 - b) * x + b * t`` and ``sign + wd * p`` as fused multiply-adds computed in float64 and
+rounded to float32, as XLA:CPU fuses them; nothing else contracted; denormals kept. The GIL is
+released while it runs, and large segments are split over the library's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
+from jax_mlpo.types import BF16, F32, LionHyper, moment_decay
+
+__all__ = ["lion_step"]
+
+# c1, b1, c2, b2, weight_decay, -lr (jax_mlpo_lion_step's order).
+_SCALARS = ctypes.c_float * 6
+_LION_ERRORS = {
+    1: "a required array is missing",
+    2: "the written arrays (m, update_out, param_bf16_out, and param when update_param) must "
+    "not overlap each other or the inputs",
+    3: "delta_base needs update_out",
+    4: "negative size",
+    5: "a bfloat16 update_out needs delta_base",
+}
+
+declare(
+    LIB,
+    [
+        ("jax_mlpo_lion_step", [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P,
+                                ctypes.c_int, P, P, I64, _SCALARS, ctypes.c_int], ctypes.c_int),
+    ],
+)  # fmt: skip
+
+
+def lion_step(
+    m: np.ndarray,
+    grad: np.ndarray,
+    param: np.ndarray,
+    update_out: np.ndarray | None,
+    hyper: LionHyper,
+    *,
+    update_param: bool = False,
+    delta_base: np.ndarray | None = None,
+    param_bf16_out: np.ndarray | None = None,
+) -> None:
+    """One fused Lion step over a contiguous segment, in place (native, multi-threaded).
+
+    Same arguments and bits as :func:`jax_mlpo.optimizers.lion.lion_step_reference`. Arrays
+    may be views into larger buffers; ``update_out`` may be ``grad`` itself (the same buffer
+    and dtype); no other written array may overlap another.
+
+    Args:
+      m: float32 or bfloat16 moment, updated in place.
+      grad: float32 or bfloat16 gradient (bfloat16 is converted on the fly).
+      param: float32 parameters; read for weight decay, updated in place when ``update_param``.
+      update_out: float32 output for the update, or None; with ``delta_base`` it receives
+        ``new_param - float32(delta_base)``, or, when bfloat16, ``bfloat16(new_param) -
+        delta_base``.
+      hyper: the step's scalars.
+      update_param: whether to add the update to ``param`` in place.
+      delta_base: bfloat16 params the caller will add the update to, or None.
+      param_bf16_out: bfloat16 output for the new params, or None.
+
+    Raises:
+      ValueError: on a wrong dtype, a non-contiguous or read-only output, a size mismatch,
+        overlapping outputs, or ``delta_base`` without ``update_out``.
+    """
+    m = checked_array("m", m, (F32, BF16), None, writable=True)
+    n = m.size
+    grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
+    param = checked_array("param", param, (F32,), n, writable=update_param)
+    ptr = {}
+    update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
+    for name, arr, dtypes, writable in [
+        ("update_out", update_out, update_dtypes, True),
+        ("delta_base", delta_base, (BF16,), False),
+        ("param_bf16_out", param_bf16_out, (BF16,), True),
+    ]:
+        if arr is not None:
+            arr = checked_array(name, arr, dtypes, n, writable=writable)
+        ptr[name] = None if arr is None else address(arr)
+    if delta_base is not None and update_out is None:
+        raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
+    # the scalars as the reference computes them, each rounded once to float32
+    scalars = _SCALARS(
+        float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype), float(1.0 - hyper.b2),
+        moment_decay(hyper.b2, m.dtype), float(hyper.weight_decay), float(-hyper.lr),
+    )  # fmt: skip
+    rc = LIB.jax_mlpo_lion_step(
+        address(m), int(m.dtype == BF16), address(grad), int(grad.dtype == BF16),
+        address(param), int(update_param), ptr["update_out"],
+        int(update_out is not None and update_out.dtype == BF16), ptr["delta_base"],
+        ptr["param_bf16_out"], n, scalars, int(hyper.weight_decay != 0.0),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"lion_step: {_LION_ERRORS.get(rc, f'error {rc}')}")

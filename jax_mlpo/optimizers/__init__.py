@@ -1,0 +1,112 @@
+"""The per-subgroup math of each offloaded optimizer, behind one interface.
+
+The engine makes a subgroup's state blob resident and hands it, with the update's leaves, to
+its optimizer's :meth:`HostOptimizer.update`, which advances the moments in place and writes
+the update where the leaves say (:mod:`jax_mlpo.leaves`). An optimizer names its moments (the
+blob's parts after the fp32 master, and the arrays of ``state_dict`` and of checkpoints) and
+reads its scalars from the vector the device computed for the step. :mod:`.adamw` and
+:mod:`.lion` are the two; each has a numpy reference and a fused native kernel that matches it
+bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from jax_mlpo.layout import Moment, Segment, Subgroup
+from jax_mlpo.leaves import Leaves
+from jax_mlpo.types import BF16, F32
+
+
+class HostOptimizer(Protocol):
+    """What the engine needs of an optimizer."""
+
+    name: str  # "adamw", "lion": the profiler's name of its kernel pass (jax_mlpo.<name>)
+    moment_names: tuple[str, ...]  # the moments in the blob's order: ("mu", "nu"), ("mu",)
+
+    def hyper(self, scalars: Sequence[float]) -> Any:
+        """The step's scalars from the vector the transformation's update computed."""
+
+    def update(
+        self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
+        hyper: Any, *, count: int,
+    ) -> None:  # fmt: skip
+        """One step of a resident subgroup: its moments (and fp32 master) in ``blob`` advanced
+        in place, its update written to ``leaves`` (fetched for this subgroup).
+
+        Args:
+          sg: the subgroup.
+          blob: its state, ``[p | moments...]``.
+          leaves: the update's gradients, params and updates.
+          grad_blob: the subgroup's fp32 gradients (the baseline's tier path), or None: the
+            gradients are then read from ``leaves`` and converted inside the kernel.
+          hyper: the step's scalars (:meth:`hyper`); weight decay applies where the layout's
+            mask is set.
+          count: the optimizer's step count (0 for the first: the fp32 master starts as the
+            bfloat16 params' value).
+        """
+
+
+def segment_calls(
+    sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
+    *, init_master: bool,
+) -> Iterator[tuple[Segment, tuple[Moment, ...], np.ndarray, np.ndarray, Any, Any]]:  # fmt: skip
+    """What each segment's kernel call takes, for any optimizer.
+
+    Yields:
+      ``(segment, moments, grad, param, out, delta_base)``: the segment's moment views, its
+      gradients (``grad_blob``'s where given), the float32 params the kernel reads (the fp32
+      master of a bfloat16 leaf, set from the params on the first step), where the update
+      goes, and for a bfloat16 leaf the params the update is a difference to (the kernel then
+      updates the master in place), else None.
+    """
+    p, *moments = sg.split(blob)
+    for seg in sg.segments:
+        grad, param, out = leaves.segment(seg)
+        if grad_blob is not None:
+            grad = grad_blob[seg.span]
+        views = tuple(sg.segment(x, seg) for x in moments)
+        if seg.master:
+            if init_master:
+                p[seg.span] = param.astype(F32)
+            yield seg, views, grad, p[seg.span], out, param
+        else:
+            yield seg, views, grad, param, out, None
+
+
+def write_update(
+    u: np.ndarray, param: np.ndarray, update_out: np.ndarray | None, update_param: bool,
+    delta_base: np.ndarray | None, param_bf16_out: np.ndarray | None,
+) -> None:  # fmt: skip
+    """Where a reference kernel's float32 update ``u`` goes, as the native kernels write it.
+
+    Args:
+      u: the update optax would return.
+      param: the float32 params (the fp32 master of bfloat16 ones), ``param + u`` in place
+        when ``update_param``.
+      update_out: ``u``; with ``delta_base``, ``new_param - float32(delta_base)``, or
+        ``bfloat16(new_param) - delta_base`` when it is bfloat16; or None.
+      update_param: whether to add ``u`` to ``param``.
+      delta_base: the bfloat16 params the caller adds the update to, or None.
+      param_bf16_out: the new params rounded to bfloat16, or None.
+    """
+    if update_param:
+        param += u
+    if update_out is not None:
+        if delta_base is not None and update_out.dtype == BF16:
+            new = param.astype(BF16).astype(F32)
+            update_out[...] = (new - delta_base.astype(F32)).astype(BF16)
+        elif delta_base is not None:
+            np.subtract(param, delta_base.astype(F32), out=update_out)
+        else:
+            update_out[...] = u
+    if param_bf16_out is not None:
+        param_bf16_out[...] = param.astype(BF16)
+
+
+def fma64(a: np.float32, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """float32 a * x + y with one rounding (via float64, where the product is exact)."""
+    return (np.float64(a) * x.astype(np.float64) + y).astype(F32)
