@@ -110,9 +110,9 @@ def format_limit(limit: dict[str, float]) -> str:
 def plot_timeline(records: Sequence[dict[str, Any]], out: str | Path, *, last: int = 10) -> Path:
     """Draws the last ``last`` iterations: compute and waits beside each tier's busy time.
 
-    Each iteration is two bars: the iteration (forward + backward, then the update as AdamW
-    compute, read wait, write wait and the rest) and, for each tier, the time it had a request
-    in flight during the iteration, with the iteration's limit marked.
+    Each iteration is two bars: the iteration (forward + backward, then the update as the
+    optimizer's compute, read wait, write wait and the rest) and, for each tier, the time it had
+    a request in flight during the iteration, with the iteration's limit marked.
 
     Returns:
       ``out``, as a Path.
@@ -130,7 +130,7 @@ def plot_timeline(records: Sequence[dict[str, Any]], out: str | Path, *, last: i
     for n, r in enumerate(shown):
         parts = [
             ("forward + backward", r["fwd_bwd_s"], "C0"),
-            ("update: AdamW compute", r.get("compute_s", 0.0), "C1"),
+            ("update: optimizer compute", r.get("compute_s", 0.0), "C1"),
             ("update: read wait", r.get("read_wait_s", 0.0), "C3"),
             ("update: write wait", r.get("write_wait_s", 0.0), "C4"),
         ]

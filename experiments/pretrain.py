@@ -1,4 +1,4 @@
-"""Pre-trains a LLaMA-style Flax model with jax_mlpo's offloaded AdamW (the main job).
+"""Pre-trains a LLaMA-style Flax model with jax_mlpo's offloaded AdamW or Lion (the main job).
 
 Usage:
   python experiments/pretrain.py --config experiments/configs/tiny.yaml \

@@ -112,7 +112,7 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         rows += [
             ("  host update (engine)", med["host_update"]),
             ("    read wait", med["read_wait"]),
-            ("    compute (AdamW)", med["compute"]),
+            ("    compute (optimizer kernel)", med["compute"]),
             ("    write wait", med["write_wait"]),
         ]
     lines = []
@@ -254,7 +254,7 @@ def plot_run(
         parts.append(np.maximum(series("update_s") - host, 0.0))
         names = [
             "read wait",
-            "compute (AdamW)",
+            "compute (optimizer kernel)",
             "write wait",
             "engine other (I/O issue, copies)",
             "outside the engine (XLA ops in the update)",

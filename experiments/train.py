@@ -1,10 +1,10 @@
 """The training loop of the pre-training job, on one process or as one of several.
 
 :func:`train` runs a :class:`~experiments.run_config.RunConfig`'s steps: the model from its
-preset, the batches of :mod:`experiments.data`, the optimizer (jax_mlpo's offloaded AdamW, or
-optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a later run
-resumes exactly. A step is two jitted halves timed apart (forward + backward, then the update);
-:mod:`experiments.records` turns each into a metrics record. In a multi-process run
+preset, the batches of :mod:`experiments.data`, the optimizer (jax_mlpo's offloaded AdamW or
+Lion, or optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a
+later run resumes exactly. A step is two jitted halves timed apart (forward + backward, then the
+update); :mod:`experiments.records` turns each into a metrics record. In a multi-process run
 (:func:`init_distributed`) every process runs the same loop on its rows of the global batch.
 """
 
@@ -258,7 +258,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
 
     Args:
       cfg: the run config.
-      use_optax: train with optax's in-memory AdamW instead of jax_mlpo's.
+      use_optax: train with optax's in-memory optimizer instead of jax_mlpo's.
       resume: continue from the latest checkpoint.
 
     Returns:

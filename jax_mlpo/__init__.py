@@ -1,7 +1,7 @@
 """jax_mlpo: MLP-Offload for JAX.
 
-An optax AdamW whose optimizer state (fp32 master params and moments) lives off the accelerator,
-in a host cache and file tiers, streamed subgroup by subgroup.
+optax's AdamW and Lion with their optimizer state (fp32 master params and moments) off the
+accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
 from jax_mlpo import checkpoint

@@ -168,7 +168,7 @@ class FileTier:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Where AdamW's state lives and how it streams.
+    """Where the optimizer's state lives and how it streams.
 
     Attributes:
       host_cache: host memory budget in bytes (or a string like ``"8GiB"``) for the pipeline's

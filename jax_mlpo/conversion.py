@@ -1,8 +1,8 @@
 """Where the update's gradients come from: MLP-Offload's delayed gradient conversion.
 
 MLP-Offload keeps the gradients in the dtype the backward pass produced (bf16) in memory and
-converts each subgroup's share to fp32 inside the fused AdamW kernel, so no fp32 copy is ever
-written or read (:class:`InMemoryGradients`). ZeRO-Infinity instead converts them to fp32 and
+converts each subgroup's share to fp32 inside the optimizer's fused kernel, so no fp32 copy is
+ever written or read (:class:`InMemoryGradients`). ZeRO-Infinity instead converts them to fp32 and
 swaps them out to the tier during the backward pass, then reads each subgroup's back with its
 state (:class:`TierGradients`, the baseline). The engine asks a source for one subgroup's
 gradient and never tests which one it has.

@@ -285,7 +285,7 @@ def build_layout(
         if dt not in SUPPORTED_PARAM_DTYPES:
             path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
             raise ValueError(
-                f"param {path} has dtype {dt}; jax_mlpo.adamw supports float32 and bfloat16 "
+                f"param {path} has dtype {dt}; jax_mlpo's optimizers support float32 and bfloat16 "
                 "params (cast the others, or keep them out of this optimizer with optax.masked)"
             )
     if decay_flags is None:

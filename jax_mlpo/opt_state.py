@@ -1,8 +1,8 @@
 """The offloaded optimizer state as it appears in a user's tree, in every form it takes there.
 
-``jax_mlpo.adamw``'s state is :class:`OffloadedAdamWState`: the step count and a handle naming
-the host engine that owns the fp32 master and the moments. Inside a training loop the state is
-seldom seen as that NamedTuple:
+The state of ``jax_mlpo.adamw`` and of ``jax_mlpo.lion`` alike is :class:`OffloadedAdamWState`:
+the step count and a handle naming the host engine that owns the fp32 master and the moments.
+Inside a training loop the state is seldom seen as that NamedTuple:
 
 - ``nnx.Optimizer`` wraps each leaf in an ``nnx.OptArray`` variable
   (``OffloadedAdamWState(count=OptArray(...), handle=OptArray(...))``), and ``nnx.state(optimizer)``
@@ -26,7 +26,8 @@ _FIELDS = frozenset({"count", "handle"})
 
 
 class OffloadedAdamWState(NamedTuple):
-    """What the accelerator holds; p, m and v live in the host cache and the file tiers."""
+    """What the accelerator holds; the fp32 master and the moments live in the host cache and
+    the file tiers."""
 
     count: jax.Array  # shape=(), int32: updates applied so far
     handle: jax.Array  # shape=(), int32 (int32[processes] across processes): its engine's key

@@ -31,7 +31,7 @@ class StepMetrics:
       step: the optimizer step this update produced (1 for the first update).
       total_s: wall time of the host update.
       read_wait_s: time the update loop waited for subgroup reads (not hidden by compute).
-      compute_s: time in the AdamW kernel.
+      compute_s: time in the optimizer's kernel.
       write_wait_s: time the loop waited for write-backs (buffer reuse and the final drain).
       grad_write_s: time spent writing fp32 gradients to the tiers before the update (only
         without delayed conversion, the baseline; ZeRO-Infinity does it during backward).

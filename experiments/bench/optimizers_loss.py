@@ -38,8 +38,8 @@ def run(args, name: str, run_dir: Path) -> dict:
     sets = [f"steps={args.steps}", f"log_every={args.log_every}", f"optimizer.name={name}"]
     if name == "lion":
         o, ratio = cfg.optimizer, args.lion_lr_ratio
-        sets += [f"optimizer.peak_lr={o.peak_lr * ratio}",
-                 f"optimizer.weight_decay={o.weight_decay / ratio}"]  # fmt: skip
+        sets += [f"optimizer.peak_lr={o.peak_lr * ratio:.6g}",
+                 f"optimizer.weight_decay={o.weight_decay / ratio:.6g}"]  # fmt: skip
     records = pretrain_records(args.config, sets, run_dir, tier=args.tier, name=name)
     later = records[1:]
     return {

@@ -1,1 +1,1 @@
-"""Host buffers between AdamW and the tiers: the slot cache and its I/O pipeline."""
+"""Host buffers between the optimizer and the tiers: the slot cache and its I/O pipeline."""

@@ -1,4 +1,4 @@
-"""The host cache: page-aligned buffers (*slots*) that hold subgroups between the tiers and AdamW.
+"""The host cache: page-aligned buffers (*slots*) that hold subgroups between tiers and optimizer.
 
 Every slot holds at most one subgroup's ``[p | m | v]`` blob, in one of three ways:
 

@@ -1,7 +1,7 @@
 // The element operations the optimizers' loops share: bfloat16 conversions, loads and stores of
-// float32 or bfloat16 values, Fma64 and where an element's update goes. Included inside each
-// instruction set's anonymous namespace (kernels_isa.cc, lion_isa.cc), so every copy is compiled
-// with that instruction set's flags.
+// float32 or bfloat16 values, Fma64, where an element's update goes, and the gradients' blocks
+// when the update overwrites them. Included inside each instruction set's anonymous namespace
+// (kernels_isa.cc, lion_isa.cc), so every copy is compiled with that instruction set's flags.
 
 inline uint32_t Bits(float f) {
   uint32_t b;
@@ -59,4 +59,25 @@ inline void WriteOutputs(size_t i, float u, float* __restrict p, float* __restri
     ub[i] = F32ToBf16Elem(Bf16ToF32Elem(F32ToBf16Elem(pn)) - Bf16ToF32Elem(base[i]));
   }
   if constexpr (kBf16Out) pb[i] = F32ToBf16Elem(pn);
+}
+
+// Elements per block when the update is written over the gradient it is computed from.
+constexpr size_t kAliasBlock = 1024;
+
+// Runs run(lo, hi, g) over [begin, end) with g the gradients from lo. When the update is written
+// over the gradient (XLA aliased them: `out` is `grad`), element by element, the loops' pointers
+// are __restrict, so each block's gradients are read from a copy on the stack.
+template <int kOut, typename GradT, typename Run>
+inline void OverGradients(size_t begin, size_t end, const GradT* grad, const void* out,
+                          const Run& run) {
+  if (kOut == kOutNone || out != static_cast<const void*>(grad)) {
+    run(begin, end, grad + begin);
+    return;
+  }
+  alignas(64) GradT block[kAliasBlock];
+  for (size_t lo = begin; lo < end; lo += kAliasBlock) {
+    const size_t hi = std::min(end, lo + kAliasBlock);
+    std::memcpy(block, grad + lo, (hi - lo) * sizeof(GradT));
+    run(lo, hi, block);
+  }
 }

@@ -146,6 +146,32 @@ bool Overlap(const Range& a, const Range& b) {
   return a.lo != nullptr && b.lo != nullptr && a.lo < b.lo + b.bytes && b.lo < a.lo + a.bytes;
 }
 
+// Whether a written range overlaps any other range, but for the pair (grad, update) when the
+// update is computed in place over its gradient.
+template <int N>
+bool AnyOverlap(const Range (&ranges)[N], bool in_place, int grad, int update) {
+  for (int i = 0; i < N; ++i)
+    for (int j = i + 1; j < N; ++j) {
+      if (in_place && i == grad && j == update) continue;
+      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j])) return true;
+    }
+  return false;
+}
+
+// The outputs every optimizer kernel shares: the update (float32, or bfloat16 as a difference to
+// delta_base) and the new params in bfloat16.
+template <typename Args>
+void SetOutputs(Args& a, void* update_out, int update_bf16, const uint16_t* delta_base,
+                uint16_t* param_bf16_out) {
+  if (update_bf16) {
+    a.update_bf16 = static_cast<uint16_t*>(update_out);
+  } else {
+    a.update_out = static_cast<float*>(update_out);
+  }
+  a.delta_base = delta_base;
+  a.param_bf16_out = param_bf16_out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -200,13 +226,7 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_
       {reinterpret_cast<const char*>(mu_q8 ? m_scale : nullptr), scales, true},
       {reinterpret_cast<const char*>(nu_q8 ? v_scale : nullptr), scales, true},
   };
-  constexpr int kRanges = sizeof ranges / sizeof ranges[0];
-  for (int i = 0; i < kRanges; ++i)
-    for (int j = i + 1; j < kRanges; ++j) {
-      if (in_place && i == 2 && j == 4) continue;  // the update over its gradient
-      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j]))
-        return kErrOverlap;
-    }
+  if (AnyOverlap(ranges, in_place, /*grad=*/2, /*update=*/4)) return kErrOverlap;
   jax_mlpo::AdamWArgs a{};
   a.m = m;
   a.v = v;
@@ -218,13 +238,7 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_
   a.seed = seed;
   a.grad = grad;
   a.param = param;
-  if (update_bf16) {
-    a.update_bf16 = static_cast<uint16_t*>(update_out);
-  } else {
-    a.update_out = static_cast<float*>(update_out);
-  }
-  a.delta_base = delta_base;
-  a.param_bf16_out = param_bf16_out;
+  SetOutputs(a, update_out, update_bf16, delta_base, param_bf16_out);
   a.c1 = scalars[0];
   a.b1 = scalars[1];
   a.c2 = scalars[2];
@@ -266,24 +280,12 @@ int jax_mlpo_lion_step(void* m, int mu_bf16, const void* grad, int grad_bf16, fl
       {reinterpret_cast<const char*>(delta_base), h, false},
       {reinterpret_cast<const char*>(param_bf16_out), h, true},
   };
-  constexpr int kRanges = sizeof ranges / sizeof ranges[0];
-  for (int i = 0; i < kRanges; ++i)
-    for (int j = i + 1; j < kRanges; ++j) {
-      if (in_place && i == 1 && j == 3) continue;  // the update over its gradient
-      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j]))
-        return kErrOverlap;
-    }
+  if (AnyOverlap(ranges, in_place, /*grad=*/1, /*update=*/3)) return kErrOverlap;
   jax_mlpo::LionArgs a{};
   a.m = m;
   a.grad = grad;
   a.param = param;
-  if (update_bf16) {
-    a.update_bf16 = static_cast<uint16_t*>(update_out);
-  } else {
-    a.update_out = static_cast<float*>(update_out);
-  }
-  a.delta_base = delta_base;
-  a.param_bf16_out = param_bf16_out;
+  SetOutputs(a, update_out, update_bf16, delta_base, param_bf16_out);
   a.c1 = scalars[0];
   a.b1 = scalars[1];
   a.c2 = scalars[2];

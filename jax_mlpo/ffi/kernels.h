@@ -1,5 +1,5 @@
-// Host kernels of jax_mlpo: fused AdamW and Lion, bf16 <-> fp32 conversion, the 8-bit blockwise moment
-// code, STREAM triad, parallel copy.
+// Host kernels of jax_mlpo: fused AdamW and Lion, bf16 <-> fp32 conversion, the 8-bit blockwise
+// moment code, STREAM triad, parallel copy.
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
 // x86-64, AVX2, AVX-512); kernels.cc picks one table at load time with cpuid, splits large calls

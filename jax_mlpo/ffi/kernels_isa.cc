@@ -80,9 +80,6 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restr
   }
 }
 
-// Elements per block when the update is written over the gradient it is computed from.
-constexpr size_t kAliasBlock = 1024;
-
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kMuBf16,
           bool kNuBf16>
 void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
@@ -103,18 +100,7 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
         kBf16Out ? a.param_bf16_out + lo : nullptr,
         kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr);
   };
-  if (kOut == kOutNone || out_any != static_cast<const void*>(grad)) {
-    run(begin, end, grad + begin);
-    return;
-  }
-  // The update overwrites the gradient element by element (XLA aliased them). The loop's
-  // pointers are __restrict, so it reads each block's gradients from a copy on the stack.
-  alignas(64) GradT block[kAliasBlock];
-  for (size_t lo = begin; lo < end; lo += kAliasBlock) {
-    const size_t hi = std::min(end, lo + kAliasBlock);
-    std::memcpy(block, grad + lo, (hi - lo) * sizeof(GradT));
-    run(lo, hi, block);
-  }
+  OverGradients<kOut>(begin, end, grad, out_any, run);
 }
 
 #include "q8_isa.h"  // the q8 code: encode, decode, random bits

@@ -3,6 +3,7 @@
 // (jax_mlpo/optimizers/lion.py), in its order, on every instruction set.
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -22,8 +23,9 @@ struct LionScalars {
   float c1, b1, c2, b2, wd, neg_lr;
 };
 
-// jnp.sign: +-1, and x itself for +-0 and NaN (comparisons with NaN are false).
-inline float Sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
+// jnp.sign: +-1, and x itself for +-0 and NaN (a comparison with NaN is false). One compare and
+// a blend, which GCC vectorizes (a chain of two selects it leaves scalar).
+inline float Sign(float x) { return std::fabs(x) > 0.0f ? std::copysign(1.0f, x) : x; }
 
 // optax.lion as XLA:CPU compiles it: the interpolation (1 - b1) g + b1 m and the moment update
 // (1 - b2) g + b2 m are fused multiply-adds, so is the weight decay sign + wd p; then times -lr.
@@ -44,9 +46,6 @@ __attribute__((noinline)) void LionLoop(size_t n, const LionScalars s, MuT* __re
   }
 }
 
-// Elements per block when the update is written over the gradient it is computed from.
-constexpr size_t kAliasBlock = 1024;
-
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kMuBf16>
 void LionRange(const LionArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
@@ -63,18 +62,7 @@ void LionRange(const LionArgs& a, size_t begin, size_t end) {
         kBf16Out ? a.param_bf16_out + lo : nullptr,
         kOut == kOutDeltaBf16 ? a.update_bf16 + lo : nullptr);
   };
-  if (kOut == kOutNone || out_any != static_cast<const void*>(grad)) {
-    run(begin, end, grad + begin);
-    return;
-  }
-  // The update overwrites the gradient (XLA aliased them); the loop's pointers are __restrict,
-  // so it reads each block's gradients from a copy on the stack.
-  alignas(64) GradT block[kAliasBlock];
-  for (size_t lo = begin; lo < end; lo += kAliasBlock) {
-    const size_t hi = std::min(end, lo + kAliasBlock);
-    std::memcpy(block, grad + lo, (hi - lo) * sizeof(GradT));
-    run(lo, hi, block);
-  }
+  OverGradients<kOut>(begin, end, grad, out_any, run);
 }
 
 template <size_t I>

@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
+from jax_mlpo.native.library import (
+    I64,
+    LIB,
+    P,
+    address,
+    checked_array,
+    checked_outputs,
+    declare,
+)
 from jax_mlpo.native.quantize import checked_quantized
 from jax_mlpo.quantize import Quantized
 from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
@@ -110,18 +118,7 @@ def adamw_step(
     n = m.size
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
-    ptr = {}
-    update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
-    for name, arr, dtypes, writable in [
-        ("update_out", update_out, update_dtypes, True),
-        ("delta_base", delta_base, (BF16,), False),
-        ("param_bf16_out", param_bf16_out, (BF16,), True),
-    ]:
-        if arr is not None:
-            arr = checked_array(name, arr, dtypes, n, writable=writable)
-        ptr[name] = None if arr is None else address(arr)
-    if delta_base is not None and update_out is None:
-        raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
+    ptr = checked_outputs(n, update_out, delta_base, param_bf16_out)
     update_bf16 = update_out is not None and update_out.dtype == BF16
     # The scalars exactly as the reference computes them: the same Python expressions, rounded
     # once to float32 (ctypes' double -> float conversion rounds to nearest even, like numpy).

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_mlpo.types import BF16, F32
+
 __all__ = ["isa", "num_threads", "set_isa", "set_num_threads"]
 
 P = ctypes.c_void_p
@@ -159,6 +161,41 @@ def checked_array(
     if writable and not arr.flags.writeable:
         raise ValueError(f"{name} is read-only but is written to")
     return arr
+
+
+def checked_outputs(
+    n: int,
+    update_out: np.ndarray | None,
+    delta_base: np.ndarray | None,
+    param_bf16_out: np.ndarray | None,
+) -> dict[str, int | None]:
+    """Checks the outputs every optimizer kernel shares and returns their addresses.
+
+    Args:
+      n: the element count.
+      update_out: float32 (or bfloat16, as a difference to ``delta_base``) update, or None.
+      delta_base: bfloat16 params the update is a difference to, or None.
+      param_bf16_out: bfloat16 new params, or None.
+
+    Returns:
+      ``{name: address or None}`` for the three.
+
+    Raises:
+      ValueError: as :func:`checked_array`, or for ``delta_base`` without ``update_out``.
+    """
+    ptr = {}
+    update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
+    for name, arr, dtypes, writable in [
+        ("update_out", update_out, update_dtypes, True),
+        ("delta_base", delta_base, (BF16,), False),
+        ("param_bf16_out", param_bf16_out, (BF16,), True),
+    ]:
+        if arr is not None:
+            arr = checked_array(name, arr, dtypes, n, writable=writable)
+        ptr[name] = None if arr is None else address(arr)
+    if delta_base is not None and update_out is None:
+        raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
+    return ptr
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> bool:

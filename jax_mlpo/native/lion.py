@@ -13,7 +13,15 @@ import ctypes
 
 import numpy as np
 
-from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
+from jax_mlpo.native.library import (
+    I64,
+    LIB,
+    P,
+    address,
+    checked_array,
+    checked_outputs,
+    declare,
+)
 from jax_mlpo.types import BF16, F32, LionHyper, moment_decay
 
 __all__ = ["lion_step"]
@@ -75,18 +83,7 @@ def lion_step(
     n = m.size
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
-    ptr = {}
-    update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
-    for name, arr, dtypes, writable in [
-        ("update_out", update_out, update_dtypes, True),
-        ("delta_base", delta_base, (BF16,), False),
-        ("param_bf16_out", param_bf16_out, (BF16,), True),
-    ]:
-        if arr is not None:
-            arr = checked_array(name, arr, dtypes, n, writable=writable)
-        ptr[name] = None if arr is None else address(arr)
-    if delta_base is not None and update_out is None:
-        raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
+    ptr = checked_outputs(n, update_out, delta_base, param_bf16_out)
     # the scalars as the reference computes them, each rounded once to float32
     scalars = _SCALARS(
         float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype), float(1.0 - hyper.b2),

@@ -49,13 +49,11 @@ def rows(tiers, cache: int, subgroup: int, depth: int) -> dict[str, jax_mlpo.Off
     return {
         "optax in memory": None,
         "baseline": base,
-        "+ multi-path placement (a,b)": dataclasses.replace(
-            base, placement="measured", replan=True
-        ),
-        "+ alternate order & retention (d)": dataclasses.replace(
+        "+ placement by bandwidth": dataclasses.replace(base, placement="measured", replan=True),
+        "+ cache-friendly order & retention": dataclasses.replace(
             base, order="alternate", retain=True
         ),
-        "+ delayed grad conversion (e)": dataclasses.replace(base, delayed_conversion=True),
+        "+ delayed grad conversion": dataclasses.replace(base, delayed_conversion=True),
         "+ delayed conversion & read-ahead": dataclasses.replace(
             base, delayed_conversion=True, read_ahead=True
         ),
@@ -178,7 +176,7 @@ def main() -> None:
         summary["speedup_all_vs_baseline"] = base["update_s"] / full["update_s"]
         summary["bound_efficiency"] = full["bound_efficiency"]
     ahead, behind = (results.get(k) for k in ("+ delayed conversion & read-ahead",
-                                              "+ delayed grad conversion (e)"))  # fmt: skip
+                                              "+ delayed grad conversion"))  # fmt: skip
     if ahead and behind:
         summary["speedup_read_ahead"] = behind["update_s"] / ahead["update_s"]
     print(f"state {args.state} (fp32 params: m, v), host cache {args.cache}, caps {args.caps}, "
