@@ -68,12 +68,13 @@ class Run:
         self.step = 0
 
     def train(self, steps: int = 1) -> None:
+        """Runs ``steps`` updates; a failed one leaves the params and state as they were (its
+        outputs carry its error, which XLA may report at dispatch or when they are read)."""
         for _ in range(steps):
-            updates, self.state = self.update(
-                grads_for(self.params, self.step), self.state, self.params
-            )
-            self.params = optax.apply_updates(self.params, updates)
-            jax.block_until_ready(self.params)
+            updates, state = self.update(grads_for(self.params, self.step), self.state, self.params)
+            params = optax.apply_updates(self.params, updates)
+            jax.block_until_ready((params, state))
+            self.params, self.state = params, state
             self.step += 1
 
     def settle(self) -> None:
