@@ -86,7 +86,6 @@ class Engine(EngineStateIO, EngineIdleIO):
         self.cache, self.pipeline = storage.cache, storage.pipeline
         self._kinds, self._gradients = storage.kinds, storage.gradients
         self._assignment: TierAssignment | None = storage.assignment
-        self.split: TierSplit | None = storage.assignment.split if storage.assignment else None
         # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
         # which the next backward pass has not produced yet.
         if not self.host_only and config.read_ahead and config.delayed_conversion:
@@ -104,6 +103,11 @@ class Engine(EngineStateIO, EngineIdleIO):
     def host_only(self) -> bool:
         """Whether the whole state lives in host memory (no tiers, no pipeline)."""
         return self.plan.host_only
+
+    @property
+    def split(self) -> TierSplit | None:
+        """Subgroups and retained subgroups per tier (None when the state is all in host memory)."""
+        return self._assignment.split if self._assignment else None
 
     @property
     def tier_of(self) -> list[int]:

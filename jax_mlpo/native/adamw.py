@@ -32,6 +32,7 @@ from jax_mlpo.native.library import (
     LIB,
     P,
     address,
+    check_kernel_rc,
     checked_array,
     checked_outputs,
     declare,
@@ -44,16 +45,6 @@ __all__ = ["adamw_step", "adamw_update"]
 
 # c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale (jax_mlpo_adamw_step's order).
 _SCALARS = ctypes.c_float * 10
-# The C entry point's return codes. adamw_step checks everything but overlap itself (for a
-# message naming the argument), so 2 is the one its callers meet; the C checks guard the symbol.
-_ADAMW_ERRORS = {
-    1: "a required array is missing",
-    2: "the written arrays (m, v, update_out, param_bf16_out, and param when update_param) must "
-    "not overlap each other or the inputs",
-    3: "delta_base needs update_out",
-    4: "negative size",
-    5: "a bfloat16 update_out needs delta_base",
-}
 
 declare(
     LIB,
@@ -140,8 +131,7 @@ def adamw_step(
         ptr["param_bf16_out"], n,
         scalars, int(hyper.weight_decay != 0.0),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"adamw_step: {_ADAMW_ERRORS.get(rc, f'error {rc}')}")
+    check_kernel_rc("adamw_step", rc, "m, v")
 
 
 def _dtype(x: np.ndarray | Quantized) -> np.dtype:

@@ -198,6 +198,30 @@ def checked_outputs(
     return ptr
 
 
+def check_kernel_rc(kernel: str, rc: int, moments: str) -> None:
+    """Raises for an optimizer kernel's C return code (``kernels.cc``'s ``kErr*``); 0 is success.
+
+    Args:
+      kernel: the Python function's name, for the message.
+      rc: the code.
+      moments: the kernel's written moments (``"m, v"``), named in the overlap message.
+
+    Raises:
+      ValueError: naming the cause, for any code but 0.
+    """
+    if rc == 0:
+        return
+    causes = {
+        1: "a required array is missing",
+        2: f"the written arrays ({moments}, update_out, param_bf16_out, and param when "
+        "update_param) must not overlap each other or the inputs",
+        3: "delta_base needs update_out",
+        4: "negative size",
+        5: "a bfloat16 update_out needs delta_base",
+    }
+    raise ValueError(f"{kernel}: {causes.get(rc, f'error {rc}')}")
+
+
 def overlap(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether the bytes of two C-contiguous arrays overlap (empty arrays overlap nothing)."""
     pa, pb = address(a), address(b)

@@ -18,6 +18,7 @@ from jax_mlpo.native.library import (
     LIB,
     P,
     address,
+    check_kernel_rc,
     checked_array,
     checked_outputs,
     declare,
@@ -28,14 +29,6 @@ __all__ = ["lion_step"]
 
 # c1, b1, c2, b2, weight_decay, -lr (jax_mlpo_lion_step's order).
 _SCALARS = ctypes.c_float * 6
-_LION_ERRORS = {
-    1: "a required array is missing",
-    2: "the written arrays (m, update_out, param_bf16_out, and param when update_param) must "
-    "not overlap each other or the inputs",
-    3: "delta_base needs update_out",
-    4: "negative size",
-    5: "a bfloat16 update_out needs delta_base",
-}
 
 declare(
     LIB,
@@ -95,5 +88,4 @@ def lion_step(
         int(update_out is not None and update_out.dtype == BF16), ptr["delta_base"],
         ptr["param_bf16_out"], n, scalars, int(hyper.weight_decay != 0.0),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"lion_step: {_LION_ERRORS.get(rc, f'error {rc}')}")
+    check_kernel_rc("lion_step", rc, "m")
