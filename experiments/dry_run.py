@@ -77,7 +77,7 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
     off = cfg.offload
     n = param_count(model)
     moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)  # dtype names numpy knows
-    if cfg.optimizer.name == "lion":
+    if cfg.optimizer.name in ("lion", "muon"):  # one moment (muon: its matrices')
         moments = moments[:1]
     per_param = state_bytes_per_param(model.param_dtype == "bfloat16", moments)
     per_proc = math.ceil(n / processes)

@@ -92,9 +92,9 @@ def training_memory(
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:
-        if cfg.optimizer.name == "lion":  # one moment
+        if cfg.optimizer.name in ("lion", "muon"):  # one moment (muon: its matrices')
             moments = n * (2 if cfg.optimizer.mu_dtype == "bfloat16" else pbytes)
-            device["optax.lion m"] = moments
+            device[f"optax.{cfg.optimizer.name} m"] = moments
         elif cfg.optimizer.mu_dtype == "bfloat16":
             moments = n * (2 + pbytes)
             device["optax.adamw m (bfloat16) and v (params' dtype)"] = moments

@@ -44,8 +44,10 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "adamw"
-    """adamw (jax_mlpo.adamw, or optax.adamw) or lion (jax_mlpo.lion, or optax.lion: one moment,
-    b1 and b2 as Lion's; eps, nu_dtype and q8 do not apply)."""
+    """adamw (jax_mlpo.adamw, or optax.adamw), lion (jax_mlpo.lion, or optax.lion: one moment,
+    b1 and b2 as Lion's; eps, nu_dtype and q8 do not apply) or muon (jax_mlpo.muon, or
+    optax.contrib.muon: Muon with muon_beta on the blocks' matrices, AdamW with b1, b2 and
+    adam_peak_lr on the rest; q8 does not apply)."""
     peak_lr: float = 3e-3
     """Peak learning rate of the warm-up + cosine schedule."""
     warmup_steps: int = 30
@@ -67,6 +69,14 @@ class OptimizerConfig:
     q8_rounding: str = "stochastic"
     """How q8 moments are rounded: stochastic (the default: with nearest, e2e-125m's loss ended
     5% above the float32 state's) or nearest."""
+    muon_beta: float = 0.95
+    """muon: the matrices' momentum decay."""
+    adam_peak_lr: float | None = None
+    """muon: the peak learning rate of the leaves AdamW updates; None is peak_lr."""
+    muon_embeddings: bool = False
+    """muon: orthogonalize the token embedding and the output head too (optax.contrib.muon's
+    default: every 2-D leaf). False gives them to AdamW, as Muon's authors advise: Muon is for
+    the hidden layers' matrices."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,13 +349,15 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'checkpoint.keep' must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.seq_len < 2:
         raise ConfigError(f"config key 'seq_len' must be >= 2 (input + target), got {cfg.seq_len}")
-    if cfg.optimizer.name not in ("adamw", "lion"):
-        raise ConfigError(
-            f"config key 'optimizer.name' must be 'adamw' or 'lion', got {cfg.optimizer.name!r}"
-        )
-    if cfg.optimizer.name == "lion" and "q8" in (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype):
-        raise ConfigError("config key 'optimizer.mu_dtype': lion stores its moment in float32 or "
-                          "bfloat16, not q8")  # fmt: skip
+    if cfg.optimizer.name not in ("adamw", "lion", "muon"):
+        raise ConfigError("config key 'optimizer.name' must be 'adamw', 'lion' or 'muon', got "
+                          f"{cfg.optimizer.name!r}")  # fmt: skip
+    one_moment = cfg.optimizer.name in ("lion", "muon")
+    if one_moment and "q8" in (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype):
+        raise ConfigError(f"config key 'optimizer.mu_dtype': {cfg.optimizer.name} stores its "
+                          "moments in float32 or bfloat16, not q8")  # fmt: skip
+    if not 0 <= cfg.optimizer.muon_beta < 1:
+        raise ConfigError("config key 'optimizer.muon_beta' must be in [0, 1)")
     for key in ("b1", "b2"):
         if not 0 <= getattr(cfg.optimizer, key) < 1:
             raise ConfigError(f"config key 'optimizer.{key}' must be in [0, 1)")

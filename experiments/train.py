@@ -146,6 +146,8 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
                   mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
     _make_default_tier_parents(cfg)
     clip = optax.clip_by_global_norm(o.clip_norm)
+    if o.name == "muon":
+        return optax.chain(clip, _muon(o, schedule, decay_mask, cfg, use_optax))
     if o.name == "lion":
         del kwargs["eps"]
         if use_optax:
@@ -168,6 +170,37 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
     # The same clipping as the chain above, applied inside the host update (no pass of XLA's
     # over the gradients to scale them).
     return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
+
+
+def _hidden_matrices(params: Any) -> Any:
+    """Muon's dimension numbers for the blocks' 2-D weights, None (AdamW) for the token
+    embedding, the output head and the vectors."""
+
+    def spec(path: Any, x: Any) -> Any:
+        name = jax.tree_util.keystr(path)
+        outer = "embed" in name or "lm_head" in name
+        return None if x.ndim != 2 or outer else optax.contrib.MuonDimensionNumbers()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: bool) -> Any:
+    """Muon on the blocks' matrices (every 2-D leaf with ``muon_embeddings``), AdamW on the
+    rest."""
+    adam_lr = schedule
+    if o.adam_peak_lr is not None:
+        adam_lr = optax.warmup_cosine_decay_schedule(
+            0.0, o.adam_peak_lr, o.warmup_steps, max(cfg.steps, o.warmup_steps + 1),
+            o.adam_peak_lr * o.min_lr_ratio,
+        )  # fmt: skip
+    kwargs = dict(beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
+                  weight_decay_mask=decay_mask, adam_b1=o.b1, adam_b2=o.b2,
+                  adam_learning_rate=adam_lr,
+                  muon_weight_dimension_numbers=None if o.muon_embeddings else _hidden_matrices,
+                  mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
+    if use_optax:
+        return optax.contrib.muon(schedule, **kwargs)
+    return jax_mlpo.muon(schedule, **kwargs, offload=cfg.offload)
 
 
 def _make_default_tier_parents(cfg: RunConfig) -> None:
@@ -281,8 +314,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         total = meminfo("MemTotal")
         if total and not use_optax:
             logger.info(
-                "optimizer state %.2f GB (fp32 master, m, v) = %.2fx this machine's MemTotal "
-                "(%.2f GB)%s", plan.state_bytes / 1e9, plan.state_bytes / total, total / 1e9,
+                "optimizer state %.2f GB (%s) = %.2fx this machine's MemTotal (%.2f GB)%s",
+                plan.state_bytes / 1e9, cfg.optimizer.name, plan.state_bytes / total, total / 1e9,
                 ": it could not be held in memory even with nothing else there"
                 if plan.state_bytes >= total else "",
             )  # fmt: skip
@@ -375,14 +408,16 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
-                engine = None if use_optax else jax_mlpo.engine_of(opt_state)
+                # the engines of the offloaded states (muon has up to three), one after another
+                found = [] if use_optax else jax_mlpo.opt_state.find_offloaded(opt_state)
+                engines = [jax_mlpo.engine_of(s) for s in found]
+                step_metrics = jax_mlpo.step_metrics.combine(
+                    [e.metrics[-1] for e in engines]) if engines else None  # fmt: skip
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.
-                job = jax_mlpo.step_metrics.aggregate(
-                    engine and engine.metrics[-1], timings, time_key="step_s"
-                )
+                job = jax_mlpo.step_metrics.aggregate(step_metrics, timings, time_key="step_s")
                 loss_value = float(np.asarray(loss.addressable_data(0)))  # replicated
-                totals = tier_totals(engine) if engine is not None and engine.tiers else None
+                totals = {k: v for e in engines for k, v in tier_totals(e).items()} or None
                 r = step_record(step + 1, loss_value, job, tokens_per_step, nproc, totals)
                 if lead:
                     log.write(json.dumps(r) + "\n")

@@ -1,6 +1,6 @@
 """jax_mlpo: MLP-Offload for JAX.
 
-optax's AdamW and Lion with their optimizer state (fp32 master params and moments) off the
+optax's AdamW, Lion and Muon with their optimizer state (fp32 master params and moments) off the
 accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
@@ -10,6 +10,7 @@ from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
 from jax_mlpo.errors import EngineFailedError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
+from jax_mlpo.muon import OffloadedMuonState, muon
 from jax_mlpo.opt_state import OffloadedAdamWState
 from jax_mlpo.registry import close, closing, engine_of, metrics
 from jax_mlpo.step_metrics import StepMetrics
@@ -29,12 +30,14 @@ __all__ = [
     "ObjectTier",
     "OffloadConfig",
     "OffloadedAdamWState",
+    "OffloadedMuonState",
     "StaleStateError",
     "StepMetrics",
     "TierIOError",
     "TierInUseError",
     "adamw",
     "lion",
+    "muon",
     "checkpoint",
     "close",
     "closing",

@@ -134,10 +134,14 @@ class FileTier:
     def for_process(self, index: int) -> FileTier:
         """This tier for process ``index`` of a multi-process run: ``<path>/proc<index>``,
         sharing node permits with the other processes through ``permits_key``."""
+        return self.for_part(f"proc{index}")
+
+    def for_part(self, name: str) -> FileTier:
+        """This tier for one of several engines of a run (a process's, or one of
+        ``jax_mlpo.muon``'s): ``<path>/<name>``, sharing node permits through ``permits_key``."""
         return dataclasses.replace(
-            self, path=os.path.join(self.path, f"proc{index}"),
-            permits_key=self.permits_key or self.path,
-        )  # fmt: skip
+            self, path=os.path.join(self.path, name), permits_key=self.permits_key or self.path
+        )
 
     def validate(self) -> None:
         """Checks the path against the file system: creates the directory and writes a probe.

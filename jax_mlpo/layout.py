@@ -7,7 +7,9 @@ subgroup, so it has one dtype and one weight-decay flag.
 
 A subgroup's blob is ``[p | m | v]`` when it holds any bfloat16 leaf (``p`` is the fp32 master
 copy) and ``[m | v]`` otherwise (fp32 params are the master copy themselves); an optimizer with
-one moment (Lion) has ``[p | m]`` or ``[m]``. The moments are named by the optimizer
+one moment (Lion) has ``[p | m]`` or ``[m]``. An engine that keeps no master (Muon's momentum
+pass: the master of its bfloat16 params is another engine's) has ``[m]`` for every leaf, and an
+engine with no moments (Muon's master pass) ``[p]``. The moments are named by the optimizer
 (:mod:`jax_mlpo.optimizers`: ``"mu"``, ``"nu"``), and those names are the arrays of
 ``state_dict`` and of checkpoints. The blob is a float32 buffer; each moment is float32,
 bfloat16 or q8 (``mu_dtype``, ``nu_dtype``), padded to whole float32 words, so a bfloat16 moment
@@ -144,6 +146,11 @@ class Layout:
     subgroup_size: int
     moment_dtypes: tuple[np.dtype, ...] = (F32, F32)  # each moment's
     moment_names: tuple[str, ...] = ADAMW_MOMENTS  # the optimizer's names for them
+    keeps_master: bool = True  # the fp32 master of bfloat16 leaves is in this state
+
+    def has_master(self, leaf: int) -> bool:
+        """Whether this state holds leaf ``leaf``'s fp32 master (a bfloat16 leaf's, if kept)."""
+        return self.keeps_master and self.dtypes[leaf] == BF16
 
     @property
     def num_params(self) -> int:
@@ -258,6 +265,7 @@ def check_moment_dtypes(
 def build_layout(
     params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None,
     moment_dtypes: Sequence[Any] = (F32, F32), moment_names: Sequence[str] = ADAMW_MOMENTS,
+    keeps_master: bool = True,
 ) -> Layout:  # fmt: skip
     """Cuts the params pytree into subgroups.
 
@@ -268,6 +276,7 @@ def build_layout(
       decay_flags: per-leaf weight-decay flags (default: all True).
       moment_dtypes: the dtypes the moments are stored in (float32, bfloat16 or "q8").
       moment_names: the optimizer's names of the moments (:mod:`jax_mlpo.optimizers`).
+      keeps_master: whether the state holds the fp32 master of bfloat16 leaves.
 
     Returns:
       The layout.
@@ -309,13 +318,16 @@ def build_layout(
         taken = 0
         while taken < size:
             n = min(size - taken, subgroup_size - filled)
-            segments.append(Segment(i, taken, filled, n, decay_flags[i], dtypes[i] == BF16))
+            master = keeps_master and dtypes[i] == BF16
+            segments.append(Segment(i, taken, filled, n, decay_flags[i], master))
             taken += n
             filled += n
             if filled == subgroup_size:
                 close()
     close()
-    return Layout(treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments, names)
+    return Layout(
+        treedef, shapes, dtypes, tuple(subgroups), subgroup_size, moments, names, keeps_master
+    )
 
 
 def moment_f32(moment: Moment, *, signed: bool) -> np.ndarray:

@@ -151,8 +151,13 @@ class ObjectTier:
     def for_process(self, index: int) -> ObjectTier:
         """This tier for process ``index`` of a multi-process run: ``<prefix>/proc<index>/``,
         sharing node permits with the other processes through ``permits_key``."""
+        return self.for_part(f"proc{index}")
+
+    def for_part(self, name: str) -> ObjectTier:
+        """This tier for one of several engines of a run: ``<prefix>/<name>/``, sharing node
+        permits through ``permits_key``."""
         spec = self.spec()
-        spec["path"] = f"{spec.get('path', '')}proc{index}/"
+        spec["path"] = f"{spec.get('path', '')}{name}/"
         return dataclasses.replace(
             self, url=None, kvstore=spec, permits_key=self.permits_key or self.path
         )

@@ -145,6 +145,7 @@ def offloaded(
     mask: Any,
     offload: OffloadConfig,
     update_dtype: Any,
+    keeps_master: bool = True,
 ) -> optax.GradientTransformation:
     """The transformation of an offloaded optimizer (its arguments already checked).
 
@@ -161,6 +162,8 @@ def offloaded(
       mask: where weight decay applies (resolved at init).
       offload: where the state lives.
       update_dtype: None (the params' dtype) or float32.
+      keeps_master: whether the state holds the fp32 master of bfloat16 params (False: the
+        update is computed from the gradients alone, as Muon's momentum pass is).
 
     Returns:
       The ``GradientTransformation``; its ``update`` requires ``params``.
@@ -183,7 +186,7 @@ def offloaded(
     def shapes_of(params: Any) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
 
-    moments = (moment_dtypes, optimizer.moment_names)
+    moments = (moment_dtypes, optimizer.moment_names, keeps_master)
 
     def init_fn(params):
         _refuse_discarding_wrappers(name)

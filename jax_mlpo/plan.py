@@ -14,9 +14,11 @@ rest of the subgroups over the tiers by bandwidth (:mod:`jax_mlpo.placement`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from jax_mlpo import retention
 from jax_mlpo.config import FileTier, OffloadConfig
+from jax_mlpo.errors import ConfigError
 from jax_mlpo.layout import Layout
 
 
@@ -113,3 +115,31 @@ def layout_plan(config: OffloadConfig, layout: Layout) -> HostPlan:
         max_state_elems=layout.max_state_elems,
         max_subgroup_elems=max((sg.size for sg in sgs), default=0),
     )
+
+
+def split_host_cache(config: OffloadConfig, layouts: Sequence[Layout]) -> list[int]:
+    """Shares of ``config.host_cache`` for several engines of one optimizer (``jax_mlpo.muon``'s).
+
+    Each engine first gets what it cannot run without: its pipeline's buffers, or its whole
+    state where that is smaller; the rest is shared in proportion to the state each still has
+    on the tiers, and no engine gets more than its state.
+
+    Raises:
+      ConfigError: when the host cache cannot hold every engine's minimum; it names the size.
+    """
+    plans = [layout_plan(dataclasses.replace(config, host_cache=0), x) for x in layouts]
+    # without tiers an engine holds its whole state in the host cache
+    need = [min(p.state_bytes, p.minimum * p.buffer_bytes) if p.tiers else p.state_bytes
+            for p in plans]  # fmt: skip
+    if sum(need) > config.host_cache:
+        raise ConfigError(
+            f"host_cache={config.host_cache} bytes cannot hold the pipelines of this optimizer's "
+            f"{len(layouts)} states ({sum(need)} bytes); raise host_cache to at least "
+            f"{sum(need)}, or lower subgroup_size or prefetch_depth"
+        )
+    rest = [p.state_bytes - n for p, n in zip(plans, need, strict=True)]
+    spare = config.host_cache - sum(need)
+    total = sum(rest)
+    if total <= spare:
+        return [p.state_bytes for p in plans]
+    return [n + spare * r // total for n, r in zip(need, rest, strict=True)]

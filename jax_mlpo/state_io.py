@@ -16,7 +16,7 @@ import numpy as np
 from jax_mlpo.layout import Subgroup, gather_state, scatter_state
 from jax_mlpo.snapshot import StateSnapshot
 from jax_mlpo.state_stream import spare_buffers, stream_blobs
-from jax_mlpo.types import BF16, F32
+from jax_mlpo.types import F32
 
 
 class EngineStateIO:
@@ -83,10 +83,11 @@ class EngineStateIO:
           (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
           whose master copy is the params themselves).
         """
-        shapes, dtypes = self.layout.shapes, self.layout.dtypes
-        out = {name: [np.zeros(s, F32) for s in shapes] for name in self.layout.moment_names}
-        out["master"] = [np.zeros(s, F32) if dt == BF16 else None for s, dt in zip(
-            shapes, dtypes, strict=True)]  # fmt: skip
+        layout = self.layout
+        out = {name: [np.zeros(s, F32) for s in layout.shapes] for name in layout.moment_names}
+        out["master"] = [
+            np.zeros(s, F32) if layout.has_master(j) else None for j, s in enumerate(layout.shapes)
+        ]
         with self.snapshot() as snap:
             for sg, blob in snap.blobs():
                 gather_state(sg, blob, out)

@@ -118,6 +118,20 @@ def shared_tier_path(path: str) -> str:
     return head + os.sep if path.endswith(os.sep) else head
 
 
+def combine(parts: Sequence[StepMetrics]) -> StepMetrics:
+    """One step's figures of several engines that update one after another (``jax_mlpo.muon``'s):
+    times, counts and bytes added, per tier path (each engine's tiers are its own)."""
+    out = StepMetrics(step=parts[0].step)
+    for m in parts:
+        for name in _SCALARS:
+            setattr(out, name, getattr(out, name) + getattr(m, name))
+        for name in _PER_TIER:
+            mine = getattr(out, name)
+            for path, value in getattr(m, name).items():
+                mine[path] = mine.get(path, 0) + value
+    return out
+
+
 def flatten(metrics: StepMetrics) -> dict[str, float]:
     """``metrics`` as flat floats: the scalar fields by name, per-tier figures as
     ``"<field>:<tier>"`` with the tier path as configured (:func:`shared_tier_path`)."""

@@ -20,6 +20,7 @@ from jax_mlpo.layout import check_moment_dtypes
 from jax_mlpo.offloaded import concrete, offloaded, validate_once
 from jax_mlpo.optimizers.adamw import AdamW
 from jax_mlpo.optimizers.lion import Lion
+from jax_mlpo.quantize import Q8
 
 
 def _check_scalars(scalars: dict[str, Any]) -> None:
@@ -50,6 +51,7 @@ def adamw(
     mu_dtype: Any = None,
     nu_dtype: Any = None,
     q8_rounding: str = "stochastic",
+    nesterov: bool = False,
 ) -> optax.GradientTransformation:
     r"""AdamW with its state (fp32 master params, m, v) offloaded to host memory and files.
 
@@ -125,6 +127,8 @@ def adamw(
         ones) or ``"nearest"``, which leaves moments that change by under 3-6% a step where
         they are: a 125M model's loss ended 5% above the float32 state's with it, 0.5% below
         with stochastic rounding (docs/benchmarks.md).
+      nesterov: optax's ``nesterov``: the update uses ``b1 m_t / (1 - b1^(t+1)) + (1 - b1)
+        g_t / (1 - b1^t)`` for the first moment (float32 and bfloat16 moments; not with q8).
 
     Returns:
       An optax ``GradientTransformation`` whose ``update`` requires ``params``.
@@ -134,7 +138,8 @@ def adamw(
         for a host cache too small for the pipeline.
       ValueError: at construction, for a ``max_grad_norm`` that is not positive, an
         ``update_dtype`` other than None and float32, a ``mu_dtype``/``nu_dtype`` other than
-        None, float32, bfloat16 and "q8", or a ``q8_rounding`` other than those two.
+        None, float32, bfloat16 and "q8", a ``q8_rounding`` other than those two, or ``nesterov``
+        with a q8 moment.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_mlpo
@@ -153,14 +158,16 @@ def adamw(
     moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
     if q8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f'q8_rounding must be "nearest" or "stochastic", got {q8_rounding!r}')
+    if nesterov and Q8 in moments:
+        raise ValueError("nesterov=True needs float32 or bfloat16 moments (not q8)")
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     _check_update_dtype(update_dtype)
     # the engine's own values: used where an update passes none (Python floats, kept double)
     optimizer = AdamW(
         *(concrete(v) for v in scalars_given.values()),
-        stochastic_rounding=q8_rounding == "stochastic",
-    )
+        stochastic_rounding=q8_rounding == "stochastic", nesterov=bool(nesterov),
+    )  # fmt: skip
 
     def device_scalars(count_inc, hp, lr, updates):
         # the same expressions optax evaluates, on the device, so they match it bit for bit
@@ -170,7 +177,8 @@ def adamw(
         if max_grad_norm is not None:  # optax.clip_by_global_norm's rule, applied on the host
             g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates))
             scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
-        return [lr, bc1, bc2, scale]
+        bc1_next = 1 - hp["b1"] ** optax.safe_increment(count_inc) if nesterov else 1.0
+        return [lr, bc1, bc2, scale, bc1_next]
 
     return offloaded(
         "adamw", optimizer, learning_rate=learning_rate, scalars_given=scalars_given,

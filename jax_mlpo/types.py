@@ -30,6 +30,8 @@ class AdamWHyper(NamedTuple):
     eps: float
     weight_decay: float
     grad_scale: float = 1.0
+    nesterov: bool = False
+    bc1_next: float = 1.0  # with nesterov: 1 - b1**(count + 1), optax's next bias correction
 
 
 def moment_decay(decay: float, moment_dtype: np.dtype) -> float:
@@ -57,4 +59,22 @@ class LionHyper(NamedTuple):
     lr: float
     b1: float
     b2: float
+    weight_decay: float
+
+
+class MomentumHyper(NamedTuple):
+    """Scalars of Muon's momentum pass: ``bc``/``bc_next`` optax's bias corrections
+    ``1 - beta**t`` and ``1 - beta**(t+1)``, evaluated by XLA in float32; ``beta`` as given."""
+
+    beta: float
+    bc: float
+    bc_next: float
+    nesterov: bool
+
+
+class ApplyHyper(NamedTuple):
+    """Scalars of Muon's master pass (bfloat16 params): the (scheduled) learning rate and the
+    weight decay."""
+
+    lr: float
     weight_decay: float

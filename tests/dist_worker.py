@@ -9,7 +9,8 @@ writes the final params (gathered) to OUT_DIR/params.npz; every process writes
 OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
 
 MODE "inject": jax_mlpo.adamw wrapped in optax.inject_hyperparams (the transformation re-created
-inside every update).
+inside every update). MODE "muon": jax_mlpo.muon instead (Newton-Schulz on the momenta sharded
+over the processes).
 
 MODE "node-permits" or "process-permits": the slow tier gets max_concurrency=1 and a bandwidth
 cap (so that each request lasts a few ms), with node_max_concurrency=1 (permits shared by the
@@ -93,7 +94,8 @@ def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    if mode not in ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3"):
+    modes = ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3", "muon")
+    if mode not in modes:
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
         jax.distributed.initialize(
@@ -110,7 +112,7 @@ def main() -> None:
     from jax_mlpo import distributed
 
     slow = {}
-    if mode not in ("plain", "fused-clip", "inject", "s3"):
+    if mode not in ("plain", "fused-clip", "inject", "s3", "muon"):
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
@@ -125,7 +127,9 @@ def main() -> None:
             write_bandwidth="1GB",
         )  # fmt: skip
     offload = jax_mlpo.OffloadConfig(
-        host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
+        # smaller than every process's state: subgroups go to the tiers (muon: its engines'
+        # pipelines need twice that)
+        host_cache="8KiB" if mode == "muon" else "4KiB",
         tiers=[
             jax_mlpo.FileTier(os.path.join(tier_root, "fast"), read_bandwidth="2GB",
                               write_bandwidth="2GB", sync=False),
@@ -136,6 +140,11 @@ def main() -> None:
         node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
     tx = make_tx(offload, steps, fused_clip=mode == "fused-clip", inject=mode == "inject")
+    if mode == "muon":
+        schedule = optax.linear_schedule(1e-2, 1e-3, steps)
+        tx = optax.chain(optax.clip_by_global_norm(0.05), jax_mlpo.muon(
+            schedule, weight_decay=0.1, weight_decay_mask=lambda p: jax.tree.map(
+                lambda x: x.ndim > 1, p), offload=offload))  # fmt: skip
     params = init_params()
     if nproc > 1:
         mesh = distributed.data_parallel_mesh()

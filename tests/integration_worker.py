@@ -13,7 +13,8 @@ Usage: ``python integration_worker.py KIND OPTIMIZER PHASE WORKDIR``
 - OPTIMIZER: ``optax`` (``optax.adamw``, ``StandardSave``) or ``mlpo`` (``jax_mlpo.adamw``,
   ``OffloadSave``) or ``mlpo-plain`` (``jax_mlpo.adamw`` saved with orbax's ``StandardSave``);
   ``optax-inject`` and ``mlpo-inject``: each wrapped in ``optax.inject_hyperparams``;
-  ``optax-lion`` and ``mlpo-lion``: ``optax.lion`` and ``jax_mlpo.lion`` instead of AdamW.
+  ``optax-lion`` and ``mlpo-lion``: ``optax.lion`` and ``jax_mlpo.lion`` instead of AdamW;
+  ``optax-muon`` and ``mlpo-muon``: ``optax.contrib.muon`` and ``jax_mlpo.muon``.
 - PHASE: ``all`` (STEPS steps), ``first`` (SAVE_AT steps, saving every step), ``resume``
   (restores the latest checkpoint into a fresh model and optimizer, then runs to STEPS).
 
@@ -50,10 +51,14 @@ def make_optimizer(name: str, workdir: str) -> optax.GradientTransformation:
     kwargs = dict(b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
     if name.endswith("lion"):
         kwargs.pop("eps")
+    if name.endswith("muon"):
+        kwargs = dict(beta=0.9, eps=1e-9, weight_decay=0.1, adam_b2=0.98, adam_weight_decay=0.1)
     if name == "optax":
         inner = optax.adamw(SCHEDULE, **kwargs)
     elif name == "optax-lion":
         inner = optax.lion(SCHEDULE, **kwargs)
+    elif name == "optax-muon":
+        inner = optax.contrib.muon(SCHEDULE, **kwargs)
     elif name == "optax-inject":
         inner = optax.inject_hyperparams(optax.adamw)(SCHEDULE, **kwargs)
     else:
@@ -61,7 +66,7 @@ def make_optimizer(name: str, workdir: str) -> optax.GradientTransformation:
             host_cache=3 * 8 * 256, subgroup_size=256, prefetch_depth=1,
             tiers=[jax_mlpo.FileTier(os.path.join(workdir, f"tier-{os.getpid()}"))],
         )  # fmt: skip
-        factory = jax_mlpo.lion if name == "mlpo-lion" else jax_mlpo.adamw
+        factory = {"mlpo-lion": jax_mlpo.lion, "mlpo-muon": jax_mlpo.muon}.get(name, jax_mlpo.adamw)
         if name == "mlpo-inject":  # the schedule and the floats as per-step arrays
             factory = optax.inject_hyperparams(jax_mlpo.adamw)
         inner = factory(SCHEDULE, offload=config, **kwargs)
@@ -111,13 +116,13 @@ def manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def save_args(item, optimizer: str):
-    if optimizer in ("mlpo", "mlpo-inject", "mlpo-lion"):
+    if optimizer.startswith("mlpo") and optimizer != "mlpo-plain":
         return jax_mlpo.checkpoint.OffloadSave(item)
     return ocp.args.StandardSave(item)
 
 
 def restore_args(target, optimizer: str):
-    if optimizer in ("mlpo", "mlpo-inject", "mlpo-lion"):
+    if optimizer.startswith("mlpo") and optimizer != "mlpo-plain":
         return jax_mlpo.checkpoint.OffloadRestore(target)
     return ocp.args.StandardRestore(target)
 

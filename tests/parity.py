@@ -105,7 +105,11 @@ def reference_adamw():
 
 
 def optax_optimizer(name: str, mu_dtype=None):
-    """optax's optimizer ``name`` with the parity problem's settings."""
+    """optax's optimizer ``name`` (adamw, lion, muon) with the parity problem's settings."""
+    if name == "muon":
+        return optax.contrib.muon(
+            SCHEDULE, weight_decay=0.1, weight_decay_mask=no_decay_on_vectors, mu_dtype=mu_dtype
+        )
     factory = {"adamw": optax.adamw, "lion": optax.lion}[name]
     return factory(SCHEDULE, weight_decay=0.1, mask=no_decay_on_vectors, mu_dtype=mu_dtype)
 
@@ -119,8 +123,9 @@ def offloaded_adamw(config, **kwargs):
 
 
 def run_reference(
-    dtype, clip_in_float32: bool = False, mu_dtype=None, shapes=None, optimizer: str = "adamw"
-):
+    dtype, clip_in_float32: bool = False, mu_dtype=None, shapes=None, optimizer: str = "adamw",
+    steps: int = STEPS,
+):  # fmt: skip
     """optax's ``optimizer`` (adamw, lion) on an fp32 master copy; bf16 params are the master
     rounded to bf16.
 
@@ -149,31 +154,37 @@ def run_reference(
     # from the host): fused into the step, XLA would contract p + lr * u into an fma.
     apply = jax.jit(optax.apply_updates)
 
-    for i in range(STEPS):
+    for i in range(steps):
         updates, clip_state, adam_state = step(master, clip_state, adam_state, i)
         master = apply(master, updates)
     params = jax.tree.map(lambda x: x.astype(dtype), master)
-    return params, jax.tree.map(jnp.abs, updates), adam_state[0].mu
+    mu = None if optimizer == "muon" else adam_state[0].mu
+    return params, jax.tree.map(jnp.abs, updates), mu
 
 
 _REFERENCE_CACHE: dict = {}
 
 
 def reference(
-    dtype, clip_in_float32: bool = False, mu_dtype=None, shapes=None, optimizer: str = "adamw"
-):
+    dtype, clip_in_float32: bool = False, mu_dtype=None, shapes=None, optimizer: str = "adamw",
+    steps: int = STEPS,
+):  # fmt: skip
     key = (jnp.dtype(dtype).name, clip_in_float32, None if mu_dtype is None else str(mu_dtype),
-           None if shapes is None else tuple(shapes.items()), optimizer)  # fmt: skip
+           None if shapes is None else tuple(shapes.items()), optimizer, steps)  # fmt: skip
     if key not in _REFERENCE_CACHE:
-        ran = run_reference(dtype, clip_in_float32, mu_dtype, shapes, optimizer)
+        ran = run_reference(dtype, clip_in_float32, mu_dtype, shapes, optimizer, steps)
         _REFERENCE_CACHE[key] = jax.device_get(ran)
     return _REFERENCE_CACHE[key]
 
 
-def run_offloaded(tx, dtype, mode, before_close=None, offloaded: bool = True):
-    """Trains STEPS steps on :data:`SHAPES`; ``before_close(opt_state)`` sees the state before
-    it is closed (``offloaded``: ``tx`` is jax_mlpo's; False runs an optax one the same way)."""
-    params = make_params(dtype)
+def run_offloaded(
+    tx, dtype, mode, before_close=None, offloaded: bool = True, shapes=None, steps: int = STEPS
+):
+    """Trains ``steps`` steps on :data:`SHAPES` (or ``shapes``); ``before_close(opt_state)`` sees
+    the state before it is closed (``offloaded``: ``tx`` is jax_mlpo's; False runs an optax one
+    the same way)."""
+    shapes = SHAPES if shapes is None else shapes
+    params = make_params(dtype, shapes)
     if mode == "nnx":
         model = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -181,18 +192,18 @@ def run_offloaded(tx, dtype, mode, before_close=None, offloaded: bool = True):
         @nnx.jit
         def nnx_step(model, optimizer, i):
             def loss(m):
-                return loss_fn({k: m[k][...] for k in SHAPES}, i)
+                return loss_fn({k: m[k][...] for k in shapes}, i)
 
             grads = nnx.grad(loss)(model)
             optimizer.update(model, grads)
 
-        for i in range(STEPS):
+        for i in range(steps):
             nnx_step(model, optimizer, i)
         if before_close is not None:
             before_close(optimizer.opt_state)
         if offloaded:
             jax_mlpo.close(optimizer.opt_state)
-        return {k: model[k][...] for k in SHAPES}
+        return {k: model[k][...] for k in shapes}
 
     state = tx.init(params)
 
@@ -203,7 +214,7 @@ def run_offloaded(tx, dtype, mode, before_close=None, offloaded: bool = True):
 
     if mode == "jit":
         step = jax.jit(step)
-    for i in range(STEPS):
+    for i in range(steps):
         params, state = step(params, state, i)
     if before_close is not None:
         before_close(state)
@@ -219,7 +230,7 @@ def bf16_ulp(x):
 
 def assert_matches_reference(
     params, dtype, clip_in_float32: bool = False, update_bf16=None, mu_dtype=None, shapes=None,
-    optimizer: str = "adamw", max_differ: float = 1e-3,
+    optimizer: str = "adamw", max_differ: float = 1e-3, steps: int = STEPS,
 ):  # fmt: skip
     """Parity with optax; ``update_bf16``: the update was returned in bfloat16 (the default for
     bfloat16 params), which is rounded once, so ``apply_updates`` may land up to one bfloat16
@@ -227,7 +238,7 @@ def assert_matches_reference(
     (a value crossing zero, or changing by more than 2x); ``max_differ``: the fraction of bf16
     elements that may differ so."""
     update_bf16 = dtype == jnp.bfloat16 if update_bf16 is None else update_bf16
-    ref, last_step, _ = reference(dtype, clip_in_float32, mu_dtype, shapes, optimizer)
+    ref, last_step, _ = reference(dtype, clip_in_float32, mu_dtype, shapes, optimizer, steps)
     for k in SHAPES if shapes is None else shapes:
         got, want = np.asarray(params[k]), np.asarray(ref[k])
         assert got.dtype == want.dtype, k

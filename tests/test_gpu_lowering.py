@@ -128,7 +128,8 @@ def test_a_mesh_step_lowers_for_cuda_with_one_call_per_device_shard(tmp_path):
     # each device holds a 16x8 block of the 32x16 leaf, and its own handle (a scalar)
     signature = call[call.rindex(": (") :]
     assert signature.startswith(
-        ": (tensor<i32>, tensor<i32>, tensor<8xf32>, tensor<16x8xf32>, tensor<16x8xf32>) -> "
+        f": (tensor<i32>, tensor<i32>, tensor<{NUM_SCALARS}xf32>, tensor<16x8xf32>, "
+        "tensor<16x8xf32>) -> "
         "(tensor<i32>, tensor<16x8xf32>)"
     ), signature
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)

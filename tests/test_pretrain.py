@@ -489,6 +489,27 @@ def test_lion_in_the_config_trains_beside_optax_lion(data_cache, tmp_path):
         run_config.load_config(TINY, ["optimizer.name=lion", "optimizer.mu_dtype=q8"])
 
 
+def test_muon_in_the_config_trains_beside_optax_muon(data_cache, tmp_path):
+    """optimizer.name=muon: the offloaded run's losses are optax.contrib.muon's in the same
+    job, with Muon's own learning rate on the matrices and AdamW's on the rest; the state is
+    split over its engines (the matrices' momentum, the vectors' AdamW moments)."""
+    sets = ["--set", "optimizer.name=muon", "--set", "optimizer.peak_lr=0.02",
+            "--set", "optimizer.adam_peak_lr=3e-3", "--set", "report.plot=false"]  # fmt: skip
+    offload = _main(tmp_path, data_cache, *sets)
+    optax = _main(tmp_path, data_cache, *sets, "--optimizer", "optax")
+    assert np.mean(offload["losses"][-3:]) < offload["losses"][0] - 0.2  # it learns
+    np.testing.assert_allclose(offload["losses"], optax["losses"], rtol=0, atol=1e-4)
+    cfg = run_config.load_config(TINY, ["optimizer.name=muon", f"run_dir={tmp_path}"])
+    state = train.build_optimizer(cfg, use_optax=False).init(
+        {"w": jnp.zeros((64, 1000)), "scale": jnp.zeros((1000,))}
+    )
+    engines = [jax_mlpo.engine_of(s) for s in jax_mlpo.opt_state.find_offloaded(state)]
+    assert [e.layout.state_bytes for e in engines] == [4 * 64_000, 8 * 1000]
+    jax_mlpo.close(state)
+    with pytest.raises(run_config.ConfigError, match="muon stores its moments"):
+        run_config.load_config(TINY, ["optimizer.name=muon", "optimizer.mu_dtype=q8"])
+
+
 def test_q8_moments_in_the_config(tmp_path):
     """optimizer.mu_dtype/nu_dtype=q8: a byte and 4/256 of a scale each in the plan and the
     optimizer, q8_rounding passed on; optax refuses q8 (it has no such dtype)."""

@@ -30,7 +30,6 @@ from jax_mlpo.checkpoint.stream import quantities
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
 from jax_mlpo.opt_state import OffloadedAdamWState
 from jax_mlpo.registry import engine_of, mesh_plan_of
-from jax_mlpo.types import F32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +163,12 @@ def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, 
         state, layout, plan = path_name(("tree", *path)), engine_of(x).layout, mesh_plan_of(x)
         # a mesh engine's leaves are shards: each parameter leaf's dtype is its first shard's
         owners = [s.leaf for s in plan.shards] if plan is not None else range(len(layout.shapes))
-        dtypes = {}
-        for leaf, dtype in zip(owners, layout.dtypes, strict=True):
-            dtypes.setdefault(leaf, dtype)
-        for leaf, dtype in sorted(dtypes.items()):
+        masters: dict[int, bool] = {}
+        for j, leaf in enumerate(owners):
+            masters.setdefault(leaf, layout.has_master(j))
+        for leaf, master in sorted(masters.items()):
             for quantity in quantities(layout):
-                if quantity != "master" or dtype != F32:
+                if quantity != "master" or master:
                     arrays[f"{state}/{quantity}/{leaf}"] = (x, state, quantity, leaf)
     return arrays
 

@@ -124,7 +124,7 @@ class StateWriter:
             if j in self._skip or not size:
                 continue
             for name in quantities(self._layout):
-                if name != "master" or self._layout.dtypes[j] != F32:
+                if name != "master" or self._layout.has_master(j):
                     out.append((name, j, size))
         return out
 
@@ -284,7 +284,7 @@ def write_streams(
                 if not mine:
                     continue  # this process holds none of it
                 for name in quantities(layout):
-                    if name == "master" and layout.dtypes[mine[0]] == F32:
+                    if name == "master" and not layout.has_master(mine[0]):
                         continue
                     records[f"{stream.name}/{name}/{leaf}"] = {
                         "dtype": "float32", "state_dtype": moment_dtype_name(kept[name]),

@@ -32,9 +32,10 @@ using HostUpdateFn = int (*)(int32_t handle, int32_t count, const float* scalars
                              const BufferView* updates, void* stream, char* error,
                              int64_t error_capacity, void* pending);
 
-// The scalars operand, f32[kNumScalars]: lr, bc1, bc2, grad scale, then b1, b2, eps and weight
-// decay where the update passes them (NaN where the engine's own values apply).
-constexpr int64_t kNumScalars = 8;
+// The scalars operand, f32[kNumScalars]: the optimizer's, padded with NaN (AdamW's: lr, bc1, bc2,
+// grad scale, bc1_next, then b1, b2, eps and weight decay where the update passes them, NaN where
+// the engine's own values apply; jax_mlpo/optimizers has each optimizer's).
+constexpr int64_t kNumScalars = 12;
 
 constexpr int kUpdateDone = 0;
 constexpr int kUpdateFailed = 1;

@@ -59,7 +59,8 @@ void AdamW(const AdamWArgs& args, size_t n) {
                   : args.delta_base != nullptr ? kOutDelta
                                                : kOutUpdate;
   const int index = AdamWIndex(args.grad_bf16, args.has_wd, args.update_param,
-                               args.param_bf16_out != nullptr, out, args.mu_bf16, args.nu_bf16);
+                               args.param_bf16_out != nullptr, out, args.mu_bf16, args.nu_bf16,
+                               args.nesterov);
   const KernelTable& table = Kernels();
   const AdamWRangeFn fn = args.mu_q8 && args.nu_q8   ? table.adamw_q8[index & 63]
                           : args.mu_q8 || args.nu_q8 ? table.adamw_blocked[index & 63]
@@ -77,6 +78,24 @@ void Lion(const LionArgs& args, size_t n) {
   const LionRangeFn fn = Kernels().lion(LionIndex(args.grad_bf16, args.has_wd, args.update_param,
                                                   args.param_bf16_out != nullptr, out,
                                                   args.mu_bf16));
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
+void Momentum(const MomentumArgs& args, size_t n) {
+  const MomentumRangeFn fn =
+      Kernels().momentum(MomentumIndex(args.grad_bf16, args.mu_bf16, args.nesterov));
+  ParallelFor(n, kMinParallelElems, kChunkAlignElems,
+              [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
+void Apply(const ApplyArgs& args, size_t n) {
+  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
+                  : args.update_out == nullptr ? kOutNone
+                  : args.delta_base != nullptr ? kOutDelta
+                                               : kOutUpdate;
+  const ApplyRangeFn fn = Kernels().apply(
+      ApplyIndex(args.has_wd, args.update_param, args.param_bf16_out != nullptr, out));
   ParallelFor(n, kMinParallelElems, kChunkAlignElems,
               [&](size_t b, size_t e) { fn(args, b, e); });
 }
@@ -125,54 +144,7 @@ void Copy(void* dst, const void* src, size_t nbytes) {
 
 // ---- C entry points (ctypes releases the GIL around each call) ----------------------------------
 
-namespace {
-
-enum : int {
-  kOk = 0,
-  kErrNull = 1,
-  kErrOverlap = 2,
-  kErrDeltaWithoutOut = 3,
-  kErrSize = 4,
-  kErrBf16WithoutDelta = 5,
-};
-
-struct Range {
-  const char* lo;
-  size_t bytes;
-  bool written;
-};
-
-bool Overlap(const Range& a, const Range& b) {
-  return a.lo != nullptr && b.lo != nullptr && a.lo < b.lo + b.bytes && b.lo < a.lo + a.bytes;
-}
-
-// Whether a written range overlaps any other range, but for the pair (grad, update) when the
-// update is computed in place over its gradient.
-template <int N>
-bool AnyOverlap(const Range (&ranges)[N], bool in_place, int grad, int update) {
-  for (int i = 0; i < N; ++i)
-    for (int j = i + 1; j < N; ++j) {
-      if (in_place && i == grad && j == update) continue;
-      if ((ranges[i].written || ranges[j].written) && Overlap(ranges[i], ranges[j])) return true;
-    }
-  return false;
-}
-
-// The outputs every optimizer kernel shares: the update (float32, or bfloat16 as a difference to
-// delta_base) and the new params in bfloat16.
-template <typename Args>
-void SetOutputs(Args& a, void* update_out, int update_bf16, const uint16_t* delta_base,
-                uint16_t* param_bf16_out) {
-  if (update_bf16) {
-    a.update_bf16 = static_cast<uint16_t*>(update_out);
-  } else {
-    a.update_out = static_cast<float*>(update_out);
-  }
-  a.delta_base = delta_base;
-  a.param_bf16_out = param_bf16_out;
-}
-
-}  // namespace
+#include "kernel_entry.h"  // the entry points' argument checks and outputs
 
 extern "C" {
 
@@ -192,13 +164,15 @@ int jax_mlpo_num_threads(void) { return jax_mlpo::NumThreads(); }
 // n <= 0 restores the default (JAX_MLPO_NUM_THREADS, else the CPUs this process may use).
 int jax_mlpo_set_num_threads(int n) { return jax_mlpo::SetNumThreads(n); }
 
-// scalars: c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale (float32, prepared by
-// jax_mlpo.native exactly as the numpy reference computes them). update_out is float32, or
+// scalars: c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale, bc1_next, f32(b1)
+// (float32, prepared by jax_mlpo.native exactly as the numpy reference computes them; the last
+// two for nesterov). update_out is float32, or
 // bfloat16 when update_bf16 (which needs delta_base); it may be the gradient's own buffer (same
 // address and width: the update then overwrites the gradient it is computed from), but no other
 // written array may overlap anything. moments: bits 0 and 1, m and v are bfloat16; bits 2 and 3,
 // m and v are q8 (codes, with m_scale / v_scale: one float32 per 256 elements); bit 4, q8 codes
-// are rounded stochastically with `seed` (else to nearest). Returns 0 or an error code.
+// are rounded stochastically with `seed` (else to nearest); bit 5, nesterov (not with q8).
+// Returns 0 or an error code.
 int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_scale,
                         uint32_t seed, const void* grad, int grad_bf16, float* param,
                         int update_param, void* update_out, int update_bf16,
@@ -215,6 +189,8 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_
   const bool mu_bf16 = (moments & 1) != 0, nu_bf16 = (moments & 2) != 0;
   const bool mu_q8 = (moments & 4) != 0, nu_q8 = (moments & 8) != 0;
   if ((mu_q8 && (mu_bf16 || !m_scale)) || (nu_q8 && (nu_bf16 || !v_scale))) return kErrNull;
+  const bool nesterov = (moments & 32) != 0;
+  if (nesterov && (mu_q8 || nu_q8)) return kErrNesterovQ8;
   const Range ranges[] = {
       {static_cast<const char*>(m), mu_q8 ? q : mu_bf16 ? h : f, true},
       {static_cast<const char*>(v), nu_q8 ? q : nu_bf16 ? h : f, true},
@@ -249,6 +225,9 @@ int jax_mlpo_adamw_step(void* m, void* v, int moments, float* m_scale, float* v_
   a.wd = scalars[7];
   a.neg_lr = scalars[8];
   a.grad_scale = scalars[9];
+  a.bc1_next = scalars[10];
+  a.b1_blend = scalars[11];
+  a.nesterov = nesterov;
   a.grad_bf16 = grad_bf16 != 0;
   a.mu_bf16 = mu_bf16;
   a.nu_bf16 = nu_bf16;

@@ -1,4 +1,4 @@
-// Host kernels of jax_mlpo: fused AdamW and Lion, bf16 <-> fp32 conversion, the 8-bit blockwise
+// Host kernels of jax_mlpo: fused AdamW, Lion and Muon's host passes, bf16 <-> fp32 conversion, the 8-bit blockwise
 // moment code, STREAM triad, parallel copy.
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
@@ -30,6 +30,8 @@ struct AdamWArgs {
   float bc1, bc2;                  // bias corrections; the loop multiplies by 1.0f / bc
   float eps, wd, neg_lr;
   float grad_scale;                // 1 when the reference skips the scaling (same bits)
+  float bc1_next;                  // nesterov: 1 - b1^(t+1), the next step's bias correction
+  float b1_blend;                  // nesterov: f32(b1) (b1 above is as applied to m)
   bool grad_bf16;
   bool mu_bf16;                    // m is stored in bfloat16: read widened, written rounded
   bool nu_bf16;                    // the same for v
@@ -39,6 +41,7 @@ struct AdamWArgs {
   uint32_t seed;                   // the stochastic rounding's seed (this call's elements)
   bool has_wd;                     // weight_decay != 0 (adding 0 * p is not a no-op for -0, inf)
   bool update_param;
+  bool nesterov;                   // optax's nesterov=True (float32 or bfloat16 moments only)
 };
 
 // Output mode of the update: none, the AdamW update u, p_new - f32(delta_base), or that delta in
@@ -68,6 +71,50 @@ struct LionArgs {
 
 using LionRangeFn = void (*)(const LionArgs&, size_t begin, size_t end);
 
+// Muon's host passes (optax.contrib.scale_by_muon; the orthogonalization runs on the device
+// between them). The momentum pass advances m and writes the float32 momentum the device
+// orthogonalizes: m_hat = m / bc, or with nesterov b m / bc_next + (1 - b) g / bc. The scalars
+// are float32 values prepared exactly as the numpy reference does (jax_mlpo/optimizers/muon.py).
+struct MomentumArgs {
+  void* m;                     // in/out: float32 or bfloat16 (mu_bf16)
+  const void* grad;            // float32 or bfloat16 (grad_bf16)
+  float* out;                  // float32 m_hat; may be grad's own buffer (float32 grad)
+  float c, b;                  // c = f32(1 - beta); b = beta as applied to m (moment_decay)
+  float beta;                  // f32(beta), for the nesterov blend
+  float bc, bc_next;           // bias corrections 1 - beta^t, 1 - beta^(t+1)
+  bool grad_bf16;
+  bool mu_bf16;
+  bool nesterov;
+};
+
+using MomentumRangeFn = void (*)(const MomentumArgs&, size_t begin, size_t end);
+
+constexpr int MomentumIndex(bool grad_bf16, bool mu_bf16, bool nesterov) {
+  return int(grad_bf16) | int(mu_bf16) << 1 | int(nesterov) << 2;
+}
+constexpr size_t kMomentumVariants = 8;
+
+// The master pass of bfloat16 params: u = -lr (d + wd p) from the orthogonalized direction d,
+// applied to the float32 master, with AdamWArgs's outputs.
+struct ApplyArgs {
+  const float* direction;      // float32; may be update_out's own buffer
+  float* param;                // read; written when update_param
+  float* update_out;           // optional
+  const uint16_t* delta_base;  // optional bfloat16; needs update_out
+  uint16_t* param_bf16_out;    // optional
+  uint16_t* update_bf16;       // optional bfloat16 update (needs delta_base, no update_out)
+  float wd, neg_lr;
+  bool has_wd;
+  bool update_param;
+};
+
+using ApplyRangeFn = void (*)(const ApplyArgs&, size_t begin, size_t end);
+
+constexpr int ApplyIndex(bool has_wd, bool update_param, bool bf16_out, int out) {
+  return int(has_wd) | int(update_param) << 1 | int(bf16_out) << 2 | out << 3;
+}
+constexpr size_t kApplyVariants = 32;
+
 constexpr int LionIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
                         bool mu_bf16) {
   return int(grad_bf16) | int(has_wd) << 1 | int(update_param) << 2 | int(bf16_out) << 3 |
@@ -92,7 +139,7 @@ using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, size_t n,
 // The loops of one instruction set. adamw is indexed by AdamWIndex().
 struct KernelTable {
   const char* isa;
-  AdamWRangeFn adamw[256];
+  AdamWRangeFn adamw[512];         // bit 8 of the index: nesterov
   AdamWRangeFn adamw_blocked[64];  // one moment q8: indexed by AdamWIndex's low 6 bits
   AdamWRangeFn adamw_q8[64];       // both q8: the same index
   Q8EncodeFn q8_encode;
@@ -101,12 +148,14 @@ struct KernelTable {
   void (*f32_to_bf16)(const float* src, uint16_t* dst, size_t n);
   void (*triad)(float* a, const float* b, const float* c, float s, size_t n);
   LionRangeFn (*lion)(int index);  // the loop of a LionIndex() (lion_isa.cc)
+  MomentumRangeFn (*momentum)(int index);  // a MomentumIndex()'s loop (muon_isa.cc)
+  ApplyRangeFn (*apply)(int index);        // an ApplyIndex()'s loop (muon_isa.cc)
 };
 
 constexpr int AdamWIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
-                         bool mu_bf16, bool nu_bf16) {
+                         bool mu_bf16, bool nu_bf16, bool nesterov = false) {
   return int(grad_bf16) | int(has_wd) << 1 | int(update_param) << 2 | int(bf16_out) << 3 |
-         out << 4 | int(mu_bf16) << 6 | int(nu_bf16) << 7;
+         out << 4 | int(mu_bf16) << 6 | int(nu_bf16) << 7 | int(nesterov) << 8;
 }
 
 namespace isa_base { const KernelTable& Table(); }
@@ -121,6 +170,8 @@ const KernelTable& Kernels();
 // IEEE floating point (no flush-to-zero), whatever the calling thread's MXCSR says.
 void AdamW(const AdamWArgs& args, size_t n);
 void Lion(const LionArgs& args, size_t n);
+void Momentum(const MomentumArgs& args, size_t n);
+void Apply(const ApplyArgs& args, size_t n);
 void Bf16ToF32(const uint16_t* src, float* dst, size_t n);
 // n elements in blocks of kQ8Block from x's start; `first` numbers x[0] for the random stream.
 void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_signed,

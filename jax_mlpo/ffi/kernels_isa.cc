@@ -20,20 +20,23 @@
 namespace jax_mlpo::JAX_MLPO_ISA_NS {
 
 LionRangeFn LionLoopAt(int index);  // lion_isa.cc, compiled for the same instruction set
+MomentumRangeFn MomentumLoopAt(int index);  // muon_isa.cc, likewise
+ApplyRangeFn ApplyLoopAt(int index);
 
 namespace {
 
 #include "elementwise_isa.h"  // bf16 conversions, loads and stores, Fma64, the outputs
 
 struct Scalars {
-  float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale;
+  float c1, b1, c2, b2, inv_bc1, inv_bc2, eps, wd, neg_lr, scale, b1_blend, inv_bc1_next;
 };
 
 // Division by the bias corrections is multiplication by their float32 reciprocals (IEEE
 // division, no approximation), as in XLA:CPU and the reference.
 inline Scalars ScalarsOf(const AdamWArgs& a) {
-  return Scalars{a.c1,  a.b1, a.c2, a.b2,     1.0f / a.bc1, 1.0f / a.bc2,
-                 a.eps, a.wd, a.neg_lr, a.grad_scale};
+  return Scalars{a.c1,  a.b1, a.c2,     a.b2,       1.0f / a.bc1, 1.0f / a.bc2,
+                 a.eps, a.wd, a.neg_lr, a.grad_scale, a.b1_blend,
+                 a.nesterov ? 1.0f / a.bc1_next : 0.0f};
 }
 
 // Both moments q8: they are rounded to 3 bits anyway, so their loop uses the float32 fma itself
@@ -48,11 +51,12 @@ inline float Fma(float a, float x, float y) {
   }
 }
 
-// One element's update from its new moments: optax's scale_by_adam, add_decayed_weights and
-// learning rate, in XLA:CPU's order (see jax_mlpo/kernels.py).
+// One element's update from its bias-corrected first moment and new second moment: optax's
+// scale_by_adam, add_decayed_weights and learning rate, in XLA:CPU's order (see
+// jax_mlpo/optimizers/adamw.py).
 template <bool kWd, bool kHwFma>
-inline float AdamWUpdate(const Scalars& s, float mi, float vi, float p) {
-  float u = (mi * s.inv_bc1) / (std::sqrt(vi * s.inv_bc2) + s.eps);
+inline float AdamWUpdate(const Scalars& s, float m_hat, float vi, float p) {
+  float u = m_hat / (std::sqrt(vi * s.inv_bc2) + s.eps);
   if constexpr (kWd) u = Fma<kHwFma>(s.wd, p, u);
   return u * s.neg_lr;
 }
@@ -61,8 +65,10 @@ inline float AdamWUpdate(const Scalars& s, float mi, float vi, float p) {
 // locals here and would fall back to run-time alias checks (or scalar code).
 // A bfloat16 moment is widened on load and rounded (to nearest even) on store; the update uses
 // the float32 values before that rounding, as optax's mu_dtype does.
+// With nesterov the first moment is optax's blend b1 m / bc1_next + (1 - b1) g / bc1, the first
+// product fused (as XLA:CPU compiles it).
 template <typename GradT, typename MuT, typename NuT, bool kWd, bool kUpdateParam, bool kBf16Out,
-          int kOut>
+          int kOut, bool kNesterov = false>
 __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restrict m,
                                          NuT* __restrict v, const GradT* __restrict grad,
                                          float* __restrict p, float* __restrict out,
@@ -75,13 +81,15 @@ __attribute__((noinline)) void AdamWLoop(size_t n, const Scalars s, MuT* __restr
     const float vi = Fma64(s.c2, g * g, s.b2 * Load(v, i));
     Store(m, i, mi);
     Store(v, i, vi);
-    const float u = AdamWUpdate<kWd, false>(s, mi, vi, p[i]);
+    const float m_hat = kNesterov ? Fma64(s.b1_blend, mi * s.inv_bc1_next, s.c1 * (g * s.inv_bc1))
+                                  : mi * s.inv_bc1;
+    const float u = AdamWUpdate<kWd, false>(s, m_hat, vi, p[i]);
     WriteOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
 }
 
 template <bool kGradBf16, bool kWd, bool kUpdateParam, bool kBf16Out, int kOut, bool kMuBf16,
-          bool kNuBf16>
+          bool kNuBf16, bool kNesterov>
 void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   using GradT = std::conditional_t<kGradBf16, uint16_t, float>;
   using MuT = std::conditional_t<kMuBf16, uint16_t, float>;
@@ -93,7 +101,7 @@ void AdamWRange(const AdamWArgs& a, size_t begin, size_t end) {
   // Optional pointers are offset only when this variant uses them (they are null otherwise).
   // (Streaming stores for u and bf16(p) through an L1 block were tried: ~10% slower here.)
   auto run = [&](size_t lo, size_t hi, const GradT* g) {
-    AdamWLoop<GradT, MuT, NuT, kWd, kUpdateParam, kBf16Out, kOut>(
+    AdamWLoop<GradT, MuT, NuT, kWd, kUpdateParam, kBf16Out, kOut, kNesterov>(
         hi - lo, s, static_cast<MuT*>(a.m) + lo, static_cast<NuT*>(a.v) + lo, g, a.param + lo,
         kOut == kOutUpdate || kOut == kOutDelta ? a.update_out + lo : nullptr,
         kOut >= kOutDelta ? a.delta_base + lo : nullptr,
@@ -182,7 +190,7 @@ __attribute__((noinline)) void AdamWQ8Block(
     v[i] = vi;
     m_amax = std::max(m_amax, AbsBits(mi));
     v_amax = std::max(v_amax, AbsBits(vi));
-    const float u = AdamWUpdate<kWd, true>(s, mi, vi, p[i]);
+    const float u = AdamWUpdate<kWd, true>(s, mi * s.inv_bc1, vi, p[i]);
     WriteOutputs<kUpdateParam, kBf16Out, kOut>(i, u, p, out, base, pb, ub);
   }
   if (stochastic) {
@@ -238,7 +246,7 @@ void TriadLoop(float* __restrict a, const float* __restrict b, const float* __re
 template <size_t I>
 constexpr AdamWRangeFn AdamWEntry() {
   return &AdamWRange<(I & 1) != 0, (I & 2) != 0, (I & 4) != 0, (I & 8) != 0, int(I >> 4 & 3),
-                     (I & 64) != 0, (I & 128) != 0>;
+                     (I & 64) != 0, (I & 128) != 0, (I & 256) != 0>;
 }
 
 template <size_t I>
@@ -259,13 +267,14 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>, std::index_sequence<J
   return KernelTable{JAX_MLPO_STR(JAX_MLPO_ISA_NS) + 4,  // drop "isa_"
                      {AdamWEntry<I>()...}, {AdamWBlockedEntry<J>()...}, {AdamWQ8Entry<K>()...},
                      &Q8EncodeLoop, &Q8DecodeLoop,
-                     &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop, &LionLoopAt};
+                     &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop, &LionLoopAt,
+                     &MomentumLoopAt, &ApplyLoopAt};
 }
 
-constexpr KernelTable kTable = MakeTable(std::make_index_sequence<256>(),
+constexpr KernelTable kTable = MakeTable(std::make_index_sequence<512>(),
                                          std::make_index_sequence<64>(),
                                          std::make_index_sequence<64>());
-static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16, true, true) == 255,
+static_assert(AdamWIndex(true, true, true, true, kOutDeltaBf16, true, true, true) == 511,
               "table layout");
 
 }  // namespace

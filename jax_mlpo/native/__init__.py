@@ -8,6 +8,8 @@ One module per concern of the compiled library, all re-exported here:
   (bit for bit :func:`jax_mlpo.optimizers.adamw.adamw_step_reference`) and
   :func:`adamw_update` inside ``jax.jit``.
 * :mod:`~jax_mlpo.native.lion`: the fused Lion kernel, :func:`lion_step` on numpy arrays.
+* :mod:`~jax_mlpo.native.muon`: Muon's host passes, :func:`momentum_step` and
+  :func:`apply_step` on numpy arrays.
 * :mod:`~jax_mlpo.native.copies`: host buffers and XLA: :func:`host_descriptor`,
   :func:`copy_to_host`, :func:`copy_from_host` (CPU, or ``cudaMemcpyAsync`` on a GPU backend),
   :func:`cuda_host_register`, and :func:`bf16_to_f32`, :func:`f32_to_bf16`,
@@ -38,9 +40,11 @@ from jax_mlpo.native.copies import (
 from jax_mlpo.native.crc32c import crc32c, crc32c_hardware
 from jax_mlpo.native.library import isa, num_threads, set_isa, set_num_threads
 from jax_mlpo.native.lion import lion_step
+from jax_mlpo.native.muon import apply_step, momentum_step
 
 __all__ = [
     "adamw_step",
+    "apply_step",
     "adamw_update",
     "bf16_to_f32",
     "copy_from_host",
@@ -53,6 +57,7 @@ __all__ = [
     "host_descriptor",
     "isa",
     "lion_step",
+    "momentum_step",
     "num_threads",
     "parallel_copy",
     "set_isa",

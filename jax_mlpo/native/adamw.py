@@ -43,8 +43,9 @@ from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
 
 __all__ = ["adamw_step", "adamw_update"]
 
-# c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale (jax_mlpo_adamw_step's order).
-_SCALARS = ctypes.c_float * 10
+# c1, b1, c2, b2, bc1, bc2, eps, weight_decay, -lr, grad_scale, bc1_next, f32(b1)
+# (jax_mlpo_adamw_step's order).
+_SCALARS = ctypes.c_float * 12
 
 declare(
     LIB,
@@ -119,10 +120,11 @@ def adamw_step(
         float(hyper.b2),
         float(hyper.bc1), float(hyper.bc2), float(hyper.eps), float(hyper.weight_decay),
         float(-hyper.lr), float(hyper.grad_scale) if scale else 1.0,
+        float(hyper.bc1_next), float(hyper.b1),
     )  # fmt: skip
     q8 = isinstance(m, Quantized), isinstance(v, Quantized)
     flags = (int(_dtype(m) == BF16) | int(_dtype(v) == BF16) << 1 | int(q8[0]) << 2
-             | int(q8[1]) << 3 | int(seed is not None) << 4)  # fmt: skip
+             | int(q8[1]) << 3 | int(seed is not None) << 4 | int(hyper.nesterov) << 5)  # fmt: skip
     rc = LIB.jax_mlpo_adamw_step(
         address(m.codes) if q8[0] else address(m), address(v.codes) if q8[1] else address(v),
         flags, address(m.scales) if q8[0] else None, address(v.scales) if q8[1] else None,

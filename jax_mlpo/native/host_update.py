@@ -70,9 +70,8 @@ LIB.jax_mlpo_set_host_update.restype = None
 LIB.jax_mlpo_host_update_complete.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 LIB.jax_mlpo_host_update_complete.restype = None
 # The scalars operand's length (kNumScalars, host_update.h): the optimizer's scalars for the step
-# (AdamW's lr, bc1, bc2, grad scale, b1, b2, eps, weight decay; Lion's lr, b1, b2, weight decay),
-# padded with NaN.
-NUM_SCALARS = 8
+# (each optimizer's hyper() in jax_mlpo.optimizers reads its own), padded with NaN.
+NUM_SCALARS = 12
 # The handler's return codes (host_update.h).
 _DONE, _FAILED, _PENDING = 0, 1, 2
 jax.ffi.register_ffi_target(
@@ -179,8 +178,8 @@ def set_host_update(runner: HostUpdate) -> None:
 
     Args:
       runner: ``runner(handle, count, scalars, grads, params, updates, stream, completion)``:
-        ``scalars`` is ``float32[8]``, the optimizer's (for AdamW lr, bc1, bc2, grad scale,
-        then b1, b2, eps, weight decay or NaN where the engine's own values apply); the three
+        ``scalars`` is ``float32[NUM_SCALARS]``, the optimizer's (its
+        :meth:`~jax_mlpo.optimizers.HostOptimizer.hyper` reads them); the three
         lists hold XLA's buffers per leaf, valid until the call completes (``updates[k]`` may share
         ``grads[k]``'s memory): flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer`
         s on a GPU (``stream`` is XLA's ``cudaStream_t``; copy through it and synchronize before
@@ -242,7 +241,7 @@ def host_update_call(
     Args:
       handle: int32 scalar naming the engine.
       count: int32 scalar, the step count of the state handed to the update.
-      scalars: ``float32[8]``: the optimizer's scalars (:data:`NUM_SCALARS`).
+      scalars: ``float32[NUM_SCALARS]``: the optimizer's scalars.
       grads: the gradient leaves.
       params: the param leaves (same shapes).
       update_dtypes: each update's dtype; where it is the gradient's, the update takes over the

@@ -218,6 +218,7 @@ def check_kernel_rc(kernel: str, rc: int, moments: str) -> None:
         3: "delta_base needs update_out",
         4: "negative size",
         5: "a bfloat16 update_out needs delta_base",
+        6: "nesterov is not supported with q8 moments",
     }
     raise ValueError(f"{kernel}: {causes.get(rc, f'error {rc}')}")
 

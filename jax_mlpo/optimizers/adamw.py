@@ -89,7 +89,14 @@ def adamw_step_reference(
             stored[...] = x
     inv_bc1 = f32(1.0) / f32(hyper.bc1)
     inv_bc2 = f32(1.0) / f32(hyper.bc2)
-    u = (m32 * inv_bc1) / (np.sqrt(v32 * inv_bc2) + f32(hyper.eps))
+    # optax's nesterov: b1 * m / bc1_next + (1 - b1) * g / bc1, the first product fused (as in
+    # a jitted optax.adamw update; other programs may fuse the second: docs/design.md, Muon)
+    if hyper.nesterov:
+        inv_next = f32(1.0) / f32(hyper.bc1_next)
+        m_hat = fma64(f32(hyper.b1), m32 * inv_next, f32(1.0 - hyper.b1) * (g * inv_bc1))
+    else:
+        m_hat = m32 * inv_bc1
+    u = m_hat / (np.sqrt(v32 * inv_bc2) + f32(hyper.eps))
     if hyper.weight_decay != 0.0:
         u = fma(f32(hyper.weight_decay), param, u)
     u = u * f32(-hyper.lr)
@@ -153,6 +160,7 @@ class AdamW:
       b1, b2, eps, weight_decay: the values given at construction, used where an update passes
         none (Python floats, kept in double precision as optax uses them).
       stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
+      nesterov: optax's ``nesterov=True`` (float32 and bfloat16 moments).
     """
 
     b1: float
@@ -160,16 +168,21 @@ class AdamW:
     eps: float
     weight_decay: float
     stochastic_rounding: bool = False
+    nesterov: bool = False
     name: ClassVar[str] = "adamw"
     moment_names: ClassVar[tuple[str, ...]] = ("mu", "nu")
 
     def hyper(self, scalars: Sequence[float]) -> AdamWHyper:
-        """lr, bc1, bc2, grad scale, then b1, b2, eps and weight decay where the update was
-        given them as arrays (optax.inject_hyperparams), NaN where they are this object's."""
-        lr, bc1, bc2, scale, *given = (float(x) for x in scalars)
+        """lr, bc1, bc2, grad scale, bc1_next (nesterov), then b1, b2, eps and weight decay
+        where the update was given them as arrays (optax.inject_hyperparams), NaN where they
+        are this object's; the rest is padding."""
+        lr, bc1, bc2, scale, bc1_next, *given = (float(x) for x in scalars[:9])
         own = (self.b1, self.b2, self.eps, self.weight_decay)
         b1, b2, eps, wd = (o if math.isnan(x) else x for x, o in zip(given, own, strict=True))
-        return AdamWHyper(bc1, bc2, lr, b1, b2, eps, wd, grad_scale=scale)
+        return AdamWHyper(
+            bc1, bc2, lr, b1, b2, eps, wd, grad_scale=scale, nesterov=self.nesterov,
+            bc1_next=bc1_next if self.nesterov else 1.0,
+        )  # fmt: skip
 
     def update(
         self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,

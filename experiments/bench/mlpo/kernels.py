@@ -1,10 +1,13 @@
-"""Host kernel bandwidth: fused AdamW and Lion (native) beside STREAM triad, memcpy, XLA, numpy.
+"""Host kernel bandwidth: fused AdamW, Lion and Muon's host passes (native) beside STREAM triad,
+memcpy, XLA, numpy.
 
 Effective bandwidth is the bytes the algorithm must move / time (STREAM convention: no
 write-allocate traffic counted). AdamW reads m, v, g, p and writes m, v and u (or p in place):
 7 x 4 bytes per element with fp32 gradients (3 x 4 + 4 x 2 with bfloat16 m and v, 3 x 4 + 4 x 1
 + 4 x 4 / 256 with q8 m and v and their block scales); Lion reads m, g, p and writes m and u:
-5 x 4; triad
+5 x 4; Muon's momentum pass reads m, g and writes m and the momentum: 4 x 4; its master pass
+(bfloat16 params) reads the direction, the master and the bf16 params and writes the master and
+the bf16 update: 3 x 4 + 2 x 2; triad
 a = b + s * c moves 3 x 4; memcpy 2 x 4.
 All kernels run in one process, interleaved round-robin (the machines are shared and their
 bandwidth drifts; interleaving exposes every kernel to the same conditions), one warm-up each,
@@ -36,12 +39,15 @@ from jax_mlpo import native
 from jax_mlpo.native.quantize import q8_encode
 from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.quantize import BLOCK, Quantized, num_blocks
-from jax_mlpo.types import BF16, F32, AdamWHyper, LionHyper
+from jax_mlpo.types import BF16, F32, AdamWHyper, ApplyHyper, LionHyper, MomentumHyper
 
 log = logging.getLogger("bench.kernels")
 
 HYPER = AdamWHyper(bc1=0.19, bc2=0.002, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
 LION = LionHyper(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.1)
+NESTEROV = HYPER._replace(nesterov=True, bc1_next=0.271)
+MOMENTUM = MomentumHyper(beta=0.95, bc=0.1426, bc_next=0.1855, nesterov=True)
+APPLY = ApplyHyper(lr=0.02, weight_decay=0.1)
 
 
 class Case(NamedTuple):
@@ -91,6 +97,12 @@ def native_cases(n: int) -> list[Case]:
              lambda: native.lion_step(m, g, p, u, LION)),
         Case("lion_bf16_moment_gbps", "native Lion, bf16 m (r m,g,p; w m,u)", 16,
              lambda: native.lion_step(m16, g, p, u, LION)),
+        Case("adamw_nesterov_gbps", "native AdamW, nesterov", 28,
+             lambda: native.adamw_step(m, v, g, p, u, NESTEROV)),
+        Case("muon_momentum_gbps", "native Muon momentum (r m,g; w m,m_hat)", 16,
+             lambda: native.momentum_step(m, g, u, MOMENTUM)),
+        Case("muon_master_gbps", "native Muon master, bf16 (r d,p,p16; w p,u16)", 16,
+             lambda: native.apply_step(g, p, h16, APPLY, update_param=True, delta_base=g16)),
         Case("triad_gbps", "STREAM triad a=b+s*c (native)", 12,
              lambda: native.stream_triad(a, p, g, 3.0)),
         Case("memcpy_gbps", "memcpy (native, threaded)", 8, lambda: native.parallel_copy(a, p)),
@@ -215,6 +227,8 @@ TARGETS = {
     "ratio_adamw_q8_moments_over_triad": 0.6,
     "ratio_adamw_q8_stochastic_over_triad": 0.6,
     "ratio_lion_over_triad": 0.8,
+    "ratio_muon_momentum_over_triad": 0.8,
+    "ratio_muon_master_over_triad": 0.8,
     "ratio_adamw_over_xla": 1.3,
     "ratio_adamw_inplace_over_xla_inplace": 1.3,
     "ratio_adamw_over_numpy": 5.0,
@@ -226,7 +240,7 @@ def table(cases: list[Case], figures: dict[str, float]) -> str:
         f"| {'kernel':<42} | {'B/elem':>6} | {'GB/s':>6} |",
         f"|{'-' * 44}|{'-' * 8}|{'-' * 8}|",
     ]
-    order = ["adamw", "lion", "ffi", "xla", "numpy", "triad", "memcpy", "bf16", "f32"]
+    order = ["adamw", "lion", "muon", "ffi", "xla", "numpy", "triad", "memcpy", "bf16", "f32"]
     for c in sorted(cases, key=lambda c: order.index(c.key.split("_")[0])):
         rows.append(f"| {c.label:<42} | {c.bytes_per_elem:>6.4g} | {figures[c.key]:>6.1f} |")
     rows += ["", f"| {'ratio':<42} | {'value':>6} | {'target':>6} |", rows[1]]
@@ -265,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         figures["adamw_bf16_moments_gbps"] / figures["triad_gbps"]
     )
     figures["ratio_lion_over_triad"] = figures["lion_gbps"] / figures["triad_gbps"]
+    for kind in ("muon_momentum", "muon_master", "adamw_nesterov"):
+        figures[f"ratio_{kind}_over_triad"] = figures[f"{kind}_gbps"] / figures["triad_gbps"]
     for kind in ("q8_moments", "q8_stochastic"):
         figures[f"ratio_adamw_{kind}_over_triad"] = (
             figures[f"adamw_{kind}_gbps"] / figures["triad_gbps"]
