@@ -31,10 +31,10 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
-from jax_mlpo.offloaded import concrete, offloaded, validate_once
+from jax_mlpo.offloaded import concrete, offloaded
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
 from jax_mlpo.plan import split_host_cache
-from jax_mlpo.transform import adamw
+from jax_mlpo.transform import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.types import BF16, F32
 
 
@@ -182,9 +182,8 @@ def muon(
       ValueError: at construction, for a nonzero ``adam_eps_root``, a ``mu_dtype`` other than
         None, float32 and bfloat16, or an ``update_dtype`` other than None and float32.
     """
-    if not isinstance(offload, OffloadConfig):
-        raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
-    validate_once(offload)
+    check_offload(offload)
+    check_scalars({"beta": beta, "weight_decay": weight_decay})
     eps_root = concrete(adam_eps_root)  # NaN when traced (inject_hyperparams): checked at init
     if not math.isnan(eps_root) and eps_root != 0.0:
         raise ValueError(f"adam_eps_root={adam_eps_root!r}: jax_mlpo.muon's AdamW has no eps_root")
@@ -192,10 +191,7 @@ def muon(
         raise ValueError(f"mu_dtype={mu_dtype!r}: jax_mlpo.muon stores its momentum in float32 "
                          "or bfloat16 (jnp.bfloat16)")  # fmt: skip
     moment = check_moment_dtypes([F32 if mu_dtype is None else mu_dtype], ["mu"])
-    if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
-        raise ValueError(
-            f"update_dtype must be None (the params' dtype) or float32, got {update_dtype!r}"
-        )
+    check_update_dtype(update_dtype)
     coeffs = _ns_coeffs(ns_coeffs, ns_steps)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
 

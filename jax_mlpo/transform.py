@@ -23,14 +23,21 @@ from jax_mlpo.optimizers.lion import Lion
 from jax_mlpo.quantize import Q8
 
 
-def _check_scalars(scalars: dict[str, Any]) -> None:
+def check_offload(offload: Any) -> None:
+    """Raises unless ``offload`` is an ``OffloadConfig``; checks its tiers once."""
+    if not isinstance(offload, OffloadConfig):
+        raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
+    validate_once(offload)
+
+
+def check_scalars(scalars: dict[str, Any]) -> None:
     for name, value in scalars.items():
         if not isinstance(value, int | float) and np.shape(value) != ():
             raise ValueError(f"{name} must be a float or a scalar array, got shape "
                              f"{np.shape(value)}")  # fmt: skip
 
 
-def _check_update_dtype(update_dtype: Any) -> None:
+def check_update_dtype(update_dtype: Any) -> None:
     if update_dtype is not None and jnp.dtype(update_dtype) != jnp.float32:
         raise ValueError(
             f"update_dtype must be None (the params' dtype) or float32, got {update_dtype!r}"
@@ -150,11 +157,9 @@ def adamw(
       >>> params = optax.apply_updates(params, updates)
       >>> jax_mlpo.close(state)
     """
-    if not isinstance(offload, OffloadConfig):
-        raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
-    validate_once(offload)
+    check_offload(offload)
     scalars_given = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
-    _check_scalars(scalars_given)
+    check_scalars(scalars_given)
     moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
     if q8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f'q8_rounding must be "nearest" or "stochastic", got {q8_rounding!r}')
@@ -162,7 +167,7 @@ def adamw(
         raise ValueError("nesterov=True needs float32 or bfloat16 moments (not q8)")
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
-    _check_update_dtype(update_dtype)
+    check_update_dtype(update_dtype)
     # the engine's own values: used where an update passes none (Python floats, kept double)
     optimizer = AdamW(
         *(concrete(v) for v in scalars_given.values()),
@@ -246,16 +251,14 @@ def lion(
       >>> updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
       >>> jax_mlpo.close(state)
     """
-    if not isinstance(offload, OffloadConfig):
-        raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
-    validate_once(offload)
+    check_offload(offload)
     scalars_given = {"b1": b1, "b2": b2, "weight_decay": weight_decay}
-    _check_scalars(scalars_given)
+    check_scalars(scalars_given)
     if mu_dtype is not None and isinstance(mu_dtype, str):
         raise ValueError(f'mu_dtype={mu_dtype!r}: jax_mlpo.lion stores its moment in float32 '
                          "or bfloat16 (jnp.bfloat16)")  # fmt: skip
     moments = check_moment_dtypes([jnp.float32 if mu_dtype is None else mu_dtype], ["mu"])
-    _check_update_dtype(update_dtype)
+    check_update_dtype(update_dtype)
     optimizer = Lion(*(concrete(v) for v in scalars_given.values()))
     return offloaded(
         "lion", optimizer, learning_rate=learning_rate, scalars_given=scalars_given,

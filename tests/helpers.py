@@ -1,7 +1,7 @@
 """Helpers shared by several test modules (imported as ``helpers``; no test module imports
 another): the native kernels' test problem (:func:`problem`, :func:`make_hyper`), bitwise
-comparison, unaligned views, the instruction sets to compare on, and :func:`flip` (a byte of a
-file corrupted).
+comparison, unaligned views, the instruction sets to compare on, :func:`flip` (a byte of a
+file corrupted), and the small training loop the wrapper tests run (:func:`run_small`).
 
 :func:`isas` sets each instruction set of the native kernels in turn. Which ones the CPU has
 is read from ``/proc/cpuinfo``, independently of the library: an instruction set the CPU has
@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_mlpo import native
 from jax_mlpo.types import BF16, F32, AdamWHyper
@@ -118,3 +119,36 @@ def flip(path: str | Path, pos: int) -> None:
         byte = f.read(1)[0]
         f.seek(pos)
         f.write(bytes([byte ^ 0x5A]))
+
+
+def small_params() -> dict:
+    """The wrapper tests' params: a 32x24 matrix and a 24-vector, float32."""
+    rng = np.random.default_rng(0)
+    return {"w": jnp.asarray(rng.standard_normal((32, 24)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((24,)), jnp.float32)}  # fmt: skip
+
+
+def small_grads(step, params):
+    """Gradients that differ per element and per step (and depend on the params)."""
+    return jax.tree.map(lambda p: jnp.sin(p * (step + 1)) + 0.1 * step, params)
+
+
+def run_small(tx, steps: int, *, jit: bool = True, change_at: int | None = None,
+              changes: dict | None = None):  # fmt: skip
+    """Trains :func:`small_params` with ``tx`` for ``steps`` steps; at step ``change_at`` sets
+    ``state.hyperparams`` from ``changes`` (as loops change an inject_hyperparams state by
+    hand). Returns the params and the state."""
+    params = small_params()
+    state = tx.init(params)
+
+    def step(params, state, i):
+        updates, state = tx.update(small_grads(i, params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step_fn = jax.jit(step) if jit else step
+    for i in range(steps):
+        if change_at is not None and i == change_at:
+            for name, value in (changes or {}).items():
+                state.hyperparams[name] = jnp.asarray(value, jnp.float32)
+        params, state = step_fn(params, state, jnp.int32(i))
+    return params, state

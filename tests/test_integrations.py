@@ -24,6 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from helpers import run_small, small_grads, small_params
 
 import jax_mlpo
 from jax_mlpo import registry
@@ -149,11 +150,11 @@ def test_offload_save_finds_the_state_in_optax_wrappers(kind, tmp_path):
     """The offloaded state inside optax.partition and optax.masked states is saved and
     restored like a top-level one: the restored moments are the saved ones, and the next
     update of the restored state equals the next update of the saved one."""
-    params = _params()
+    params = small_params()
     tx = _wrapped(kind, _config(tmp_path / "a"))
     state = tx.init(params)
     for i in range(2):
-        _, state = jax.jit(tx.update)(_grads(i, params), state, params)
+        _, state = jax.jit(tx.update)(small_grads(i, params), state, params)
     mngr = ocp.CheckpointManager(tmp_path / "ckpt")
     mngr.save(2, args=jax_mlpo.checkpoint.OffloadSave({"opt": state}))
     mngr.wait_until_finished()
@@ -162,43 +163,21 @@ def test_offload_save_finds_the_state_in_optax_wrappers(kind, tmp_path):
     target = {"opt": fresh_tx.init(params)}
     restored = mngr.restore(2, args=jax_mlpo.checkpoint.OffloadRestore(target))["opt"]
     assert jax.tree.structure(restored) == jax.tree.structure(target["opt"])
-    want, _ = jax.jit(tx.update)(_grads(2, params), state, params)
-    got, _ = jax.jit(fresh_tx.update)(_grads(2, params), restored, params)
+    want, _ = jax.jit(tx.update)(small_grads(2, params), state, params)
+    got, _ = jax.jit(fresh_tx.update)(small_grads(2, params), restored, params)
     for leaf in want:
         np.testing.assert_array_equal(got[leaf], want[leaf], err_msg=leaf)
     mngr.close()
     jax_mlpo.close((state, restored))
 
 
-def _params():
-    rng = np.random.default_rng(0)
-    return {"w": jnp.asarray(rng.standard_normal((32, 24)), jnp.float32),
-            "b": jnp.asarray(rng.standard_normal((24,)), jnp.float32)}  # fmt: skip
-
-
-def _grads(step, params):
-    return jax.tree.map(lambda p: jnp.sin(p * (step + 1)) + 0.1 * step, params)
+# the learning rate a loop sets by hand mid-run
+LR_CHANGE = {"learning_rate": 3e-3}
 
 
 def _config(path):
     return jax_mlpo.OffloadConfig(host_cache=3 * 8 * 256, subgroup_size=256, prefetch_depth=1,
                                   tiers=[jax_mlpo.FileTier(str(path))])  # fmt: skip
-
-
-def _run(tx, steps, *, jit=True, change_lr_at=None):
-    params = _params()
-    state = tx.init(params)
-
-    def step(params, state, i):
-        updates, state = tx.update(_grads(i, params), state, params)
-        return optax.apply_updates(params, updates), state
-
-    step_fn = jax.jit(step) if jit else step
-    for i in range(steps):
-        if change_lr_at is not None and i == change_lr_at:  # as loops change the lr by hand
-            state.hyperparams["learning_rate"] = jnp.asarray(3e-3, jnp.float32)
-        params, state = step_fn(params, state, jnp.int32(i))
-    return params, state
 
 
 @pytest.mark.parametrize("form", ["numeric", "static_args"])
@@ -209,14 +188,17 @@ def test_inject_hyperparams_matches_optax(form, jit, tmp_path):
     1e-6 of optax.inject_hyperparams(optax.adamw), with one engine for the whole run."""
     static = ("b1", "weight_decay") if form == "static_args" else ()
     hp = dict(learning_rate=1e-2, b1=0.8, b2=0.95, eps=1e-7, weight_decay=0.05)
-    want, want_state = _run(
-        optax.inject_hyperparams(optax.adamw, static_args=static)(**hp), 8, change_lr_at=5
+    want, want_state = run_small(
+        optax.inject_hyperparams(optax.adamw, static_args=static)(**hp),
+        8,
+        change_at=5,
+        changes=LR_CHANGE,
     )
     engines_before = len(set(map(id, registry._ENGINES.values())))
     tx = optax.inject_hyperparams(jax_mlpo.adamw, static_args=static)(
         **hp, offload=_config(tmp_path / "tier")
     )
-    got, got_state = _run(tx, 8, jit=jit, change_lr_at=5)
+    got, got_state = run_small(tx, 8, jit=jit, change_at=5, changes=LR_CHANGE)
     assert len(set(map(id, registry._ENGINES.values()))) == engines_before + 1
     assert len(jax_mlpo.metrics(got_state)) == 8
     for k in want:
@@ -233,12 +215,12 @@ def test_inject_hyperparams_b1_traced_changes_the_update(tmp_path):
     hp = dict(learning_rate=1e-2, b1=0.9, b2=0.99, weight_decay=0.0)
 
     def run(tx):
-        params, state = _params(), None
+        params, state = small_params(), None
         state = tx.init(params)
         for i in range(6):
             if i == 3:
                 state.hyperparams["b1"] = jnp.asarray(0.5, jnp.float32)
-            updates, state = jax.jit(tx.update)(_grads(i, params), state, params)
+            updates, state = jax.jit(tx.update)(small_grads(i, params), state, params)
             params = optax.apply_updates(params, updates)
         return params, state
 
@@ -261,12 +243,12 @@ def test_multi_steps_matches_optax_with_one_host_update_per_k(k, tmp_path):
         jax_mlpo.adamw(1e-2, weight_decay=0.1, offload=_config(tmp_path / "tier")),
         every_k_schedule=k,
     )
-    params = {"want": _params(), "got": _params()}
+    params = {"want": small_params(), "got": small_params()}
     states = {"want": want_tx.init(params["want"]), "got": tx.init(params["got"])}
     steppers = {name: jax.jit(t.update) for name, t in (("want", want_tx), ("got", tx))}
     for i in range(steps):
         for name in ("want", "got"):
-            g = _grads(i, params[name])
+            g = small_grads(i, params[name])
             updates, states[name] = steppers[name](g, states[name], params[name])
             if name == "got" and (i + 1) % k:
                 assert all(not np.any(u) for u in jax.tree.leaves(updates))
@@ -306,16 +288,16 @@ def test_multi_steps_accumulates_as_optax_in_its_dtype(acc_dtype, tmp_path):
 def test_optax_multi_steps_refusal_names_the_replacement(tmp_path):
     tx = optax.MultiSteps(jax_mlpo.adamw(1e-3, offload=_config(tmp_path / "t")), 4)
     with pytest.raises(ValueError, match=r"jax_mlpo\.MultiSteps\(tx, every_k_schedule=k\)"):
-        tx.init(_params())
+        tx.init(small_params())
 
 
 def test_closed_state_says_it_was_closed(tmp_path):
     tx = jax_mlpo.adamw(1e-3, offload=_config(tmp_path / "t"))
-    params = _params()
+    params = small_params()
     with jax_mlpo.closing(tx.init(params)) as state:
-        _, state = tx.update(_grads(0, params), state, params)
+        _, state = tx.update(small_grads(0, params), state, params)
     with pytest.raises(jax.errors.JaxRuntimeError, match="was closed"):
-        _, state = tx.update(_grads(1, params), state, params)
+        _, state = tx.update(small_grads(1, params), state, params)
         jax.block_until_ready(state.count)
 
 
@@ -323,7 +305,7 @@ def test_handles_are_unique_and_not_counters(tmp_path):
     """Two engines never share a handle, and a handle is not the small counter another
     process would also have drawn (it would name that process's engine)."""
     txs = [jax_mlpo.adamw(1e-3, offload=_config(tmp_path / f"t{k}")) for k in range(3)]
-    states = [tx.init(_params()) for tx in txs]
+    states = [tx.init(small_params()) for tx in txs]
     handles = {int(s.handle) for s in states}
     assert len(handles) == 3 and all(h > 1000 for h in handles)
     jax_mlpo.close(states)

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_bits_equal, isas, view
+from helpers import assert_bits_equal, isas, run_small, small_grads, small_params, view
 from parity import (
     CASES,
     NUM_PARAMS,
@@ -194,14 +194,8 @@ def test_the_state_is_one_moment_and_moves_a_third_less_than_adamw(dtype, tmp_pa
 # ---- wrappers and loops ----------------------------------------------------------------------
 
 
-def _params():
-    rng = np.random.default_rng(0)
-    return {"w": jnp.asarray(rng.standard_normal((32, 24)), jnp.float32),
-            "b": jnp.asarray(rng.standard_normal((24,)), jnp.float32)}  # fmt: skip
-
-
-def _grads(step, params):
-    return jax.tree.map(lambda p: jnp.sin(p * (step + 1)) + 0.1 * step, params)
+# what the loops change by hand mid-run
+CHANGES = {"learning_rate": 3e-3, "b1": 0.5}
 
 
 def _config(path):
@@ -209,31 +203,14 @@ def _config(path):
                                   tiers=[jax_mlpo.FileTier(str(path))])  # fmt: skip
 
 
-def _run(tx, steps, *, change_at=None):
-    params = _params()
-    state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, i):
-        updates, state = tx.update(_grads(i, params), state, params)
-        return optax.apply_updates(params, updates), state
-
-    for i in range(steps):
-        if change_at is not None and i == change_at:  # as loops change them by hand
-            state.hyperparams["learning_rate"] = jnp.asarray(3e-3, jnp.float32)
-            state.hyperparams["b1"] = jnp.asarray(0.5, jnp.float32)
-        params, state = step(params, state, jnp.int32(i))
-    return params, state
-
-
 def test_inject_hyperparams_matches_optax(tmp_path):
     """The learning rate, b1, b2 and weight decay as per-step arrays, two of them changed
     mid-run: the run follows optax.inject_hyperparams(optax.lion), with one engine."""
     hp = dict(learning_rate=1e-2, b1=0.8, b2=0.95, weight_decay=0.05)
-    want, _ = _run(optax.inject_hyperparams(optax.lion)(**hp), 8, change_at=5)
+    want, _ = run_small(optax.inject_hyperparams(optax.lion)(**hp), 8, change_at=5, changes=CHANGES)
     tx = optax.inject_hyperparams(jax_mlpo.lion, static_args="offload")(
         **hp, offload=_config(tmp_path / "tier"))  # fmt: skip
-    got, state = _run(tx, 8, change_at=5)
+    got, state = run_small(tx, 8, change_at=5, changes=CHANGES)
     assert len(jax_mlpo.metrics(state)) == 8
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
@@ -243,12 +220,12 @@ def test_inject_hyperparams_matches_optax(tmp_path):
 def test_multi_steps_matches_optax(tmp_path):
     """jax_mlpo.MultiSteps(jax_mlpo.lion) against optax.MultiSteps(optax.lion): the same params
     and one host update per 3 micro-steps."""
-    want, _ = _run(optax.MultiSteps(optax.lion(1e-2, weight_decay=0.1), every_k_schedule=3), 9)
+    want, _ = run_small(optax.MultiSteps(optax.lion(1e-2, weight_decay=0.1), every_k_schedule=3), 9)
     tx = jax_mlpo.MultiSteps(
         jax_mlpo.lion(1e-2, weight_decay=0.1, offload=_config(tmp_path / "tier")),
         every_k_schedule=3,
     )
-    got, state = _run(tx, 9)
+    got, state = run_small(tx, 9)
     assert len(jax_mlpo.metrics(state)) == 3
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
@@ -257,7 +234,9 @@ def test_multi_steps_matches_optax(tmp_path):
 
 def test_optax_multi_steps_is_refused_naming_lion(tmp_path):
     with pytest.raises(ValueError, match=r"jax_mlpo.lion cannot be wrapped in optax.MultiSteps"):
-        optax.MultiSteps(jax_mlpo.lion(1e-3, offload=_config(tmp_path / "t")), 2).init(_params())
+        optax.MultiSteps(jax_mlpo.lion(1e-3, offload=_config(tmp_path / "t")), 2).init(
+            small_params()
+        )
 
 
 def test_q8_moment_is_refused_with_the_choices(tmp_path):
@@ -296,11 +275,11 @@ def test_checkpoint_on_a_mesh_in_the_loops_own_manager_resumes_exactly(tmp_path)
 def test_checkpoint_restores_across_layouts_and_refuses_adamw(tmp_path):
     """A Lion state saved with one subgroup size restores into another layout, and its next
     update is the saved state's; restoring it into an AdamW state names the mismatch."""
-    params = _params()
+    params = small_params()
     tx = jax_mlpo.lion(1e-2, offload=_config(tmp_path / "a"))
     state = tx.init(params)
     for i in range(2):
-        _, state = jax.jit(tx.update)(_grads(i, params), state, params)
+        _, state = jax.jit(tx.update)(small_grads(i, params), state, params)
     mngr = ocp.CheckpointManager(tmp_path / "ckpt")
     mngr.save(2, args=jax_mlpo.checkpoint.OffloadSave({"opt": state}))
     mngr.wait_until_finished()
@@ -310,8 +289,8 @@ def test_checkpoint_restores_across_layouts_and_refuses_adamw(tmp_path):
     restored = mngr.restore(
         2, args=jax_mlpo.checkpoint.OffloadRestore({"opt": fresh_tx.init(params)})
     )["opt"]
-    want, _ = jax.jit(tx.update)(_grads(2, params), state, params)
-    got, _ = jax.jit(fresh_tx.update)(_grads(2, params), restored, params)
+    want, _ = jax.jit(tx.update)(small_grads(2, params), state, params)
+    got, _ = jax.jit(fresh_tx.update)(small_grads(2, params), restored, params)
     for leaf in want:
         np.testing.assert_array_equal(got[leaf], want[leaf], err_msg=leaf)
     adamw_config = jax_mlpo.OffloadConfig(host_cache=3 * 8 * 256, subgroup_size=256,

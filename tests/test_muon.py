@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_bits_equal, isas, view
+from helpers import assert_bits_equal, isas, run_small, small_grads, small_params, view
 from parity import (
     CASES,
     SCHEDULE,
@@ -362,20 +362,14 @@ def test_refusals_name_the_cause(tmp_path):
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         jax_mlpo.muon(1e-3, mu_dtype="q8", offload=config)
     with pytest.raises(ValueError, match=r"jax_mlpo.muon cannot be wrapped in optax.MultiSteps"):
-        optax.MultiSteps(jax_mlpo.muon(1e-3, offload=config), 2).init(_params())
+        optax.MultiSteps(jax_mlpo.muon(1e-3, offload=config), 2).init(small_params())
 
 
 # ---- wrappers and loops ----------------------------------------------------------------------
 
 
-def _params():
-    rng = np.random.default_rng(0)
-    return {"w": jnp.asarray(rng.standard_normal((32, 24)), jnp.float32),
-            "b": jnp.asarray(rng.standard_normal((24,)), jnp.float32)}  # fmt: skip
-
-
-def _grads(step, params):
-    return jax.tree.map(lambda p: jnp.cos(p * (step + 1)) + 0.1 * step, params)
+# what the loops change by hand mid-run
+CHANGES = {"learning_rate": 3e-3, "beta": 0.5}
 
 
 def _config(path):
@@ -383,33 +377,16 @@ def _config(path):
                                   tiers=[jax_mlpo.FileTier(str(path))])  # fmt: skip
 
 
-def _run(tx, steps, *, change_at=None):
-    params = _params()
-    state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, i):
-        updates, state = tx.update(_grads(i, params), state, params)
-        return optax.apply_updates(params, updates), state
-
-    for i in range(steps):
-        if change_at is not None and i == change_at:  # as loops change them by hand
-            state.hyperparams["learning_rate"] = jnp.asarray(3e-3, jnp.float32)
-            state.hyperparams["beta"] = jnp.asarray(0.5, jnp.float32)
-        params, state = step(params, state, jnp.int32(i))
-    return params, state
-
-
 def test_inject_hyperparams_matches_optax(tmp_path):
     """The learning rate, beta and both weight decays as per-step arrays, two changed mid-run:
     the run follows optax.inject_hyperparams(optax.contrib.muon)."""
     hp = dict(learning_rate=1e-2, beta=0.9, weight_decay=0.05, adam_weight_decay=0.05)
     static = ("ns_steps", "offload")
-    want, _ = _run(optax.inject_hyperparams(optax.contrib.muon, static_args=static[:1])(**hp),
-                   8, change_at=5)  # fmt: skip
+    want, _ = run_small(optax.inject_hyperparams(optax.contrib.muon, static_args=static[:1])(**hp),
+                   8, change_at=5, changes=CHANGES)  # fmt: skip
     tx = optax.inject_hyperparams(jax_mlpo.muon, static_args=static)(
         **hp, offload=_config(tmp_path / "tier"))  # fmt: skip
-    got, state = _run(tx, 8, change_at=5)
+    got, state = run_small(tx, 8, change_at=5, changes=CHANGES)
     assert len(jax_mlpo.metrics(state)) == 8
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
@@ -417,13 +394,13 @@ def test_inject_hyperparams_matches_optax(tmp_path):
 
 
 def test_multi_steps_matches_optax(tmp_path):
-    want, _ = _run(optax.MultiSteps(optax.contrib.muon(1e-2, weight_decay=0.1),
+    want, _ = run_small(optax.MultiSteps(optax.contrib.muon(1e-2, weight_decay=0.1),
                                     every_k_schedule=3), 9)  # fmt: skip
     tx = jax_mlpo.MultiSteps(
         jax_mlpo.muon(1e-2, weight_decay=0.1, offload=_config(tmp_path / "tier")),
         every_k_schedule=3,
     )
-    got, state = _run(tx, 9)
+    got, state = run_small(tx, 9)
     assert len(jax_mlpo.metrics(state)) == 3
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
@@ -481,11 +458,11 @@ def test_linen_train_state_follows_optax(tmp_path):
 def test_checkpoint_restores_across_layouts(tmp_path):
     """A Muon state (bfloat16 params: momentum, master and AdamW engines) saved with one
     subgroup size restores into another layout, and its next update is the saved state's."""
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), small_params())
     tx = jax_mlpo.muon(1e-2, offload=_config(tmp_path / "a"))
     state = tx.init(params)
     for i in range(2):
-        _, state = jax.jit(tx.update)(_grads(i, params), state, params)
+        _, state = jax.jit(tx.update)(small_grads(i, params), state, params)
     mngr = ocp.CheckpointManager(tmp_path / "ckpt")
     mngr.save(2, args=jax_mlpo.checkpoint.OffloadSave({"opt": state}))
     mngr.wait_until_finished()
@@ -495,8 +472,8 @@ def test_checkpoint_restores_across_layouts(tmp_path):
     restored = mngr.restore(
         2, args=jax_mlpo.checkpoint.OffloadRestore({"opt": fresh_tx.init(params)})
     )["opt"]
-    want, _ = jax.jit(tx.update)(_grads(2, params), state, params)
-    got, _ = jax.jit(fresh_tx.update)(_grads(2, params), restored, params)
+    want, _ = jax.jit(tx.update)(small_grads(2, params), state, params)
+    got, _ = jax.jit(fresh_tx.update)(small_grads(2, params), restored, params)
     for leaf in want:
         np.testing.assert_array_equal(got[leaf], want[leaf], err_msg=leaf)
     mngr.close()

@@ -161,7 +161,8 @@ def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, 
         if not is_offloaded(x):
             continue
         state, layout, plan = path_name(("tree", *path)), engine_of(x).layout, mesh_plan_of(x)
-        # a mesh engine's leaves are shards: each parameter leaf's dtype is its first shard's
+        # a mesh engine's leaves are shards: whether a parameter leaf has a master is its first
+        # shard's
         owners = [s.leaf for s in plan.shards] if plan is not None else range(len(layout.shapes))
         masters: dict[int, bool] = {}
         for j, leaf in enumerate(owners):

@@ -49,15 +49,21 @@ const KernelTable* InitialKernels() {
 
 std::atomic<const KernelTable*> g_kernels{InitialKernels()};
 
+// Where a call's update goes (AdamWOut), from which of the optional outputs it was given.
+template <typename Args>
+int OutMode(const Args& a) {
+  return a.update_bf16 != nullptr   ? kOutDeltaBf16
+         : a.update_out == nullptr  ? kOutNone
+         : a.delta_base != nullptr  ? kOutDelta
+                                    : kOutUpdate;
+}
+
 }  // namespace
 
 const KernelTable& Kernels() { return *g_kernels.load(std::memory_order_acquire); }
 
 void AdamW(const AdamWArgs& args, size_t n) {
-  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
-                  : args.update_out == nullptr ? kOutNone
-                  : args.delta_base != nullptr ? kOutDelta
-                                               : kOutUpdate;
+  const int out = OutMode(args);
   const int index = AdamWIndex(args.grad_bf16, args.has_wd, args.update_param,
                                args.param_bf16_out != nullptr, out, args.mu_bf16, args.nu_bf16,
                                args.nesterov);
@@ -71,10 +77,7 @@ void AdamW(const AdamWArgs& args, size_t n) {
 }
 
 void Lion(const LionArgs& args, size_t n) {
-  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
-                  : args.update_out == nullptr ? kOutNone
-                  : args.delta_base != nullptr ? kOutDelta
-                                               : kOutUpdate;
+  const int out = OutMode(args);
   const LionRangeFn fn = Kernels().lion(LionIndex(args.grad_bf16, args.has_wd, args.update_param,
                                                   args.param_bf16_out != nullptr, out,
                                                   args.mu_bf16));
@@ -90,10 +93,7 @@ void Momentum(const MomentumArgs& args, size_t n) {
 }
 
 void Apply(const ApplyArgs& args, size_t n) {
-  const int out = args.update_bf16 != nullptr ? kOutDeltaBf16
-                  : args.update_out == nullptr ? kOutNone
-                  : args.delta_base != nullptr ? kOutDelta
-                                               : kOutUpdate;
+  const int out = OutMode(args);
   const ApplyRangeFn fn = Kernels().apply(
       ApplyIndex(args.has_wd, args.update_param, args.param_bf16_out != nullptr, out));
   ParallelFor(n, kMinParallelElems, kChunkAlignElems,
