@@ -29,7 +29,7 @@ import numpy as np
 from jax_mlpo.engine import Engine
 from jax_mlpo.mesh_update import DeviceCalls, MeshPlan
 from jax_mlpo.opt_state import find_offloaded, handle_of
-from jax_mlpo.step_metrics import StepMetrics
+from jax_mlpo.step_metrics import StepMetrics, combine
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,11 @@ def mesh_plan_of(state: Any) -> MeshPlan | None:
 
 
 def metrics(opt_state: Any) -> list[StepMetrics]:
-    """The figures of every update the (first) offloaded state in ``opt_state`` has run.
+    """The figures of every update the offloaded states in ``opt_state`` have run.
+
+    An optimizer of several engines (``jax_mlpo.muon``'s momentum, master and AdamW states, or
+    several offloaded optimizers in one ``optax.multi_transform``) runs them one after another
+    in each update: its figures are theirs added up (:func:`jax_mlpo.step_metrics.combine`).
 
     Args:
       opt_state: an optimizer state in any form (see :func:`engine_of`).
@@ -178,7 +182,18 @@ def metrics(opt_state: Any) -> list[StepMetrics]:
       each tier moved); the updates in flight are waited for first.
     """
     jax.effects_barrier()
-    return list(engine_of(opt_state).metrics)
+    engines: list[Engine] = []
+    for state in _states(opt_state):
+        found = engine(key_of(handle_of(state)))
+        if not any(found is e for e in engines):  # a mesh's slots share their engine
+            engines.append(found)
+    if len(engines) == 1:
+        return list(engines[0].metrics)
+    by_step: dict[int, list[StepMetrics]] = {}
+    for e in engines:
+        for m in e.metrics:
+            by_step.setdefault(m.step, []).append(m)
+    return [combine(parts) for _, parts in sorted(by_step.items())]
 
 
 def close(opt_state: Any) -> None:

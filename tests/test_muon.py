@@ -317,6 +317,11 @@ def test_the_state_is_the_momentum_and_moves_a_third_less_than_adamw(dtype, tmp_
             assert last.subgroups - last.cache_hits >= 40  # most came from the tier
             total += sum(last.bytes_read.values()) + sum(last.bytes_written.values())
         moved[name] = total
+        # jax_mlpo.metrics reports the step of every engine, not the first one's
+        steps = jax_mlpo.metrics(state)
+        assert len(steps) == 2
+        assert sum(steps[-1].bytes_read.values()) + sum(steps[-1].bytes_written.values()) == total
+        assert steps[-1].subgroups == sum(e.metrics[-1].subgroups for e in engines)
         if name == "muon":
             parts = sorted(p.name for p in tier.iterdir() if p.is_dir())
             assert parts == (["master", "momentum"] if master else ["momentum"])
