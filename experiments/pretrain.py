@@ -20,7 +20,8 @@ writes its shards of each checkpoint, which restores onto any process count. See
 docs/pretrain.md.
 
 The job's parts: :mod:`experiments.run_config` (the config), :mod:`experiments.dry_run` (the
-memory plan), :mod:`experiments.train` (the loop) and :mod:`experiments.records` (its outputs).
+memory plan), :mod:`experiments.optimizer` (the optimizer), :mod:`experiments.train` (the loop)
+and :mod:`experiments.records` (its outputs).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The training loop of the pre-training job, on one process or as one of several.
 
 :func:`train` runs a :class:`~experiments.run_config.RunConfig`'s steps: the model from its
-preset, the batches of :mod:`experiments.data`, the optimizer (jax_mlpo's offloaded AdamW or
-Lion, or optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a
+preset, the batches of :mod:`experiments.data`, the optimizer of :mod:`experiments.optimizer`
+(jax_mlpo's offloaded AdamW, Lion or Muon, or optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a
 later run resumes exactly. A step is two jitted halves timed apart (forward + backward, then the
 update); :mod:`experiments.records` turns each into a metrics record. In a multi-process run
 (:func:`init_distributed`) every process runs the same loop on its rows of the global batch.
@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -34,6 +33,7 @@ from experiments.dry_run import memory_plan
 from experiments.host_memory import check_fits, meminfo, training_memory
 from experiments.iteration import tier_totals
 from experiments.mesh import batch_sharding, build_mesh, shard
+from experiments.optimizer import build_optimizer
 from experiments.records import earlier_records, finish, progress, step_record
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from experiments.steps import make_steps
@@ -116,98 +116,6 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> TokenDataset:
     return TokenDataset.from_token_file(
         d.paths[0], dtype=d.token_dtype, vocab_size=vocab_size if d.check_vocab else None
     )
-
-
-def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
-    """The config's optimizer (``optimizer.name``) with its schedule, decay mask and clipping.
-
-    Args:
-      cfg: the run config.
-      use_optax: optax's in-memory optimizer (clipping chained before it) instead of
-        jax_mlpo's offloaded one (AdamW's clipping inside the host update).
-
-    Returns:
-      The transformation. The parents of default tiers (under ``<run_dir>/tiers``) are
-      created; explicitly given tiers' parents must exist.
-    """
-    o = cfg.optimizer
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        o.peak_lr,
-        o.warmup_steps,
-        max(cfg.steps, o.warmup_steps + 1),
-        o.peak_lr * o.min_lr_ratio,
-    )
-
-    def decay_mask(params):  # no weight decay on norms' scales (1-D leaves)
-        return jax.tree.map(lambda x: x.ndim > 1, params)
-
-    kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
-                  mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
-    _make_default_tier_parents(cfg)
-    clip = optax.clip_by_global_norm(o.clip_norm)
-    if o.name == "muon":
-        return optax.chain(clip, _muon(o, schedule, decay_mask, cfg, use_optax))
-    if o.name == "lion":
-        del kwargs["eps"]
-        if use_optax:
-            return optax.chain(clip, optax.lion(schedule, **kwargs))
-        return optax.chain(clip, jax_mlpo.lion(schedule, **kwargs, offload=cfg.offload))
-    if use_optax:
-        if o.nu_dtype != "float32":
-            raise ConfigError(
-                f"optimizer.nu_dtype={o.nu_dtype} is jax_mlpo's; optax.adamw keeps nu in the "
-                "params' dtype: drop --optimizer optax or set optimizer.nu_dtype=float32"
-            )
-        if o.mu_dtype == "q8":
-            raise ConfigError(
-                "optimizer.mu_dtype=q8 is jax_mlpo's; optax.adamw takes a float mu_dtype: drop "
-                "--optimizer optax or set optimizer.mu_dtype=bfloat16 or float32"
-            )
-        return optax.chain(clip, optax.adamw(schedule, **kwargs))
-    kwargs["nu_dtype"] = None if o.nu_dtype == "float32" else o.nu_dtype
-    kwargs["q8_rounding"] = o.q8_rounding
-    # The same clipping as the chain above, applied inside the host update (no pass of XLA's
-    # over the gradients to scale them).
-    return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
-
-
-def _hidden_matrices(params: Any) -> Any:
-    """Muon's dimension numbers for the blocks' 2-D weights, None (AdamW) for the token
-    embedding, the output head and the vectors."""
-
-    def spec(path: Any, x: Any) -> Any:
-        name = jax.tree_util.keystr(path)
-        outer = "embed" in name or "lm_head" in name
-        return None if x.ndim != 2 or outer else optax.contrib.MuonDimensionNumbers()
-
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: bool) -> Any:
-    """Muon on the blocks' matrices (every 2-D leaf with ``muon_embeddings``), AdamW on the
-    rest."""
-    adam_lr = schedule
-    if o.adam_peak_lr is not None:
-        adam_lr = optax.warmup_cosine_decay_schedule(
-            0.0, o.adam_peak_lr, o.warmup_steps, max(cfg.steps, o.warmup_steps + 1),
-            o.adam_peak_lr * o.min_lr_ratio,
-        )  # fmt: skip
-    kwargs = dict(beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
-                  weight_decay_mask=decay_mask, adam_b1=o.b1, adam_b2=o.b2,
-                  adam_learning_rate=adam_lr,
-                  muon_weight_dimension_numbers=None if o.muon_embeddings else _hidden_matrices,
-                  mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
-    if use_optax:
-        return optax.contrib.muon(schedule, **kwargs)
-    return jax_mlpo.muon(schedule, **kwargs, offload=cfg.offload)
-
-
-def _make_default_tier_parents(cfg: RunConfig) -> None:
-    """Creates the parents of default tiers (under ``<run_dir>/tiers``)."""
-    for tier in cfg.offload.tiers:
-        if Path(tier.path).parent == Path(cfg.run_dir) / "tiers":
-            Path(tier.path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def open_checkpoints(cfg: RunConfig, name: str, resume: bool) -> Any:

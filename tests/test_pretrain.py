@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_mlpo
-from experiments import host_memory, pretrain, report, run_config, train
+from experiments import host_memory, optimizer, pretrain, report, run_config, train
 from experiments.dry_run import dry_run, memory_plan
 from experiments.processes import free_port
 from models import get_preset, param_count
@@ -461,11 +461,11 @@ def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
     plan = dry_run(cfg, 1)
     assert plan["state_bytes_per_process"] == 4 * n  # fp32 params: m and v only
     assert plan["state_parts"] == "m bfloat16, v bfloat16"
-    state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
+    state = optimizer.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
     assert jax_mlpo.engine_of(state).layout.state_bytes == 4 * 64_000
     jax_mlpo.close(state)
     with pytest.raises(run_config.ConfigError, match="nu_dtype=bfloat16 is jax_mlpo's"):
-        train.build_optimizer(cfg, use_optax=True)
+        optimizer.build_optimizer(cfg, use_optax=True)
     with pytest.raises(run_config.ConfigError, match="'optimizer.mu_dtype' must be"):
         run_config.load_config(TINY, ["optimizer.mu_dtype=float16"])
 
@@ -500,7 +500,7 @@ def test_muon_in_the_config_trains_beside_optax_muon(data_cache, tmp_path):
     assert np.mean(offload["losses"][-3:]) < offload["losses"][0] - 0.2  # it learns
     np.testing.assert_allclose(offload["losses"], optax["losses"], rtol=0, atol=1e-4)
     cfg = run_config.load_config(TINY, ["optimizer.name=muon", f"run_dir={tmp_path}"])
-    state = train.build_optimizer(cfg, use_optax=False).init(
+    state = optimizer.build_optimizer(cfg, use_optax=False).init(
         {"w": jnp.zeros((64, 1000)), "scale": jnp.zeros((1000,))}
     )
     engines = [jax_mlpo.engine_of(s) for s in jax_mlpo.opt_state.find_offloaded(state)]
@@ -520,13 +520,13 @@ def test_q8_moments_in_the_config(tmp_path):
     plan = dry_run(cfg, 1)
     assert plan["state_bytes_per_process"] == math.ceil(n * (2 + 8 / 256))
     assert plan["state_parts"] == "m q8, v q8"
-    state = train.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
+    state = optimizer.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
     engine = jax_mlpo.engine_of(state)
     assert engine.optimizer.stochastic_rounding
     assert engine.layout.state_bytes == 2 * 64_000 + 8 * math.ceil(64_000 / 256)
     jax_mlpo.close(state)
     with pytest.raises(run_config.ConfigError, match="mu_dtype=q8 is jax_mlpo's"):
-        train.build_optimizer(run_config.load_config(TINY, sets[:1]), use_optax=True)
+        optimizer.build_optimizer(run_config.load_config(TINY, sets[:1]), use_optax=True)
     with pytest.raises(run_config.ConfigError, match="'optimizer.q8_rounding' must be"):
         run_config.load_config(TINY, ["optimizer.q8_rounding=up"])
 
