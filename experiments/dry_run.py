@@ -14,26 +14,75 @@ import math
 from typing import Any
 
 from experiments.host_memory import meminfo, training_memory
+from experiments.optimizer import muon_matrix_params
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import placement
 from jax_mlpo.layout import state_bytes_per_param
 from jax_mlpo.placement.split import TierSplit, tier_split
-from jax_mlpo.plan import HostPlan, host_plan
+from jax_mlpo.plan import HostPlan, StateShape, host_plan, split_host_cache
 from models import param_count
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """One process's share of the state and the engine plan over it.
+class StatePart:
+    """The state one engine of the job's optimizer holds.
 
     Attributes:
+      name: ``adamw`` or ``lion`` (the whole state); for ``muon`` its engines' ``momentum``
+        (the matrices' momentum), ``master`` (their fp32 master, bfloat16 params only) and
+        ``adam`` (AdamW's state of the other leaves), each in a subdirectory of every tier.
+      params: parameters of the model whose state it holds (all processes).
+      master: it holds their fp32 master (bfloat16 params, not Muon's momentum engine).
+      moments: its moments' dtype names, in order.
+    """
+
+    name: str
+    params: int
+    master: bool
+    moments: tuple[str, ...]
+
+    @property
+    def bytes_per_param(self) -> float:
+        return state_bytes_per_param(self.master, self.moments)
+
+    @property
+    def description(self) -> str:
+        """What it holds: ``fp32 master, m bfloat16, v float32``."""
+        moments = [f"{n} {d}" for n, d in zip(("m", "v")[: len(self.moments)], self.moments,
+                                               strict=True)]  # fmt: skip
+        return ", ".join((["fp32 master"] if self.master else []) + moments)
+
+
+def state_parts(cfg: RunConfig) -> list[StatePart]:
+    """The engines of ``cfg``'s optimizer and the state each holds: one for AdamW and Lion, up
+    to three for Muon (:func:`jax_mlpo.muon`)."""
+    model = resolve_model(cfg)
+    o, n = cfg.optimizer, param_count(model)
+    bf16 = model.param_dtype == "bfloat16"
+    if o.name == "adamw":
+        return [StatePart("adamw", n, bf16, (o.mu_dtype, o.nu_dtype))]
+    if o.name == "lion":
+        return [StatePart("lion", n, bf16, (o.mu_dtype,))]
+    matrices = muon_matrix_params(cfg)
+    parts = [StatePart("momentum", matrices, False, (o.mu_dtype,)),
+             StatePart("master", matrices, True, ()),
+             StatePart("adam", n - matrices, bf16, (o.mu_dtype, "float32"))]  # fmt: skip
+    return [p for p in parts if p.params and (p.name != "master" or bf16)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """One process's share of one engine's state and the engine plan over it.
+
+    Attributes:
+      part: the state the engine holds.
       params: parameters of the model.
       param_dtype: the model's parameter dtype.
       processes: processes sharing the state.
-      params_per_process: parameters whose state one process holds.
+      params_per_process: parameters whose state (of this part) one process holds.
       state_bytes_per_param: the fp32 master (4, bf16 params only: fp32 params are their own
-        master copy) and m and v at their dtypes (4, 2, or 1 + 4/256 for q8 with its scales
-        each): 12 or 8 with float32 moments.
+        master copy) and the moments at their dtypes (4, 2, or 1 + 4/256 for q8 with its
+        scales each): AdamW's 12, or 8 with float32 moments.
       subgroup_elems: parameters per subgroup (the last one may be smaller).
       num_subgroups: subgroups per process.
       host: the engine's host buffer plan.
@@ -42,6 +91,7 @@ class MemoryPlan:
         (otherwise equal bandwidths: a run probes them at start).
     """
 
+    part: StatePart
     params: int
     param_dtype: str
     processes: int
@@ -58,15 +108,46 @@ class MemoryPlan:
         return math.ceil(self.params_per_process * self.state_bytes_per_param)
 
 
-def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
-    """The engine plan of one of ``processes`` processes running ``cfg``.
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """The plans of every engine of the job's optimizer in one process.
+
+    Attributes:
+      engines: one plan per engine, in the order the update runs them.
+      problem: why the config cannot run (the engines' host cache split, or an engine's own
+        plan), or None.
+    """
+
+    engines: tuple[MemoryPlan, ...]
+    problem: str | None
+
+    @property
+    def state_bytes_per_process(self) -> int:
+        return sum(e.state_bytes_per_process for e in self.engines)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the engines' buffers (their shares of ``host_cache``)."""
+        return sum(e.host.host_bytes for e in self.engines)
+
+    @property
+    def subgroup_elems(self) -> int:
+        """Parameters of the largest subgroup of any engine."""
+        return max(e.subgroup_elems for e in self.engines)
+
+
+def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
+    """The engine plans of one of ``processes`` processes running ``cfg``.
+
+    Engines of one optimizer (Muon's) share ``offload.host_cache`` as the run does
+    (:func:`jax_mlpo.plan.split_host_cache`).
 
     Args:
       cfg: the run config.
       processes: processes sharing the optimizer state evenly.
 
     Returns:
-      The plan; nothing is allocated or created.
+      The plans; nothing is allocated or created.
 
     Raises:
       ConfigError: for ``processes < 1`` or an invalid model.
@@ -75,44 +156,71 @@ def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
         raise ConfigError(f"--processes must be >= 1, got {processes}")
     model = resolve_model(cfg)
     off = cfg.offload
-    n = param_count(model)
-    moments = (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype)  # dtype names numpy knows
-    if cfg.optimizer.name in ("lion", "muon"):  # one moment (muon: its matrices')
-        moments = moments[:1]
-    per_param = state_bytes_per_param(model.param_dtype == "bfloat16", moments)
-    per_proc = math.ceil(n / processes)
-    size = min(off.subgroup_size, per_proc)
-    n_sg = math.ceil(per_proc / size)
-    host = host_plan(
-        off,
-        num_subgroups=n_sg,
-        state_bytes=math.ceil(per_proc * per_param),
-        max_state_elems=math.ceil(size * per_param / 4),
-        max_subgroup_elems=size,
-    )
-    given = [(t.read_bandwidth, t.write_bandwidth) for t in host.tiers]
-    known = bool(given) and all(r and w for r, w in given)
-    split = None
-    if host.tiers:
-        # The engine's rule: measured placement uses the tiers' bandwidths (given, or probed at
-        # start, which a dry run cannot do); the other placements split evenly.
-        if known and off.placement == "measured":
-            bw = [placement.effective_bandwidth(r, w) for r, w in given]
-        else:
-            bw = [1.0] * len(host.tiers)
-        split = tier_split(n_sg, bw, host.retained, off.retain_policy)
-    return MemoryPlan(
-        params=n,
-        param_dtype=model.param_dtype,
-        processes=processes,
-        params_per_process=per_proc,
-        state_bytes_per_param=per_param,
-        subgroup_elems=size,
-        num_subgroups=n_sg,
-        host=host,
-        split=split,
-        bandwidths_given=known,
-    )
+    parts = state_parts(cfg)
+    shapes = []
+    for part in parts:
+        per_proc = math.ceil(part.params / processes)
+        size = min(off.subgroup_size, per_proc)
+        shapes.append(StateShape(
+            num_subgroups=math.ceil(per_proc / size),
+            state_bytes=math.ceil(per_proc * part.bytes_per_param),
+            max_state_elems=math.ceil(size * part.bytes_per_param / 4),
+            max_subgroup_elems=size,
+        ))  # fmt: skip
+    problem, shares = None, [off.host_cache]
+    if len(parts) > 1:
+        try:
+            shares = split_host_cache(off, shapes)
+        except ConfigError as e:  # the run raises it at init
+            problem = str(e)
+            shares = [0] * len(parts)
+    engines = []
+    for part, shape, share in zip(parts, shapes, shares, strict=True):
+        host = host_plan(dataclasses.replace(off, host_cache=share), shape)
+        given = [(t.read_bandwidth, t.write_bandwidth) for t in host.tiers]
+        known = bool(given) and all(r and w for r, w in given)
+        split = None
+        if host.tiers:
+            # The engine's rule: measured placement uses the tiers' bandwidths (given, or
+            # probed at start, which a dry run cannot do); the other placements split evenly.
+            if known and off.placement == "measured":
+                bw = [placement.effective_bandwidth(r, w) for r, w in given]
+            else:
+                bw = [1.0] * len(host.tiers)
+            split = tier_split(shape.num_subgroups, bw, host.retained, off.retain_policy)
+        engines.append(MemoryPlan(
+            part=part,
+            params=param_count(model),
+            param_dtype=model.param_dtype,
+            processes=processes,
+            params_per_process=math.ceil(part.params / processes),
+            state_bytes_per_param=part.bytes_per_param,
+            subgroup_elems=shape.max_subgroup_elems,
+            num_subgroups=shape.num_subgroups,
+            host=host,
+            split=split,
+            bandwidths_given=known,
+        ))  # fmt: skip
+        problem = problem or host.problem
+    return OptimizerPlan(tuple(engines), problem)
+
+
+def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
+    """The engine plan of one of ``processes`` processes running ``cfg``, whose optimizer has
+    one engine (AdamW, Lion).
+
+    Raises:
+      ConfigError: for ``processes < 1``, an invalid model, or an optimizer of several engines
+        (Muon: :func:`optimizer_plan`).
+    """
+    plan = optimizer_plan(cfg, processes)
+    if len(plan.engines) != 1:
+        raise ConfigError(
+            f"optimizer.name={cfg.optimizer.name} runs {len(plan.engines)} engines "
+            f"({', '.join(e.part.name for e in plan.engines)}); this plan models one: use "
+            "optimizer.name=adamw or lion"
+        )
+    return plan.engines[0]
 
 
 def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
@@ -124,60 +232,83 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
 
     Returns:
       The figures :func:`format_dry_run` prints: parameters and state (all processes, per
-      process, per subgroup), the engine's ``pipeline_buffers``, ``retained_subgroups`` and
+      process, per subgroup), the engines' ``pipeline_buffers``, ``retained_subgroups`` and
       ``engine_host_bytes``, per tier path its ``subgroups``, ``retained`` and ``bytes``, the
       host buffers a process needs (``host_buffers``, ``host_bytes``), and the ``problem`` that
-      keeps the config from running (None if it runs).
+      keeps the config from running (None if it runs). An optimizer of several engines (Muon)
+      has them added up, and each engine's figures under ``engines``.
 
     Raises:
       ConfigError: for ``processes < 1`` or an invalid model.
     """
-    plan = memory_plan(cfg, processes)
-    host, per_param = plan.host, plan.state_bytes_per_param
-    per_proc, state = plan.params_per_process, plan.state_bytes_per_process
+    plan = optimizer_plan(cfg, processes)
+    engines = plan.engines
+    first = engines[0]
+    state_all = sum(math.ceil(e.part.params * e.state_bytes_per_param) for e in engines)
     out: dict[str, Any] = {
         "model": cfg.model,
-        "param_dtype": plan.param_dtype,
+        "param_dtype": first.param_dtype,
         "processes": processes,
-        "params": plan.params,
-        "params_per_process": per_proc,
-        "state_bytes_per_param": per_param,
-        "state_parts": ", ".join(
-            (["fp32 master"] if plan.param_dtype == "bfloat16" else [])
-            + [f"m {cfg.optimizer.mu_dtype}"]
-            + ([f"v {cfg.optimizer.nu_dtype}"] if cfg.optimizer.name == "adamw" else [])
+        "params": first.params,
+        "params_per_process": math.ceil(first.params / processes),
+        "state_bytes_per_param": state_all / first.params,
+        "state_parts": "; ".join(
+            e.part.description
+            if len(engines) == 1
+            else f"{e.part.name} ({e.part.params:,} params): {e.part.description}"
+            for e in engines
         ),
-        "state_bytes": math.ceil(plan.params * per_param),
-        "state_bytes_per_process": state,
-        "subgroups_per_process": plan.num_subgroups,
-        "subgroup_bytes": math.ceil(plan.subgroup_elems * per_param),
+        "state_bytes": state_all,
+        "state_bytes_per_process": plan.state_bytes_per_process,
+        "subgroups_per_process": sum(e.num_subgroups for e in engines),
+        "subgroup_bytes": max(
+            math.ceil(e.subgroup_elems * e.state_bytes_per_param) for e in engines
+        ),
         "host_cache": cfg.offload.host_cache,
-        "pipeline_buffers": host.minimum,
-        "retained_subgroups": host.retained,
-        "engine_host_bytes": host.host_bytes,
+        "pipeline_buffers": sum(e.host.minimum for e in engines),
+        "retained_subgroups": sum(e.host.retained for e in engines),
+        "engine_host_bytes": plan.host_bytes,
         "tiers": {},
-        "problem": host.problem,
+        "problem": plan.problem,
     }
-    if plan.split is not None:
-        for tier, count, kept in zip(
-            host.tiers, plan.split.counts, plan.split.retained, strict=True
-        ):
-            out["tiers"][tier.path] = {
+    for e in engines:
+        if e.split is None:
+            continue
+        on_tiers = {}
+        for tier, count, kept in zip(e.host.tiers, e.split.counts, e.split.retained, strict=True):
+            on_tiers[tier.path] = {
                 "subgroups": count,
                 "retained": kept,
-                "bytes": math.ceil(count * plan.subgroup_elems * per_param),
+                "bytes": math.ceil(count * e.subgroup_elems * e.state_bytes_per_param),
             }
         # The last subgroup is smaller: take the difference off the tier holding the most.
-        short = math.floor((plan.num_subgroups * plan.subgroup_elems - per_proc) * per_param)
-        max(out["tiers"].values(), key=lambda t: t["subgroups"])["bytes"] -= short
+        short = e.num_subgroups * e.subgroup_elems - e.params_per_process
+        max(on_tiers.values(), key=lambda t: t["subgroups"])["bytes"] -= math.floor(
+            short * e.state_bytes_per_param)  # fmt: skip
+        for path, figures in on_tiers.items():  # Muon's engines: subdirectories of one tier
+            total = out["tiers"].setdefault(path, dict.fromkeys(figures, 0))
+            for key, value in figures.items():
+                total[key] += value
         out["tier_bandwidths"] = (
-            "given" if plan.bandwidths_given else "assumed equal (probed at start)"
+            "given" if e.bandwidths_given else "assumed equal (probed at start)"
         )
+    if len(engines) > 1:
+        out["engines"] = {
+            e.part.name: {
+                "params_per_process": e.params_per_process,
+                "state_bytes_per_process": e.state_bytes_per_process,
+                "subgroups": e.num_subgroups,
+                "host_bytes": e.host.host_bytes,
+                "pipeline_buffers": e.host.minimum,
+                "retained": e.host.retained,
+            }
+            for e in engines
+        }
     # The update reads gradients and params in XLA's buffers and writes the update over the
     # gradients: nothing of the model's size on the host beyond the cache. On a GPU
     # a subgroup's gradients, params and update are staged through pinned buffers.
     out["host_buffers"] = {
-        "optimizer engine (host cache)": host.host_bytes,
+        "optimizer engine (host cache)": plan.host_bytes,
         "subgroup staging on a GPU (3 x 4 B x subgroup)": 12 * plan.subgroup_elems,
     }
     out["host_bytes"] = sum(out["host_buffers"].values())
@@ -211,16 +342,20 @@ def format_dry_run(d: dict[str, Any]) -> str:
         ),
         ("optimizer state, all processes", _gb(d["state_bytes"])),
         ("optimizer state per process", _gb(d["state_bytes_per_process"])),
-        (
+    ]
+    if "engines" in d:  # subgroups of each engine's own size
+        rows.append(("subgroups per process", f"{d['subgroups_per_process']:,} (by engine below)"))
+    else:
+        last = d["subgroups_per_process"] * d["subgroup_bytes"] > d["state_bytes_per_process"]
+        rows.append((
             "subgroups per process",
             f"{d['subgroups_per_process']:,} of {_gb(d['subgroup_bytes'])}"
-            + (
-                " (the last smaller)"
-                if d["subgroups_per_process"] * d["subgroup_bytes"] > d["state_bytes_per_process"]
-                else ""
-            ),
-        ),
-    ]
+            + (" (the last smaller)" if last else ""),
+        ))  # fmt: skip
+    for name, e in d.get("engines", {}).items():
+        rows.append((f"  engine {name}", f"{e['params_per_process']:,} params, "
+                     f"{_gb(e['state_bytes_per_process'])} in {e['subgroups']:,} subgroups, "
+                     f"host {_gb(e['host_bytes'])}"))  # fmt: skip
     if not d["tiers"]:
         rows.append(("  all in the host cache", _gb(d["state_bytes_per_process"])))
     else:

@@ -23,12 +23,13 @@ import dataclasses
 import resource
 from typing import TYPE_CHECKING
 
+from experiments.optimizer import muon_matrix_params
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from experiments.steps import grad_step_temp_bytes
 from models import param_count
 
 if TYPE_CHECKING:  # dry_run imports this module
-    from experiments.dry_run import MemoryPlan
+    from experiments.dry_run import OptimizerPlan
 
 GiB = 2**30
 # What jax and XLA hold before the model (measured: 0.25 GiB RSS after import and a first
@@ -66,13 +67,14 @@ class TrainingMemory:
 
 
 def training_memory(
-    cfg: RunConfig, engine: MemoryPlan | None, on_cpu: bool = True
+    cfg: RunConfig, engine: OptimizerPlan | None, on_cpu: bool = True
 ) -> TrainingMemory:
     """What one process of ``cfg`` allocates, by part (a single-process run).
 
     Args:
       cfg: the run config.
-      engine: jax_mlpo's plan for it (:func:`experiments.dry_run.memory_plan` with one process),
+      engine: jax_mlpo's plan for it (:func:`experiments.dry_run.optimizer_plan` with one
+        process),
         or None for ``pretrain.py --optimizer optax``.
       on_cpu: a CPU backend (the device parts are host memory too).
 
@@ -92,9 +94,14 @@ def training_memory(
     }
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:
-        if cfg.optimizer.name in ("lion", "muon"):  # one moment (muon: its matrices')
-            moments = n * (2 if cfg.optimizer.mu_dtype == "bfloat16" else pbytes)
-            device[f"optax.{cfg.optimizer.name} m"] = moments
+        mu_bytes = 2 if cfg.optimizer.mu_dtype == "bfloat16" else pbytes
+        if cfg.optimizer.name == "lion":
+            moments = n * mu_bytes
+            device["optax.lion m"] = moments
+        elif cfg.optimizer.name == "muon":  # the matrices' momentum, AdamW's m and v elsewhere
+            matrices = muon_matrix_params(cfg)
+            moments = matrices * mu_bytes + (n - matrices) * (mu_bytes + pbytes)
+            device["optax.contrib.muon m (matrices), m and v (the rest)"] = moments
         elif cfg.optimizer.mu_dtype == "bfloat16":
             moments = n * (2 + pbytes)
             device["optax.adamw m (bfloat16) and v (params' dtype)"] = moments
@@ -103,7 +110,7 @@ def training_memory(
             device["optax.adamw m and v (params' dtype)"] = moments
         device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
         return TrainingMemory(device, host, on_cpu, moments)
-    host["jax_mlpo host cache (engine)"] = engine.host.host_bytes
+    host["jax_mlpo host cache (engine)"] = engine.host_bytes
     if not on_cpu:
         host["subgroup staging (3 x 4 B x subgroup)"] = 12 * engine.subgroup_elems
     device["update"] = 0  # written over the gradients

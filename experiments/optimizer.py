@@ -4,6 +4,8 @@ weight decay mask and clipping, jax_mlpo's offloaded one or optax's in memory fo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,8 @@ import jax
 import optax
 
 import jax_mlpo
-from experiments.run_config import ConfigError, RunConfig
+from experiments.run_config import ConfigError, RunConfig, resolve_model
+from experiments.steps import abstract_model
 
 
 def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
@@ -68,16 +71,31 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
     return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
 
 
-def hidden_matrices(params: Any) -> Any:
-    """Muon's dimension numbers for the blocks' 2-D weights, None (AdamW) for the token
-    embedding, the output head and the vectors."""
+def muon_matrices(cfg: RunConfig) -> Callable[[Any], Any]:
+    """The job's ``muon_weight_dimension_numbers``: Muon for the blocks' 2-D weights, AdamW (None)
+    for the vectors and, unless ``optimizer.muon_embeddings``, the token embedding and the
+    output head (with it, every 2-D leaf: optax.contrib.muon's default)."""
+    outer_too = cfg.optimizer.muon_embeddings
 
     def spec(path: Any, x: Any) -> Any:
         name = jax.tree_util.keystr(path)
         outer = "embed" in name or "lm_head" in name
-        return None if x.ndim != 2 or outer else optax.contrib.MuonDimensionNumbers()
+        muon = x.ndim == 2 and (outer_too or not outer)
+        return optax.contrib.MuonDimensionNumbers() if muon else None
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return lambda params: jax.tree_util.tree_map_with_path(spec, params)
+
+
+def muon_matrix_params(cfg: RunConfig) -> int:
+    """Parameters of the leaves Muon updates in the job (:func:`muon_matrices`), counted on the
+    model's shapes without allocating it."""
+    _, params, _ = abstract_model(resolve_model(cfg))
+    specs = jax.tree.leaves(
+        muon_matrices(cfg)(params),
+        is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers),
+    )
+    leaves = jax.tree.leaves(params)
+    return sum(math.prod(x.shape) for x, s in zip(leaves, specs, strict=True) if s is not None)
 
 
 def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: bool) -> Any:
@@ -92,7 +110,7 @@ def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: boo
     kwargs = dict(beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
                   weight_decay_mask=decay_mask, adam_b1=o.b1, adam_b2=o.b2,
                   adam_learning_rate=adam_lr,
-                  muon_weight_dimension_numbers=None if o.muon_embeddings else hidden_matrices,
+                  muon_weight_dimension_numbers=muon_matrices(cfg),
                   mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
     if use_optax:
         return optax.contrib.muon(schedule, **kwargs)

@@ -2,10 +2,11 @@
 
 :func:`train` runs a :class:`~experiments.run_config.RunConfig`'s steps: the model from its
 preset, the batches of :mod:`experiments.data`, the optimizer of :mod:`experiments.optimizer`
-(jax_mlpo's offloaded AdamW, Lion or Muon, or optax's in memory for comparison) and, with ``checkpoint.every``, checkpoints that a
-later run resumes exactly. A step is two jitted halves timed apart (forward + backward, then the
-update); :mod:`experiments.records` turns each into a metrics record. In a multi-process run
-(:func:`init_distributed`) every process runs the same loop on its rows of the global batch.
+(jax_mlpo's offloaded AdamW, Lion or Muon, or optax's in memory for comparison) and, with
+``checkpoint.every``, checkpoints that a later run resumes exactly. A step is two jitted halves
+timed apart (forward + backward, then the update); :mod:`experiments.records` turns each into a
+metrics record. In a multi-process run (:func:`init_distributed`) every process runs the same
+loop on its rows of the global batch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import jax_mlpo
 from experiments.data import TokenDataset, batches
-from experiments.dry_run import memory_plan
+from experiments.dry_run import optimizer_plan
 from experiments.host_memory import check_fits, meminfo, training_memory
 from experiments.iteration import tier_totals
 from experiments.mesh import batch_sharding, build_mesh, shard
@@ -214,7 +215,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     # 14% over 12 steps: jax_mlpo/host_heap.py).
     jax_mlpo.return_freed_buffers()
     if nproc == 1:  # before anything large is allocated (multi-process: --dry-run's figures)
-        engine = None if use_optax else memory_plan(cfg, 1)
+        engine = None if use_optax else optimizer_plan(cfg, 1)
         plan = training_memory(cfg, engine, on_cpu=jax.default_backend() == "cpu")
         check_fits(plan, use_optax, meminfo("MemAvailable"))
         parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.parts.items() if v)

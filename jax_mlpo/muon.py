@@ -33,7 +33,7 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
 from jax_mlpo.offloaded import concrete, offloaded
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
-from jax_mlpo.plan import split_host_cache
+from jax_mlpo.plan import StateShape, split_host_cache
 from jax_mlpo.transform import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.types import BF16, F32
 
@@ -238,7 +238,7 @@ def muon(
                 [leaves[i] for i in groups.adam], size, None, (*moment, F32)),
         }  # fmt: skip
         names = [name for name, layout in parts.items() if layout]
-        shares = split_host_cache(offload, [parts[n] for n in names])
+        shares = split_host_cache(offload, [StateShape.of(parts[n]) for n in names])
         configs = {}
         for name, share in zip(names, shares, strict=True):
             tiers = tuple(t.for_part(name) for t in offload.tiers)

@@ -56,28 +56,47 @@ class HostPlan:
         return max(self.buffers, self.minimum) * self.buffer_bytes
 
 
-def host_plan(
-    config: OffloadConfig,
-    *,
-    num_subgroups: int,
-    state_bytes: int,
-    max_state_elems: int,
-    max_subgroup_elems: int,
-) -> HostPlan:
-    """The buffer plan of an engine over subgroups of the given sizes.
+@dataclasses.dataclass(frozen=True)
+class StateShape:
+    """The sizes an engine's host plan is made from: those of its (per-process) state.
 
-    Args:
-      config: the offload configuration.
-      num_subgroups: subgroups of the (per-process) state.
-      state_bytes: bytes of the whole (per-process) state.
+    Attributes:
+      num_subgroups: subgroups of the state.
+      state_bytes: bytes of the whole state.
       max_state_elems: float32 elements of the largest subgroup's state blob.
       max_subgroup_elems: parameters of the largest subgroup (its gradient blob's length).
     """
+
+    num_subgroups: int
+    state_bytes: int
+    max_state_elems: int
+    max_subgroup_elems: int
+
+    @classmethod
+    def of(cls, layout: Layout) -> StateShape:
+        """The shape of the state ``layout`` describes (what the engine builds)."""
+        sgs = layout.subgroups
+        return cls(
+            num_subgroups=len(sgs),
+            state_bytes=layout.state_bytes,
+            max_state_elems=layout.max_state_elems,
+            max_subgroup_elems=max((sg.size for sg in sgs), default=0),
+        )
+
+
+def host_plan(config: OffloadConfig, shape: StateShape) -> HostPlan:
+    """The buffer plan of an engine over a state of the given shape.
+
+    Args:
+      config: the offload configuration.
+      shape: the sizes of the engine's (per-process) state.
+    """
+    num_subgroups, state_bytes = shape.num_subgroups, shape.state_bytes
     if state_bytes <= config.host_cache:
         return HostPlan(True, state_bytes, (), 0, 0, 0, num_subgroups)
     tiers = config.tiers[:1] if config.placement == "first" else config.tiers
-    grad_elems = 0 if config.delayed_conversion else max_subgroup_elems
-    per_buffer = 4 * (max_state_elems + grad_elems)
+    grad_elems = 0 if config.delayed_conversion else shape.max_subgroup_elems
+    per_buffer = 4 * (shape.max_state_elems + grad_elems)
     minimum = config.prefetch_depth * len(tiers) + 2
     buffers = config.host_cache // per_buffer
     problem = None
@@ -107,34 +126,31 @@ def host_plan(
 
 def layout_plan(config: OffloadConfig, layout: Layout) -> HostPlan:
     """:func:`host_plan` for the subgroups of ``layout`` (what the engine builds)."""
-    sgs = layout.subgroups
-    return host_plan(
-        config,
-        num_subgroups=len(sgs),
-        state_bytes=layout.state_bytes,
-        max_state_elems=layout.max_state_elems,
-        max_subgroup_elems=max((sg.size for sg in sgs), default=0),
-    )
+    return host_plan(config, StateShape.of(layout))
 
 
-def split_host_cache(config: OffloadConfig, layouts: Sequence[Layout]) -> list[int]:
+def split_host_cache(config: OffloadConfig, shapes: Sequence[StateShape]) -> list[int]:
     """Shares of ``config.host_cache`` for several engines of one optimizer (``jax_mlpo.muon``'s).
 
     Each engine first gets what it cannot run without: its pipeline's buffers, or its whole
     state where that is smaller; the rest is shared in proportion to the state each still has
     on the tiers, and no engine gets more than its state.
 
+    Args:
+      config: the offload configuration the engines share.
+      shapes: each engine's state (:meth:`StateShape.of` its layout).
+
     Raises:
       ConfigError: when the host cache cannot hold every engine's minimum; it names the size.
     """
-    plans = [layout_plan(dataclasses.replace(config, host_cache=0), x) for x in layouts]
+    plans = [host_plan(dataclasses.replace(config, host_cache=0), x) for x in shapes]
     # without tiers an engine holds its whole state in the host cache
     need = [min(p.state_bytes, p.minimum * p.buffer_bytes) if p.tiers else p.state_bytes
             for p in plans]  # fmt: skip
     if sum(need) > config.host_cache:
         raise ConfigError(
             f"host_cache={config.host_cache} bytes cannot hold the pipelines of this optimizer's "
-            f"{len(layouts)} states ({sum(need)} bytes); raise host_cache to at least "
+            f"{len(shapes)} states ({sum(need)} bytes); raise host_cache to at least "
             f"{sum(need)}, or lower subgroup_size or prefetch_depth"
         )
     rest = [p.state_bytes - n for p, n in zip(plans, need, strict=True)]

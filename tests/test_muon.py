@@ -35,7 +35,7 @@ from jax_mlpo import native
 from jax_mlpo.layout import build_layout
 from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.optimizers.muon import apply_step_reference, momentum_step_reference
-from jax_mlpo.plan import split_host_cache
+from jax_mlpo.plan import StateShape, split_host_cache
 from jax_mlpo.types import BF16, F32, AdamWHyper, ApplyHyper, MomentumHyper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,7 +340,8 @@ def test_the_host_cache_is_shared_in_proportion_and_never_exceeded(tmp_path):
     ]
     config = jax_mlpo.OffloadConfig(host_cache=100_000, subgroup_size=sub, prefetch_depth=1,
                                     tiers=[jax_mlpo.FileTier(str(tmp_path / "t"))])  # fmt: skip
-    shares = split_host_cache(config, layouts)
+    shapes = [StateShape.of(x) for x in layouts]
+    shares = split_host_cache(config, shapes)
     need = [3 * 4 * sub, 3 * 8 * sub, 800]  # (1 x 1 tier + 2) buffers, or the whole state
     assert sum(shares) <= config.host_cache
     assert all(s >= n for s, n in zip(shares, need, strict=True))
@@ -349,7 +350,7 @@ def test_the_host_cache_is_shared_in_proportion_and_never_exceeded(tmp_path):
     left = [160_000 - need[0], 80_000 - need[1]]  # each state's bytes beyond its minimum
     assert rest[0] / rest[1] == pytest.approx(left[0] / left[1], rel=1e-3)
     roomy = dataclasses.replace(config, host_cache=10**6)
-    assert split_host_cache(roomy, layouts) == [160_000, 80_000, 800]  # all host-resident
+    assert split_host_cache(roomy, shapes) == [160_000, 80_000, 800]  # all host-resident
 
 
 def test_a_host_cache_below_the_engines_pipelines_names_the_size(tmp_path):

@@ -20,8 +20,10 @@ import pytest
 
 import jax_mlpo
 from experiments.dry_run import dry_run, memory_plan
-from experiments.run_config import RunConfig, load_config
-from jax_mlpo.plan import host_plan
+from experiments.optimizer import build_optimizer
+from experiments.run_config import RunConfig, load_config, resolve_model
+from experiments.steps import abstract_model
+from jax_mlpo.plan import StateShape, host_plan
 from models import get_preset, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,9 +109,53 @@ def test_alternate_order_keeps_every_buffer():
     ascending = dataclasses.replace(cfg.offload, order="ascending")
     kept = host_plan(
         ascending,
-        num_subgroups=report["subgroups_per_process"],
-        state_bytes=report["state_bytes_per_process"],
-        max_state_elems=report["subgroup_bytes"] // 4,
-        max_subgroup_elems=report["subgroup_bytes"] // 8,
+        StateShape(
+            num_subgroups=report["subgroups_per_process"],
+            state_bytes=report["state_bytes_per_process"],
+            max_state_elems=report["subgroup_bytes"] // 4,
+            max_subgroup_elems=report["subgroup_bytes"] // 8,
+        ),
     )
     assert kept.retained == 2  # the buffers beyond the pipeline
+
+
+def test_dry_run_plans_muons_engines_as_the_run_makes_them(tmp_path):
+    """Muon's three engines (the matrices' momentum and fp32 master, AdamW on the other leaves)
+    share the host cache: the dry run's per-engine figures and tier split against the engines
+    the job's optimizer builds over the tiny model's own params."""
+    tiers = [{"path": str(tmp_path / f"t{k}"), "read_bandwidth": 2_000_000_000 // (k + 1),
+              "write_bandwidth": 1_000_000_000 // (k + 1)} for k in range(2)]  # fmt: skip
+    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
+        f"run_dir={tmp_path / 'run'}", "optimizer.name=muon",
+        "model_overrides={param_dtype: bfloat16}", "offload.subgroup_size=8192",
+        f"offload.tiers={json.dumps(tiers)}",
+    ])  # fmt: skip
+    report = dry_run(cfg, 1)
+    assert report["problem"] is None
+    assert list(report["engines"]) == ["momentum", "master", "adam"]
+    _, shapes, _ = abstract_model(resolve_model(cfg))
+    params = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), shapes)
+    tx = build_optimizer(cfg, use_optax=False)
+    state = tx.init(params)
+    parts = state[1]._asdict()  # the chain's clipping, then Muon's OffloadedMuonState
+    engines = {name: jax_mlpo.engine_of(s) for name, s in parts.items()}
+    try:
+        assert report["engine_host_bytes"] == sum(e.host_bytes for e in engines.values())
+        assert report["engine_host_bytes"] <= cfg.offload.host_cache
+        for name, e in engines.items():
+            planned = report["engines"][name]
+            assert planned["subgroups"] == len(e.layout.subgroups), name
+            assert planned["state_bytes_per_process"] == e.layout.state_bytes, name
+            assert planned["host_bytes"] == e.host_bytes, name
+        update = jax.jit(tx.update)
+        for _ in range(2):
+            _, state = update(jax.tree.map(jnp.ones_like, params), state, params)
+        jax.effects_barrier()
+        for name, e in engines.items():  # the second update finds the retained subgroups
+            assert e.metrics[-1].cache_hits == report["engines"][name]["retained"], name
+    finally:
+        jax_mlpo.close(state)  # every subgroup's blob on its tier
+    for tier in tiers:
+        blobs = list(Path(tier["path"]).glob("*/state-*"))
+        assert len(blobs) == report["tiers"][tier["path"]]["subgroups"], tier["path"]
+    assert report["state_bytes_per_process"] == sum(e.layout.state_bytes for e in engines.values())

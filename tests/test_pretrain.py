@@ -19,7 +19,7 @@ import pytest
 
 import jax_mlpo
 from experiments import host_memory, optimizer, pretrain, report, run_config, train
-from experiments.dry_run import dry_run, memory_plan
+from experiments.dry_run import dry_run, optimizer_plan
 from experiments.processes import free_port
 from models import get_preset, param_count
 
@@ -562,7 +562,7 @@ def test_dry_run_prints_the_training_plan_and_refusals(tmp_path, caplog):
     from experiments import host_memory
 
     cfg = run_config.load_config(str(ROOT / "experiments" / "configs" / "beyond-ram.yaml"))
-    engines = {"offload": memory_plan(cfg, 1), "optax": None}
+    engines = {"offload": optimizer_plan(cfg, 1), "optax": None}
     plans = {o: host_memory.training_memory(cfg, engine) for o, engine in engines.items()}
     n = param_count(run_config.resolve_model(cfg))
     assert n >= 2_100_000_000 and 12 * n >= 25_000_000_000  # more state than 24 GiB of RAM
