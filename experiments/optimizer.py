@@ -4,12 +4,14 @@ weight decay mask and clipping, jax_mlpo's offloaded one or optax's in memory fo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import jax_mlpo
@@ -43,7 +45,8 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
 
     kwargs = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
                   mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
-    _make_default_tier_parents(cfg)
+    if not use_optax:  # optax's state stays in memory
+        _make_default_tier_parents(cfg)
     clip = optax.clip_by_global_norm(o.clip_norm)
     if o.name == "muon":
         return optax.chain(clip, _muon(o, schedule, decay_mask, cfg, use_optax))
@@ -86,16 +89,60 @@ def muon_matrices(cfg: RunConfig) -> Callable[[Any], Any]:
     return lambda params: jax.tree_util.tree_map_with_path(spec, params)
 
 
-def muon_matrix_params(cfg: RunConfig) -> int:
-    """Parameters of the leaves Muon updates in the job (:func:`muon_matrices`), counted on the
-    model's shapes without allocating it."""
+def _muon_shapes(cfg: RunConfig) -> list[jax.ShapeDtypeStruct]:
+    """The shapes of the leaves Muon updates in the job, from the model's abstract params."""
     _, params, _ = abstract_model(resolve_model(cfg))
     specs = jax.tree.leaves(
         muon_matrices(cfg)(params),
         is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers),
     )
     leaves = jax.tree.leaves(params)
-    return sum(math.prod(x.shape) for x, s in zip(leaves, specs, strict=True) if s is not None)
+    return [x for x, s in zip(leaves, specs, strict=True) if s is not None]
+
+
+def muon_matrix_params(cfg: RunConfig) -> int:
+    """Parameters of the leaves Muon updates in the job (:func:`muon_matrices`), counted on the
+    model's shapes without allocating it."""
+    return sum(math.prod(x.shape) for x in _muon_shapes(cfg))
+
+
+def muon_update_bytes(cfg: RunConfig, use_optax: bool) -> int:
+    """XLA's figure for the device memory of the job's Muon update beyond its inputs and
+    outputs; nothing of the model's size is allocated.
+
+    ``optax.contrib.muon``: the temporaries of its whole update, compiled for abstract params
+    and state. ``jax_mlpo.muon``: its update calls host engines, which exist only after init;
+    what it runs on the device is optax's Newton-Schulz over the float32 momentum its momentum
+    engine hands over, compiled alone: that momentum and the temporaries (on e2e-125m 1.04x the
+    whole update program's temporaries, compiled after init). On XLA:CPU the temporaries grow
+    with the number of matrices, about 6x each matrix's float32 size: the matrices'
+    Newton-Schulz iterations do not share buffers.
+    """
+    if use_optax:
+        return _optax_update_bytes(cfg)
+    shapes = tuple(x.shape for x in _muon_shapes(cfg))
+    return _newton_schulz_bytes(shapes) if shapes else 0
+
+
+def _optax_update_bytes(cfg: RunConfig) -> int:
+    _, params, _ = abstract_model(resolve_model(cfg))
+    tx = build_optimizer(cfg, use_optax=True)
+    state = jax.eval_shape(tx.init, params)
+    memory = jax.jit(tx.update).lower(params, state, params).compile().memory_analysis()
+    return int(memory.temp_size_in_bytes)
+
+
+@functools.cache  # the dry run and the checks of one process ask for the same shapes
+def _newton_schulz_bytes(shapes: tuple[tuple[int, ...], ...]) -> int:
+    momentum = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+
+    def orthogonalize(mu: list[jax.Array]) -> Any:
+        dims = [optax.contrib.MuonDimensionNumbers()] * len(mu)
+        tx = optax.contrib.scale_by_muon(beta=0.0, nesterov=False, weight_dimension_numbers=dims)
+        return tx.update(mu, tx.init(mu)._replace(mu=mu))[0]
+
+    memory = jax.jit(orthogonalize).lower(momentum).compile().memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.temp_size_in_bytes)
 
 
 def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: bool) -> Any:

@@ -20,7 +20,7 @@ import pytest
 
 import jax_mlpo
 from experiments.dry_run import dry_run, memory_plan
-from experiments.optimizer import build_optimizer
+from experiments.optimizer import build_optimizer, muon_update_bytes
 from experiments.run_config import RunConfig, load_config, resolve_model
 from experiments.steps import abstract_model
 from jax_mlpo.plan import StateShape, host_plan
@@ -159,3 +159,39 @@ def test_dry_run_plans_muons_engines_as_the_run_makes_them(tmp_path):
         blobs = list(Path(tier["path"]).glob("*/state-*"))
         assert len(blobs) == report["tiers"][tier["path"]]["subgroups"], tier["path"]
     assert report["state_bytes_per_process"] == sum(e.layout.state_bytes for e in engines.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_muons_device_memory_in_the_plan_bounds_its_update_program(dtype, tmp_path):
+    """The plan counts jax_mlpo.muon's device memory from Newton-Schulz compiled alone (its
+    update's program exists only after init): at least, and close to, XLA's temporaries of the
+    whole update program compiled after init."""
+    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
+        f"run_dir={tmp_path}", "optimizer.name=muon", f"model_overrides={{param_dtype: {dtype}}}",
+        "offload.subgroup_size=8192",  # three engines' pipelines in tiny.yaml's host cache
+    ])  # fmt: skip
+    _, shapes, _ = abstract_model(resolve_model(cfg))
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    tx = build_optimizer(cfg, use_optax=False)
+    state = tx.init(params)
+    try:
+        whole = jax.jit(tx.update).lower(params, state, params).compile().memory_analysis()
+    finally:
+        jax_mlpo.close(state)
+    planned = muon_update_bytes(cfg, use_optax=False)
+    assert whole.temp_size_in_bytes <= planned <= 1.25 * whole.temp_size_in_bytes
+
+
+def test_dry_run_names_the_host_cache_muons_engines_need(tmp_path):
+    """Too small a host cache for Muon's three pipelines: the dry run reports the error the
+    run's init raises, with the size to raise it to."""
+    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
+        f"run_dir={tmp_path}", "optimizer.name=muon", "model_overrides={param_dtype: bfloat16}",
+    ])  # fmt: skip
+    report = dry_run(cfg, 1)
+    assert "raise host_cache to at least" in report["problem"]
+    _, shapes, _ = abstract_model(resolve_model(cfg))
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    with pytest.raises(jax_mlpo.ConfigError) as raised:
+        build_optimizer(cfg, use_optax=False).init(params)
+    assert str(raised.value) == report["problem"]
