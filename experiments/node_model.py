@@ -35,7 +35,7 @@ import argparse
 import dataclasses
 
 from experiments.dry_run import MemoryPlan, memory_plan
-from experiments.run_config import RunConfig, load_config
+from experiments.run_config import ConfigError, RunConfig, load_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,12 @@ def main() -> None:
     args = parser.parse_args()
     node = Node(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Node)})
     if not args.table:
-        cfg = load_config(args.config, args.set)
-        print(format_rows(args.config, node, rows(cfg, node)))
+        try:
+            cfg = load_config(args.config, args.set)
+            table = rows(cfg, node)
+        except ConfigError as e:
+            raise SystemExit(f"config error: {e}") from None
+        print(format_rows(args.config, node, table))
         return
     for preset, (cache, fwd_bwd) in REFERENCE.items():
         cfg = load_config(args.config, [f"model={preset}", f"offload.host_cache={cache}"])
