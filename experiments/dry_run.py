@@ -251,7 +251,9 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "processes": processes,
         "params": first.params,
         "params_per_process": math.ceil(first.params / processes),
-        "state_bytes_per_param": state_all / first.params,
+        "state_bytes_per_param": (
+            first.state_bytes_per_param if len(engines) == 1 else state_all / first.params
+        ),
         "state_parts": "; ".join(
             e.part.description
             if len(engines) == 1
