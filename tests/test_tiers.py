@@ -380,7 +380,7 @@ def test_posix_tier_without_o_direct_uses_the_page_cache(tmp_path, caplog, monke
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr("jax_mlpo.tiers.posix.os.open", refusing_open)
+    monkeypatch.setattr("jax_mlpo.tiers.submit.os.open", refusing_open)
     rng = np.random.default_rng(4)
     store = open_store(tmp_path / "tier", [5000, 3], sync=True, chunk_bytes=8192)
     try:

@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_mlpo.checkpoint.shard_file import open_direct
-from jax_mlpo.tiers.submit import aligned_empty, pread_full, round_up_pages
+from jax_mlpo.tiers.submit import aligned_empty, open_direct, pread_full, round_up_pages
 
 # Arrays of at least this many bytes are written by host_arrays itself, and read back here;
 # smaller ones are orbax's both ways (a copy costs little there). One figure for both sides.
@@ -77,7 +76,7 @@ def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np
             for data, shape, dtype in arrays:
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 buffer = aligned_empty(round_up_pages(nbytes), np.uint8, huge_pages=False)
-                fds.append(open_direct(data, os.O_RDONLY))
+                fds.append(open_direct(data, os.O_RDONLY)[0])
                 for start in range(0, nbytes, READ_PIECE_BYTES):
                     n = min(READ_PIECE_BYTES, nbytes - start)
                     view = buffer[start : start + round_up_pages(n)]

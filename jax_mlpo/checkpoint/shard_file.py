@@ -22,7 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_mlpo.checkpoint.recycle import SpareFiles
-from jax_mlpo.tiers.submit import ALIGN, pread_full, pwrite_full, round_up_pages
+from jax_mlpo.tiers.submit import ALIGN, open_direct, pread_full, pwrite_full, round_up_pages
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,6 @@ def array_spec(path: str, size: int) -> dict[str, Any]:
     }
 
 
-def open_direct(path: str, flags: int) -> int:
-    """``path`` opened with O_DIRECT, or through the page cache where the file system has no
-    O_DIRECT (tmpfs)."""
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o600)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return os.open(path, flags, 0o600)
-
-
 def create_data_file(path: str, nbytes: int, spares: SpareFiles | None = None) -> int:
     """Opens a new data file for O_DIRECT writes of ``nbytes``, with its space reserved.
 
@@ -108,7 +97,7 @@ def create_data_file(path: str, nbytes: int, spares: SpareFiles | None = None) -
     flags = os.O_WRONLY | os.O_CREAT
     if spares is None or not spares.take(path, nbytes):
         flags |= os.O_TRUNC
-    fd = open_direct(path, flags)
+    fd, _ = open_direct(path, flags)
     try:
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)  # a full disk fails here, before any write
@@ -248,7 +237,7 @@ class ShardReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = open_direct(os.path.join(path, DATA_FILE), os.O_RDONLY)
+        self._fd, _ = open_direct(os.path.join(path, DATA_FILE), os.O_RDONLY)
 
     def read(self, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
         """Reads elements ``[start, start + count)`` into ``buffer`` (page-aligned float32 with

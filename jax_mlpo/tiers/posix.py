@@ -29,7 +29,6 @@ cache. On a file system without O_DIRECT (tmpfs) the tier logs it once and uses 
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import logging
 import os
@@ -40,7 +39,7 @@ import numpy as np
 from jax_mlpo.config import FileTier
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
-from jax_mlpo.tiers.submit import ALIGN, Chunk, round_up_pages, submitter
+from jax_mlpo.tiers.submit import ALIGN, Chunk, open_direct, round_up_pages, submitter
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +96,14 @@ class PosixBlobs:
         ]
 
     def _open(self, path: str, flags: int) -> int:
-        if self._direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct = False
-                logger.warning(
-                    "%s does not support O_DIRECT (tmpfs?); this tier uses the page cache",
-                    self.directory,
-                )
-        return os.open(path, flags, 0o600)
+        fd, direct = open_direct(path, flags, self._direct)
+        if self._direct and not direct:
+            self._direct = False
+            logger.warning(
+                "%s does not support O_DIRECT (tmpfs?); this tier uses the page cache",
+                self.directory,
+            )
+        return fd
 
     # ---- reads ----------------------------------------------------------------------------
 

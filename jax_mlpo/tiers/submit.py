@@ -11,6 +11,9 @@ reads ahead of writes and older blobs ahead of newer ones, and return each chunk
 
 A request whose buffer is not page aligned, or that moves more than its buffer (a blob's last
 block padded to a page for O_DIRECT), goes through an aligned bounce buffer.
+
+The direct-I/O helpers here (:func:`open_direct` with its page-cache fallback, whole-file
+``pread``/``pwrite`` loops, page-aligned buffers) are the checkpoint's too.
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ def aligned_empty(n: int, dtype: Any = np.float32, *, huge_pages: bool = True) -
 def round_up_pages(nbytes: int) -> int:
     """``nbytes`` rounded up to whole pages (what an O_DIRECT request moves)."""
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def open_direct(path: str, flags: int, direct: bool = True) -> tuple[int, bool]:
+    """``path`` opened with O_DIRECT, or through the page cache where the file system has no
+    O_DIRECT (tmpfs refuses it with EINVAL) or ``direct`` is False.
+
+    Returns:
+      The file descriptor, and whether it is O_DIRECT.
+    """
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o600), False
 
 
 class Chunk(NamedTuple):
