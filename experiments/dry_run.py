@@ -48,8 +48,7 @@ class StatePart:
     @property
     def description(self) -> str:
         """What it holds: ``fp32 master, m bfloat16, v float32``."""
-        moments = [f"{n} {d}" for n, d in zip(("m", "v")[: len(self.moments)], self.moments,
-                                               strict=True)]  # fmt: skip
+        moments = [f"{n} {d}" for n, d in zip(("m", "v"), self.moments, strict=False)]
         return ", ".join((["fp32 master"] if self.master else []) + moments)
 
 
@@ -155,6 +154,7 @@ def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
     if processes < 1:
         raise ConfigError(f"--processes must be >= 1, got {processes}")
     model = resolve_model(cfg)
+    params = param_count(model)
     off = cfg.offload
     parts = state_parts(cfg)
     shapes = []
@@ -190,7 +190,7 @@ def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
             split = tier_split(shape.num_subgroups, bw, host.retained, off.retain_policy)
         engines.append(MemoryPlan(
             part=part,
-            params=param_count(model),
+            params=params,
             param_dtype=model.param_dtype,
             processes=processes,
             params_per_process=math.ceil(part.params / processes),

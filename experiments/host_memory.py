@@ -74,8 +74,7 @@ def training_memory(
     Args:
       cfg: the run config.
       engine: jax_mlpo's plan for it (:func:`experiments.dry_run.optimizer_plan` with one
-        process),
-        or None for ``pretrain.py --optimizer optax``.
+        process), or None for ``pretrain.py --optimizer optax``.
       on_cpu: a CPU backend (the device parts are host memory too).
 
     Returns:
@@ -92,7 +91,14 @@ def training_memory(
         # temporaries by 0.8 GiB on beyond-ram.yaml (docs/beyond-ram.md)
         "forward and backward temporaries (XLA)": grad_step_temp_bytes(cfg),
     }
-    fwd_bwd = device["forward and backward temporaries (XLA)"]
+    if cfg.optimizer.name == "muon":
+        # Newton-Schulz's temporaries (optax's: they hold its update too). The update runs
+        # after the forward and backward pass has freed its temporaries: the peak is the larger
+        # of the two (jax_mlpo on e2e-125m: 1.08x the peak RSS measured, where adding both made
+        # it 1.21x).
+        fwd_bwd = device["forward and backward temporaries (XLA)"]
+        beyond = muon_update_bytes(cfg, use_optax=engine is None) - fwd_bwd
+        device["Muon's update temporaries beyond those (XLA)"] = max(0, beyond)
     host: dict[str, int] = {"jax runtime and compiled programs": RUNTIME_BYTES}
     if engine is None:
         mu_bytes = 2 if cfg.optimizer.mu_dtype == "bfloat16" else pbytes
@@ -109,18 +115,9 @@ def training_memory(
         else:
             moments = 2 * n * pbytes
             device["optax.adamw m and v (params' dtype)"] = moments
-        if cfg.optimizer.name == "muon":  # Newton-Schulz's temporaries hold the update too
-            beyond = muon_update_bytes(cfg, use_optax=True) - fwd_bwd
-            device["update temporaries beyond those (XLA)"] = max(0, beyond)
-        else:
+        if cfg.optimizer.name != "muon":  # (Muon's: its temporaries, above)
             device["update and clipped gradients (XLA's, fresh)"] = 2 * n * pbytes
         return TrainingMemory(device, host, on_cpu, moments)
-    if cfg.optimizer.name == "muon":
-        # The update runs after the forward and backward pass has freed its temporaries: the
-        # peak is the larger of the two (on e2e-125m 1.08x the peak RSS measured, where adding
-        # both made it 1.21x).
-        beyond = muon_update_bytes(cfg, use_optax=False) - fwd_bwd
-        device["Newton-Schulz momentum and temporaries beyond those (XLA)"] = max(0, beyond)
     host["jax_mlpo host cache (engine)"] = engine.host_bytes
     if not on_cpu:
         host["subgroup staging (3 x 4 B x subgroup)"] = 12 * engine.subgroup_elems

@@ -17,6 +17,7 @@ import optax
 import jax_mlpo
 from experiments.run_config import ConfigError, RunConfig, resolve_model
 from experiments.steps import abstract_model
+from models import LlamaConfig
 
 
 def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransformation:
@@ -74,36 +75,40 @@ def build_optimizer(cfg: RunConfig, use_optax: bool) -> optax.GradientTransforma
     return jax_mlpo.adamw(schedule, **kwargs, offload=cfg.offload, max_grad_norm=o.clip_norm)
 
 
-def muon_matrices(cfg: RunConfig) -> Callable[[Any], Any]:
+def muon_matrices(embeddings: bool) -> Callable[[Any], Any]:
     """The job's ``muon_weight_dimension_numbers``: Muon for the blocks' 2-D weights, AdamW (None)
-    for the vectors and, unless ``optimizer.muon_embeddings``, the token embedding and the
-    output head (with it, every 2-D leaf: optax.contrib.muon's default)."""
-    outer_too = cfg.optimizer.muon_embeddings
+    for the vectors and, unless ``embeddings`` (``optimizer.muon_embeddings``), the token
+    embedding and the output head (with it, every 2-D leaf: optax.contrib.muon's default)."""
 
     def spec(path: Any, x: Any) -> Any:
         name = jax.tree_util.keystr(path)
         outer = "embed" in name or "lm_head" in name
-        muon = x.ndim == 2 and (outer_too or not outer)
+        muon = x.ndim == 2 and (embeddings or not outer)
         return optax.contrib.MuonDimensionNumbers() if muon else None
 
     return lambda params: jax.tree_util.tree_map_with_path(spec, params)
 
 
-def _muon_shapes(cfg: RunConfig) -> list[jax.ShapeDtypeStruct]:
+def _muon_shapes(cfg: RunConfig) -> tuple[tuple[int, ...], ...]:
     """The shapes of the leaves Muon updates in the job, from the model's abstract params."""
-    _, params, _ = abstract_model(resolve_model(cfg))
+    return _muon_shapes_of(resolve_model(cfg), cfg.optimizer.muon_embeddings)
+
+
+@functools.cache  # the dry run and the memory plan ask for the same model's
+def _muon_shapes_of(model: LlamaConfig, embeddings: bool) -> tuple[tuple[int, ...], ...]:
+    _, params, _ = abstract_model(model)
     specs = jax.tree.leaves(
-        muon_matrices(cfg)(params),
+        muon_matrices(embeddings)(params),
         is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers),
     )
     leaves = jax.tree.leaves(params)
-    return [x for x, s in zip(leaves, specs, strict=True) if s is not None]
+    return tuple(x.shape for x, s in zip(leaves, specs, strict=True) if s is not None)
 
 
 def muon_matrix_params(cfg: RunConfig) -> int:
     """Parameters of the leaves Muon updates in the job (:func:`muon_matrices`), counted on the
     model's shapes without allocating it."""
-    return sum(math.prod(x.shape) for x in _muon_shapes(cfg))
+    return sum(math.prod(shape) for shape in _muon_shapes(cfg))
 
 
 def muon_update_bytes(cfg: RunConfig, use_optax: bool) -> int:
@@ -120,7 +125,7 @@ def muon_update_bytes(cfg: RunConfig, use_optax: bool) -> int:
     """
     if use_optax:
         return _optax_update_bytes(cfg)
-    shapes = tuple(x.shape for x in _muon_shapes(cfg))
+    shapes = _muon_shapes(cfg)
     return _newton_schulz_bytes(shapes) if shapes else 0
 
 
@@ -157,7 +162,7 @@ def _muon(o: Any, schedule: Any, decay_mask: Any, cfg: RunConfig, use_optax: boo
     kwargs = dict(beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
                   weight_decay_mask=decay_mask, adam_b1=o.b1, adam_b2=o.b2,
                   adam_learning_rate=adam_lr,
-                  muon_weight_dimension_numbers=muon_matrices(cfg),
+                  muon_weight_dimension_numbers=muon_matrices(o.muon_embeddings),
                   mu_dtype=None if o.mu_dtype == "float32" else o.mu_dtype)  # fmt: skip
     if use_optax:
         return optax.contrib.muon(schedule, **kwargs)

@@ -274,6 +274,9 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         if not use_optax:
             jax_mlpo.close(opt_state)
         raise
+    # the engines of the offloaded states (muon has up to three), which update one after another
+    found = [] if use_optax else jax_mlpo.opt_state.find_offloaded(opt_state)
+    engines = [jax_mlpo.engine_of(s) for s in found]
     grad_step, update_step = make_steps(graphdef, tx)
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"
@@ -317,9 +320,6 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
-                # the engines of the offloaded states (muon has up to three), one after another
-                found = [] if use_optax else jax_mlpo.opt_state.find_offloaded(opt_state)
-                engines = [jax_mlpo.engine_of(s) for s in found]
                 step_metrics = jax_mlpo.step_metrics.combine(
                     [e.metrics[-1] for e in engines]) if engines else None  # fmt: skip
                 # A collective: every process's figures reach every process; the job moves at
