@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,22 +120,27 @@ def test_alternate_order_keeps_every_buffer():
     assert kept.retained == 2  # the buffers beyond the pipeline
 
 
+def _muon_on_tiny(run_dir: Path, sets: list[str], fill: float = 0.0) -> tuple[RunConfig, Any]:
+    """tiny.yaml with ``optimizer.name=muon`` and ``sets``, and the model's params (``fill``)."""
+    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"),
+                      [f"run_dir={run_dir}", "optimizer.name=muon", *sets])  # fmt: skip
+    _, shapes, _ = abstract_model(resolve_model(cfg))
+    return cfg, jax.tree.map(lambda x: jnp.full(x.shape, fill, x.dtype), shapes)
+
+
 def test_dry_run_plans_muons_engines_as_the_run_makes_them(tmp_path):
     """Muon's three engines (the matrices' momentum and fp32 master, AdamW on the other leaves)
     share the host cache: the dry run's per-engine figures and tier split against the engines
     the job's optimizer builds over the tiny model's own params."""
     tiers = [{"path": str(tmp_path / f"t{k}"), "read_bandwidth": 2_000_000_000 // (k + 1),
               "write_bandwidth": 1_000_000_000 // (k + 1)} for k in range(2)]  # fmt: skip
-    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
-        f"run_dir={tmp_path / 'run'}", "optimizer.name=muon",
+    cfg, params = _muon_on_tiny(tmp_path / "run", [
         "model_overrides={param_dtype: bfloat16}", "offload.subgroup_size=8192",
         f"offload.tiers={json.dumps(tiers)}",
-    ])  # fmt: skip
+    ], fill=0.5)  # fmt: skip
     report = dry_run(cfg, 1)
     assert report["problem"] is None
     assert list(report["engines"]) == ["momentum", "master", "adam"]
-    _, shapes, _ = abstract_model(resolve_model(cfg))
-    params = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), shapes)
     tx = build_optimizer(cfg, use_optax=False)
     state = tx.init(params)
     parts = state[1]._asdict()  # the chain's clipping, then Muon's OffloadedMuonState
@@ -166,12 +172,10 @@ def test_muons_device_memory_in_the_plan_bounds_its_update_program(dtype, tmp_pa
     """The plan counts jax_mlpo.muon's device memory from Newton-Schulz compiled alone (its
     update's program exists only after init): at least, and close to, XLA's temporaries of the
     whole update program compiled after init."""
-    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
-        f"run_dir={tmp_path}", "optimizer.name=muon", f"model_overrides={{param_dtype: {dtype}}}",
+    cfg, params = _muon_on_tiny(tmp_path, [
+        f"model_overrides={{param_dtype: {dtype}}}",
         "offload.subgroup_size=8192",  # three engines' pipelines in tiny.yaml's host cache
     ])  # fmt: skip
-    _, shapes, _ = abstract_model(resolve_model(cfg))
-    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     tx = build_optimizer(cfg, use_optax=False)
     state = tx.init(params)
     try:
@@ -185,13 +189,9 @@ def test_muons_device_memory_in_the_plan_bounds_its_update_program(dtype, tmp_pa
 def test_dry_run_names_the_host_cache_muons_engines_need(tmp_path):
     """Too small a host cache for Muon's three pipelines: the dry run reports the error the
     run's init raises, with the size to raise it to."""
-    cfg = load_config(str(ROOT / "experiments" / "configs" / "tiny.yaml"), [
-        f"run_dir={tmp_path}", "optimizer.name=muon", "model_overrides={param_dtype: bfloat16}",
-    ])  # fmt: skip
+    cfg, params = _muon_on_tiny(tmp_path, ["model_overrides={param_dtype: bfloat16}"])
     report = dry_run(cfg, 1)
     assert "raise host_cache to at least" in report["problem"]
-    _, shapes, _ = abstract_model(resolve_model(cfg))
-    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     with pytest.raises(jax_mlpo.ConfigError) as raised:
         build_optimizer(cfg, use_optax=False).init(params)
     assert str(raised.value) == report["problem"]
