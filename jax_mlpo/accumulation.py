@@ -125,8 +125,11 @@ class MultiSteps:
         inner_update = functools.partial(self._opt.update, **extra_args)
         shapes = jax.eval_shape(inner_update, updates, state.inner_opt_state, params)[0]
 
-        def zero_updates():  # made inside the skipping branch, not held outside it
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        def zero_updates(grads):  # made inside the skipping branch, not held outside it
+            # zeros_like of the gradients, in the inner update's dtypes: with sharding in the
+            # array types (an Explicit mesh) they carry the params' sharding, as the
+            # accumulating branch's results do, and lax.cond needs both branches' types equal
+            return jax.tree.map(lambda g, x: jnp.zeros_like(g, x.dtype), grads, shapes)
 
         def accumulate(updates, state, params):
             acc_grads = jax.tree.map(
@@ -176,7 +179,7 @@ class MultiSteps:
             return new_updates, new_state
 
         def skip(updates, state, params):
-            return zero_updates(), state._replace(skip_state=skip_state)
+            return zero_updates(updates), state._replace(skip_state=skip_state)
 
         return lax.cond(should_skip, skip, accumulate, updates, state, params)
 
@@ -184,6 +187,7 @@ class MultiSteps:
         """Whether the last call applied an update."""
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
-    def gradient_transformation(self) -> optax.GradientTransformation:
-        """This wrapper as an ``optax.GradientTransformation``."""
-        return optax.GradientTransformation(init=self.init, update=self.update)
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """This wrapper as an ``optax.GradientTransformationExtraArgs`` (its update passes
+        extra keyword arguments to the inner optimizer, as ``optax.MultiSteps``'s does)."""
+        return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
