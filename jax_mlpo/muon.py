@@ -31,7 +31,14 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
-from jax_mlpo.offloaded import concrete, offloaded
+from jax_mlpo.offloaded import (
+    EmptyGroup,
+    concrete,
+    is_traced,
+    offloaded,
+    refuse_discarding_wrappers,
+    template_state,
+)
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
 from jax_mlpo.plan import StateShape, split_host_cache
 from jax_mlpo.transform import adamw, check_offload, check_scalars, check_update_dtype
@@ -39,7 +46,8 @@ from jax_mlpo.types import BF16, F32
 
 
 class OffloadedMuonState(NamedTuple):
-    """The states of ``jax_mlpo.muon``'s engines (None where a group of leaves is empty)."""
+    """The states of ``jax_mlpo.muon``'s engines (an engine over no leaves where a group is
+    empty)."""
 
     momentum: Any  # OffloadedAdamWState: the matrices' momentum
     master: Any  # OffloadedAdamWState: the fp32 master of bfloat16 matrices
@@ -128,7 +136,7 @@ def muon(
     consistent_rms: float | None = None,
     offload: OffloadConfig,
     update_dtype: Any = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     r"""Muon with its state (momentum, fp32 master, the other leaves' AdamW state) offloaded.
 
     ``optax.contrib.muon``'s arguments and meaning: the matrices chosen by
@@ -223,37 +231,59 @@ def muon(
         flags = resolve_mask(weight_decay_mask, params)
         return [flags[i] for i in groups.muon]
 
+    # Each engine's config, by the engines' state shapes: made (and its tier directories
+    # probed) once, so that a second init of this optimizer takes its engines' places by the
+    # same configs (a place without tiers is its config object: jax_mlpo.registry.place_of).
+    # An empty group's engine holds nothing (no share of the host cache, no blob in its
+    # tier subdirectories); its subdirectories are its place, for the next init to replace.
+    part_configs: dict[tuple[Any, ...], dict[str, OffloadConfig]] = {}
+
+    def configs_for(shapes: dict[str, StateShape | None]) -> dict[str, OffloadConfig]:
+        key = tuple(shapes.items())
+        if key not in part_configs:
+            held = [name for name, shape in shapes.items() if shape is not None]
+            shares = dict(zip(held, split_host_cache(offload, [shapes[n] for n in held]),
+                              strict=True))  # fmt: skip
+            configs = {}
+            for name in shapes:
+                tiers = tuple(t.for_part(name) for t in offload.tiers)
+                configs[name] = dataclasses.replace(
+                    offload, tiers=tiers, host_cache=shares.get(name, 0)
+                )
+                configs[name].validate()
+            part_configs[key] = configs
+        return part_configs[key]
+
     def init_fn(params):
+        refuse_discarding_wrappers("muon")
+        if is_traced(params) or not jax.tree.leaves(params):
+            # jax.eval_shape, or optax.tree.map_params's placeholder: the state's shapes only
+            return OffloadedMuonState(*(template_state(params) for _ in range(3)))
         groups = _groups(params, muon_weight_dimension_numbers)
         leaves = jax.tree.leaves(params)
         muon_leaves = [leaves[i] for i in groups.muon]
         bf16 = [muon_leaves[k] for k in groups.master]
+        adam_params = [leaves[i] for i in groups.adam]
         flags = decay_flags(params, groups)
         size = offload.subgroup_size
         parts = {
             "momentum": muon_leaves and build_layout(muon_leaves, size, None, moment, ("mu",),
                                                      keeps_master=False),
             "master": bf16 and build_layout(bf16, size, None, (), ()),
-            "adam": groups.adam and build_layout(
-                [leaves[i] for i in groups.adam], size, None, (*moment, F32)),
+            "adam": adam_params and build_layout(adam_params, size, None, (*moment, F32)),
         }  # fmt: skip
-        names = [name for name, layout in parts.items() if layout]
-        shares = split_host_cache(offload, [StateShape.of(parts[n]) for n in names])
-        configs = {}
-        for name, share in zip(names, shares, strict=True):
-            tiers = tuple(t.for_part(name) for t in offload.tiers)
-            configs[name] = dataclasses.replace(offload, tiers=tiers, host_cache=share)
-            configs[name].validate()
-        state = OffloadedMuonState(None, None, None)
-        if muon_leaves:
-            state = state._replace(momentum=momentum_tx(configs["momentum"]).init(muon_leaves))
-        if bf16:
-            masked = [flags[k] for k in groups.master]
-            state = state._replace(master=master_tx(configs["master"], masked).init(bf16))
-        if groups.adam:
-            adam_params = [leaves[i] for i in groups.adam]
-            state = state._replace(adam=adam_tx(configs["adam"]).init(adam_params))
-        return state
+        configs = configs_for({n: StateShape.of(x) if x else None for n, x in parts.items()})
+        # An empty group still has its state (an engine over no leaves, which holds nothing),
+        # so the state's structure does not depend on the params, as optax's partition
+        # states do not: optax.tree.map_params inits on a placeholder with no leaves.
+        masked = [flags[k] for k in groups.master]
+        return OffloadedMuonState(
+            momentum=momentum_tx(configs["momentum"]).init(
+                muon_leaves or EmptyGroup()),
+            master=master_tx(configs["master"], masked if bf16 else None).init(
+                bf16 or EmptyGroup()),
+            adam=adam_tx(configs["adam"]).init(adam_params or EmptyGroup()),
+        )  # fmt: skip
 
     def orthogonalize(mu_hat: list[jax.Array], dims: list[MuonDimensionNumbers]) -> list:
         # optax's scale_by_muon with beta 0 and no nesterov passes the momentum it is given
@@ -266,7 +296,8 @@ def muon(
         out, _ = tx.update(mu_hat, state)
         return [_scale_by_shape(x, d, consistent_rms) for x, d in zip(out, dims, strict=True)]
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted and ignored, as optax.contrib.muon's update does
         if params is None:
             raise ValueError(
                 "jax_mlpo.muon needs params in update (tx.update(grads, state, params)): they "
@@ -276,8 +307,10 @@ def muon(
         grads, treedef = jax.tree.flatten(updates)
         leaves = treedef.flatten_up_to(params)
         out: list[Any] = list(grads)
-        momentum, master, adam = state
+        # an empty group's engine runs nothing; its count advances as optax's states' do
+        momentum, master, adam = (x._replace(count=optax.safe_increment(x.count)) for x in state)
         if groups.muon:
+            momentum = state.momentum
             muon_params = [leaves[i] for i in groups.muon]
             count = momentum.count
             mu_hat, momentum = momentum_tx(offload).update(
@@ -304,17 +337,17 @@ def muon(
             if groups.master:
                 masked = [flags[k] for k in groups.master]
                 applied, master = master_tx(offload, masked).update(
-                    [directions[k] for k in groups.master], master,
+                    [directions[k] for k in groups.master], state.master,
                     [muon_params[k] for k in groups.master],
                 )  # fmt: skip
                 for k, u in zip(groups.master, applied, strict=True):
                     out[groups.muon[k]] = u
         if groups.adam:
             adam_updates, adam = adam_tx(offload).update(
-                [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam]
+                [grads[i] for i in groups.adam], state.adam, [leaves[i] for i in groups.adam]
             )
             for i, u in zip(groups.adam, adam_updates, strict=True):
                 out[i] = u
         return treedef.unflatten(out), OffloadedMuonState(momentum, master, adam)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -17,7 +17,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ import optax
 from jax_mlpo import distributed, registry
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import Engine
-from jax_mlpo.layout import build_layout, resolve_mask
+from jax_mlpo.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.mesh_update import MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
@@ -42,7 +42,7 @@ from jax_mlpo.opt_state import OffloadedAdamWState
 from jax_mlpo.optimizers import HostOptimizer
 
 
-def _refuse_discarding_wrappers(name: str) -> None:
+def refuse_discarding_wrappers(name: str) -> None:
     """Fails init inside optax.MultiSteps, which runs update on every micro-step and discards it."""
     multi_steps_init = optax.MultiSteps.init.__code__
     frame = sys._getframe(2)
@@ -131,6 +131,39 @@ def _step(engine, count, scalars, grads, params, updates, stream) -> None:
 set_host_update(_run_update)
 
 
+class EmptyGroup(NamedTuple):
+    """The params of a group of an optimizer's leaves that is empty (``jax_mlpo.muon``'s AdamW
+    group of a model of matrices only): ``init`` on it makes an engine over no leaves, which
+    holds nothing (and, at a place of its own, is replaced by the next init there), so the
+    optimizer's state has the same structure for any params. Other params with no leaves
+    (``optax.tree.map_params``'s placeholder) get a template, and no engine to leak."""
+
+
+def is_traced(params: Any) -> bool:
+    """Whether ``params`` are abstract: ``init`` called under ``jax.eval_shape`` or ``jit``."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+
+
+def template_state(params: Any) -> OffloadedAdamWState:
+    """The state's shapes and dtypes for abstract ``params``, with no engine behind it.
+
+    ``jax.eval_shape(tx.init, params)`` (and ``nnx.eval_shape`` of an ``nnx.Optimizer``) is how
+    Flax and orbax make restore targets' shapes: this writes nothing and allocates nothing. Its
+    handle is :data:`jax_mlpo.registry.TEMPLATE`, which every use of the state refuses, naming
+    the fix: a state to train or restore into comes from ``tx.init`` on concrete params.
+    """
+    shape: tuple[int, ...] = ()
+    if distributed.is_multiprocess():
+        shape = (jax.process_count(),)
+    for leaf in jax.tree.leaves(params):  # params on a mesh in their types (explicit sharding)
+        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            shape = tuple(mesh.axis_sizes)
+            break
+    template = jnp.full(shape, registry.TEMPLATE, jnp.int32)
+    return OffloadedAdamWState(count=jnp.zeros([], jnp.int32), handle=template)
+
+
 DeviceScalars = Callable[[jax.Array, dict[str, Any], Any, Any], list[Any]]
 
 
@@ -146,7 +179,7 @@ def offloaded(
     offload: OffloadConfig,
     update_dtype: Any,
     keeps_master: bool = True,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """The transformation of an offloaded optimizer (its arguments already checked).
 
     Args:
@@ -166,7 +199,10 @@ def offloaded(
         update is computed from the gradients alone, as Muon's momentum pass is).
 
     Returns:
-      The ``GradientTransformation``; its ``update`` requires ``params``.
+      The ``GradientTransformationExtraArgs``; its ``update`` requires ``params`` and ignores
+      extra keyword arguments. ``init`` under a trace (``jax.eval_shape``) returns a template
+      of the state (:func:`template_state`) and makes nothing; otherwise it replaces the
+      engine of this process at the same place (:func:`jax_mlpo.registry.take_place`).
     """
     # The plans of the states this transformation initialised on a mesh, by what an update
     # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
@@ -188,9 +224,17 @@ def offloaded(
 
     moments = (moment_dtypes, optimizer.moment_names, keeps_master)
 
+    def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, registry.Place]:
+        # it replaces the engine of this process at its place (a second init)
+        place = registry.place_of(config)
+        registry.take_place(place)
+        return Engine(layout, config, optimizer), place
+
     def init_fn(params):
-        _refuse_discarding_wrappers(name)
+        refuse_discarding_wrappers(name)
         init_shapes.add(shapes_of(params))
+        if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
+            return template_state(params)
         ensure_platform(jax.default_backend())
         plan = mesh_plan(params)
         if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
@@ -205,9 +249,10 @@ def offloaded(
             config = offload
             if distributed.is_multiprocess():
                 config = distributed.process_config(offload, jax.process_index())
-            engine = Engine(layout, config, optimizer)
+            engine, place = new_engine(layout, config)
             key = plan_key(plan.mesh.devices.shape, jax.tree.leaves(params))
-            handle = plan.handle_array(registry.register_mesh(engine, plan, run_on(engine), key))
+            handles = registry.register_mesh(engine, plan, run_on(engine), key, place)
+            handle = plan.handle_array(handles)
             mesh_plans[key] = plan
             return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)
         if distributed.is_multiprocess():
@@ -219,19 +264,20 @@ def offloaded(
                 local, offload.subgroup_size, resolve_mask(mask, params), *moments
             )
             config = distributed.process_config(offload, jax.process_index())
-            engine = Engine(layout, config, optimizer)
+            engine, place = new_engine(layout, config)
             return OffloadedAdamWState(
                 count=distributed.replicated(np.int32(0), mesh),
-                handle=distributed.global_handle(registry.register(engine), mesh),
+                handle=distributed.global_handle(registry.register(engine, place), mesh),
             )
         layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params), *moments)
-        engine = Engine(layout, offload, optimizer)
+        engine, place = new_engine(layout, offload)
         return OffloadedAdamWState(
             count=jnp.zeros([], jnp.int32),
-            handle=jnp.asarray(registry.register(engine), jnp.int32),
+            handle=jnp.asarray(registry.register(engine, place), jnp.int32),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted and ignored, as optax's optimizers do (value=, ...)
         if params is None:
             raise ValueError(
                 f"jax_mlpo.{name} needs params in update (tx.update(grads, state, params)): they "
@@ -285,4 +331,4 @@ def offloaded(
         ]
         return host_update_call(handle, count, scalars, grads, param_leaves, dtypes)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -10,6 +10,14 @@ Engines need no explicit ``close``: at exit, their tier locks are released and t
 scratch state on the tiers is left for the next run to reclaim (it is never read back: a run
 resumes from a checkpoint). :func:`close`, or :func:`closing` as a context manager, releases
 the tiers early.
+
+Each engine has a *place*: the tier directories and object prefixes its state lives in, or,
+for a state all in host memory, its ``OffloadConfig`` object. An init in this process whose
+engine takes the place of an open one replaces it (:func:`take_place`): the older engine is
+closed (its writes and checkpoint reads waited for, its tier locks released, its host cache
+freed) and its state then refuses every use with an error that names the later init. So a run
+that re-creates its optimizer, or inits a restore target in the process that trains, neither
+locks itself out of its own tiers nor holds two host caches.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -26,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_mlpo.config import FileTier
 from jax_mlpo.engine import Engine
 from jax_mlpo.mesh_update import DeviceCalls, MeshPlan
 from jax_mlpo.opt_state import find_offloaded, handle_of
@@ -37,12 +47,30 @@ _ENGINES: dict[int, Engine] = {}
 # A mesh engine's handles, one per device of this process: where its calls meet, and its slot.
 _SLOTS: dict[int, tuple[DeviceCalls, int]] = {}
 _CLOSED: set[int] = set()
+# Where an engine keeps its state (:func:`place_of`): ("host", id(config)), or one
+# ("tier", location) per tier.
+Place = tuple[Any, ...]
+# Each open engine's place, by handle; the places of replaced handles.
+_PLACES: dict[int, Place] = {}
+_REPLACED: dict[int, Place] = {}
 _first_failure: BaseException | None = None  # the first update that raised in this process
 # The mesh plans of the states initialised on a mesh, by what an update sees of them when
 # traced (the handle's and the leaves' shapes: shardings are not visible under jit), so that a
 # transformation re-created inside update (optax.inject_hyperparams) finds its state's plan.
 _MESH_PLANS: dict[tuple[Any, ...], MeshPlan] = {}
 _LOCK = threading.Lock()
+
+# The handle of a state made by tx.init under a trace (jax.eval_shape, jax.jit): a template
+# with the state's shapes and no engine. Real handles are drawn from [1, 2**31 - 1].
+TEMPLATE = 0
+
+_TEMPLATE = (
+    "this jax_mlpo optimizer state was made by tx.init under a JAX trace (jax.eval_shape, "
+    "nnx.eval_shape, jax.jit or nnx.jit): it is a template with the state's shapes and dtypes "
+    "and no host state behind it. Use it as an abstract restore target's shapes only; make the "
+    "state to train and to restore into with tx.init(params) on concrete params outside jit "
+    "(with flax.nnx: create the nnx.Optimizer outside nnx.jit)"
+)
 
 _NOT_FOUND = (
     "no jax_mlpo engine with handle {key} in this process: this optimizer state was not "
@@ -62,16 +90,53 @@ def _new_handle() -> int:
             return handle
 
 
-def register(engine: Engine) -> int:
-    """A new handle naming ``engine``."""
+def place_of(config: Any) -> Place:
+    """Where an engine made with ``config`` keeps its state: its tiers' directories and object
+    prefixes; for a config without tiers, the config object itself (by identity)."""
+    if not config.tiers:
+        return ("host", id(config))
+    return tuple(("tier", os.path.realpath(t.path) if isinstance(t, FileTier) else t.path)
+                 for t in config.tiers)  # fmt: skip
+
+
+def _overlap(a: Place, b: Place) -> bool:
+    """Whether two places share a tier (or are the same host-only config)."""
+    if a[0] == "host" or b[0] == "host":
+        return a == b
+    return bool(set(a) & set(b))
+
+
+def take_place(place: Place) -> None:
+    """Closes the open engines of this process that hold any of ``place``'s tiers (or its
+    host-only config), before a new engine takes it.
+
+    Their states then refuse every use, naming the later init; their writes (and a checkpoint
+    reading from them) are waited for first, so nothing they wrote is lost or torn.
+    """
+    with _LOCK:
+        keys = [k for k, p in _PLACES.items() if _overlap(p, place)]
+    if keys:
+        logger.info("jax_mlpo: a new init takes %s; closing the optimizer that held it", place)
+        with contextlib.suppress(Exception):  # its updates in flight finish first
+            jax.effects_barrier()
+        _close_keys(keys, replaced_by=place)
+
+
+def register(engine: Engine, place: Place) -> int:
+    """A new handle naming ``engine``, which holds ``place`` (:func:`place_of`)."""
     with _LOCK:
         handle = _new_handle()
         _ENGINES[handle] = engine
+        _PLACES[handle] = place
     return handle
 
 
 def register_mesh(
-    engine: Engine, plan: MeshPlan, run: Callable[..., None], key: tuple[Any, ...]
+    engine: Engine,
+    plan: MeshPlan,
+    run: Callable[..., None],
+    key: tuple[Any, ...],
+    place: Place,
 ) -> list[int]:
     """One handle per device of ``plan`` (its slot), all naming ``engine``.
 
@@ -80,6 +145,7 @@ def register_mesh(
       plan: the params' shards.
       run: ``run(count, scalars, grads, params, updates)``, once all devices' calls arrived.
       key: what a traced update sees of the state (:func:`mesh_plan_for`).
+      place: where ``engine`` keeps its state (:func:`place_of`).
     """
     calls = DeviceCalls(plan, run)
     with _LOCK:
@@ -87,6 +153,7 @@ def register_mesh(
         for slot, handle in enumerate(handles):
             _ENGINES[handle] = engine
             _SLOTS[handle] = (calls, slot)
+            _PLACES[handle] = place
         _MESH_PLANS[key] = plan
     return handles
 
@@ -113,12 +180,28 @@ def engine(key: int) -> Engine:
     try:
         return _ENGINES[key]
     except KeyError:
+        if key == TEMPLATE:
+            raise RuntimeError(_TEMPLATE) from None
+        if key in _REPLACED:
+            raise RuntimeError(
+                f"the jax_mlpo optimizer with handle {key} was replaced: a later tx.init in "
+                f"this process took its place ({_describe(_REPLACED[key])}) and closed it. "
+                "Use the state that init returned (after a restore, the restored state); to "
+                "hold two optimizers at once, give each its own tier directories (without "
+                "tiers, its own OffloadConfig)"
+            ) from None
         if key in _CLOSED:
             raise RuntimeError(
                 f"the jax_mlpo optimizer with handle {key} was closed (jax_mlpo.close): "
                 "init a new one (and restore its state from a checkpoint)"
             ) from None
         raise RuntimeError(_NOT_FOUND.format(key=key)) from None
+
+
+def _describe(place: Place) -> str:
+    if place[0] == "host":
+        return "the same OffloadConfig, with no tiers"
+    return "tiers " + ", ".join(repr(location) for _, location in place)
 
 
 def update_failed(error: BaseException) -> None:
@@ -213,16 +296,22 @@ def close(opt_state: Any) -> None:
     states = _states(opt_state)
     with contextlib.suppress(Exception):  # a failed update: close what it left all the same
         jax.effects_barrier()
-    for state in states:
-        key = key_of(handle_of(state))
+    _close_keys([key_of(handle_of(state)) for state in states])
+
+
+def _close_keys(keys: list[int], replaced_by: Place | None = None) -> None:
+    """Forgets the engines of ``keys`` (a mesh engine's every slot) and closes them."""
+    for key in keys:
         with _LOCK:
             found = _ENGINES.pop(key, None)
-            _CLOSED.add(key)
-            for other in [h for h, e in _ENGINES.items() if e is found]:  # a mesh's slots
-                del _ENGINES[other]
-                _SLOTS.pop(other, None)
-                _CLOSED.add(other)
-            _SLOTS.pop(key, None)
+            slots = [key] + [h for h, e in _ENGINES.items() if e is found]  # a mesh's slots
+            for handle in slots:
+                _ENGINES.pop(handle, None)
+                _SLOTS.pop(handle, None)
+                _PLACES.pop(handle, None)
+                _CLOSED.add(handle)
+                if replaced_by is not None:
+                    _REPLACED[handle] = replaced_by
         if found is not None:
             found.close()
 
@@ -250,6 +339,7 @@ def _release_at_exit() -> None:
         engines = list({id(e): e for e in _ENGINES.values()}.values())
         _ENGINES.clear()
         _SLOTS.clear()
+        _PLACES.clear()
     if _first_failure is not None:
         # one line, in case the loop never read an output of the failed step
         with contextlib.suppress(Exception):  # stderr may be closed by now

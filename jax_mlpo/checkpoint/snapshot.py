@@ -55,8 +55,10 @@ def check_savable(tree: Any) -> None:
             )
         jax.effects_barrier()
     for state in states:
-        count, step = int(np.asarray(count_of(state))), engine_of(state).step_count
-        if count != step:
+        engine = engine_of(state)
+        count, step = int(np.asarray(count_of(state))), engine.step_count
+        # an engine over no leaves (an empty group of jax_mlpo.muon) keeps no state to be stale
+        if count != step and engine.layout.num_params:
             raise StaleStateError(
                 f"the optimizer state to save is at step {count}, but its offloaded state is "
                 f"at step {step}: save the state returned by the last update"
