@@ -274,9 +274,10 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         if not use_optax:
             jax_mlpo.close(opt_state)
         raise
-    # the engines of the offloaded states (muon has up to three), which update one after another
+    # the engines of the offloaded states (muon has up to three), which update one after
+    # another; an engine over no leaves (an empty group of muon's) runs no update
     found = [] if use_optax else jax_mlpo.opt_state.find_offloaded(opt_state)
-    engines = [jax_mlpo.engine_of(s) for s in found]
+    engines = [e for e in map(jax_mlpo.engine_of, found) if e.layout.num_params]
     grad_step, update_step = make_steps(graphdef, tx)
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"

@@ -3,7 +3,8 @@ mesh's axes Explicit (the sharding in the array types) or Auto.
 
 Run by tests/test_optax_idioms.py in its own interpreter (this needs four devices):
 ``python accumulation_mesh_worker.py explicit|auto TIER_DIR``. Prints one JSON line: the
-largest difference of the params from optax's, whether the params, the accumulator
+largest difference of the params from optax's, whether ``jax.eval_shape(tx.init)`` has
+init's shapes, whether the params, the accumulator
 and the updates keep the params' shardings, and the bytes written to the tier.
 """
 
@@ -44,6 +45,14 @@ def main(kind: str, tier_dir: str) -> None:
             "w": jax.device_put(jnp.linspace(-1, 1, 8 * SUB).reshape(256, 128), shardings["w"]),
             "b": jax.device_put(jnp.linspace(1, -1, 128), shardings["b"]),
         }
+        # the restore target's shapes on a mesh: eval_shape's template is init's shape
+        inner = jax_mlpo.adamw(1e-2, weight_decay=0.1, offload=config)
+        abstract = jax.eval_shape(inner.init, params0)
+        state = inner.init(params0)
+        out["eval_shape_matches_init"] = jax.tree.map(jnp.shape, abstract) == jax.tree.map(
+            jnp.shape, state
+        )
+        jax_mlpo.close(state)
         results = {}
         for name, tx in (
             ("optax", optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)),

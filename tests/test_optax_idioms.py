@@ -131,18 +131,22 @@ def test_multi_steps_passes_extra_args_as_optax_does(tmp_path):
 # -- optax's state utilities -------------------------------------------------------------------
 
 
-def wrappers(tx_of: Callable[[], optax.GradientTransformation]) -> dict[str, Callable]:
-    """The optimizer alone and inside the wrappers real loops use, built by ``tx_of()``."""
+def wrappers(make: Callable[[float], optax.GradientTransformation]) -> dict[str, Callable]:
+    """The optimizer ``make(learning_rate)`` alone and inside the wrappers real loops use."""
     labels = {"b": "plain", "w": "inner"}
     return {
-        "alone": tx_of,
-        "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), tx_of()),
-        "partition": lambda: optax.partition({"inner": tx_of(), "plain": optax.sgd(LR)}, labels),
-        "masked": lambda: optax.masked(tx_of(), {"b": False, "w": True}),
+        "alone": lambda: make(LR),
+        "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), make(LR)),
+        "partition": lambda: optax.partition({"inner": make(LR), "plain": optax.sgd(LR)}, labels),
+        "masked": lambda: optax.masked(make(LR), {"b": False, "w": True}),
+        "inject": lambda: optax.inject_hyperparams(make)(LR),
     }
 
 
-@pytest.mark.parametrize("wrapper", ["alone", "chain", "partition", "masked"])
+WRAPPERS = ["alone", "chain", "partition", "masked", "inject"]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_map_params_maps_what_optax_maps_and_keeps_the_engine(name, wrapper, tmp_path):
     """optax.tree.map_params inits the optimizer on a placeholder to find the params-shaped
@@ -151,8 +155,8 @@ def test_map_params_maps_what_optax_maps_and_keeps_the_engine(name, wrapper, tmp
     the live engine's place: training goes on as optax's."""
     ours, theirs = OPTIMIZERS[name]
     config = file_config(tmp_path, HOST_CACHE[name])
-    tx = wrappers(lambda: ours(LR, offload=config))[wrapper]()
-    reference = wrappers(lambda: theirs(LR))[wrapper]()
+    tx = wrappers(lambda learning_rate: ours(learning_rate, offload=config))[wrapper]()
+    reference = wrappers(theirs)[wrapper]()
     params, state = train(tx, steps=1)
     expected_params, expected_state = train(reference, steps=1)
     open_before = registry.open_handles()
@@ -213,7 +217,7 @@ def shapes(tree):
     return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
 
 
-@pytest.mark.parametrize("wrapper", ["alone", "chain", "partition", "masked", "inject"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_path):
     """jax.eval_shape(tx.init, params), how Flax and orbax make restore targets: the shapes
@@ -222,12 +226,8 @@ def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_
     config = file_config(tmp_path, HOST_CACHE[name])
     tier = Path(config.tiers[0].path)
     before = sorted(p.name for p in tier.rglob("*"))
-    if wrapper == "inject":
-        tx = optax.inject_hyperparams(lambda learning_rate: ours(learning_rate, offload=config))(LR)
-        reference = optax.inject_hyperparams(theirs)(LR)
-    else:
-        tx = wrappers(lambda: ours(LR, offload=config))[wrapper]()
-        reference = wrappers(lambda: theirs(LR))[wrapper]()
+    tx = wrappers(lambda learning_rate: ours(learning_rate, offload=config))[wrapper]()
+    reference = wrappers(theirs)[wrapper]()
     params = make_params()
     open_before = registry.open_handles()
     abstract = jax.eval_shape(tx.init, params)
@@ -363,6 +363,7 @@ def test_multi_steps_on_a_mesh_follows_optax_in_the_params_shardings(axes, tmp_p
     for what in ("params", "accumulator", "updates"):
         assert all(out[f"{what}_keep_shardings"].values()), (what, out)
     assert out["tier_bytes"] > 0
+    assert out["eval_shape_matches_init"]  # the handle has one element per device
 
 
 # -- refusals ----------------------------------------------------------------------------------
