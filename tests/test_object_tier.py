@@ -180,12 +180,23 @@ def test_wrong_credentials_fail_at_init(server):
 
 
 def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
+    """Another run's lock object on the prefix refuses the init, naming its owner; a second
+    init in this process replaces the first (jax_mlpo.registry.take_place)."""
     cfg = config(server, tmp_path, "s3", jnp.float32)
     params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
     state = jax_mlpo.adamw(1e-3, offload=cfg).init(params)
-    with pytest.raises(jax_mlpo.TierInUseError, match=f"tier {cfg.tiers[0].path!r} is in use by"):
-        jax_mlpo.adamw(1e-3, offload=cfg).init(params)
-    jax_mlpo.close(state)
+    again = jax_mlpo.adamw(1e-3, offload=cfg).init(params)
+    with pytest.raises(RuntimeError, match="was replaced: a later tx.init in this process"):
+        jax_mlpo.engine_of(state)
+    jax_mlpo.close(again)
+    kv = ts.KvStore.open(cfg.tiers[0].spec()).result()
+    owner = {"pid": 424242, "host": "elsewhere", "since": 0.0}
+    kv.write(LOCK_KEY, json.dumps(owner).encode()).result()  # a run on another machine
+    with pytest.raises(
+        jax_mlpo.TierInUseError,
+        match=f"tier {cfg.tiers[0].path!r} is in use by pid 424242 on elsewhere",
+    ):
+        jax_mlpo.adamw(1e-3, offload=cfg).init(params)  # fmt: skip
 
 
 def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(server, tmp_path):
