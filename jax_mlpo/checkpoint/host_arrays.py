@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import logging
 import os
 import queue
@@ -31,11 +30,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax_mlpo.checkpoint import host_reads
+from jax_mlpo.checkpoint import file_io, host_reads
 from jax_mlpo.checkpoint.digest import Digest
 from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.checkpoint.shard_file import create_data_file, create_metadata, sync_array
-from jax_mlpo.tiers.submit import aligned_empty, pwrite_full, round_up_pages
+from jax_mlpo.tiers.submit import aligned_empty, round_up_pages
 
 
 class _NoOcdbtMerge(logging.Filter):
@@ -133,7 +132,8 @@ class ArrayWriter:
                 buffer, n = free.pop(), round_up_pages(piece.nbytes)
                 buffer[: piece.nbytes] = piece
                 buffer[piece.nbytes : n] = 0  # O_DIRECT writes whole pages; cut off below
-                pending[self._pool.submit(_write_piece, fd, buffer[:n], start, path)] = buffer
+                args = (fd, buffer[:n], start, data, file_io.ARRAY, start // PIECE_BYTES)
+                pending[self._pool.submit(file_io.write_piece, *args)] = buffer
                 digest.update(piece)  # in order, on this thread, while the pieces are written
             for f in concurrent.futures.as_completed(list(pending)):
                 pending.pop(f)
@@ -150,11 +150,6 @@ class ArrayWriter:
     def close(self) -> None:
         self._producers.shutdown()
         self._pool.shutdown()
-
-
-def _write_piece(fd: int, data: np.ndarray, offset: int, path: str) -> None:
-    if pwrite_full(fd, data, offset) < data.nbytes:
-        raise OSError(errno.ENOSPC, f"{path}: short write at byte {offset} (is the disk full?)")
 
 
 class DirectNumpyHandler(ocp.type_handlers.NumpyHandler):

@@ -11,7 +11,6 @@ that for a whole item while a restore streams the offloaded state, so that
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import os
 import threading
@@ -20,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_mlpo.tiers.submit import aligned_empty, open_direct, pread_full, round_up_pages
+from jax_mlpo.checkpoint import file_io
+from jax_mlpo.tiers.submit import aligned_empty, open_direct, round_up_pages
 
 # Arrays of at least this many bytes are written by host_arrays itself, and read back here;
 # smaller ones are orbax's both ways (a copy costs little there). One figure for both sides.
@@ -80,7 +80,8 @@ def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np
                 for start in range(0, nbytes, READ_PIECE_BYTES):
                     n = min(READ_PIECE_BYTES, nbytes - start)
                     view = buffer[start : start + round_up_pages(n)]
-                    pieces.append(pool.submit(_read_piece, fds[-1], view, start, n, data))
+                    args = (fds[-1], view, start, n, data, file_io.ARRAY, start // READ_PIECE_BYTES)
+                    pieces.append(pool.submit(file_io.read_piece, *args))
                 out.append(buffer[:nbytes].view(dtype).reshape(shape))
             for piece in pieces:
                 piece.result()
@@ -149,8 +150,3 @@ def take_or_read(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> lis
         for k, array in zip(unread, read_all([arrays[k] for k in unread]), strict=True):
             out[k] = array
     return out
-
-
-def _read_piece(fd: int, view: np.ndarray, offset: int, count: int, path: str) -> None:
-    if pread_full(fd, view, offset) < count:
-        raise OSError(errno.EIO, f"{path}: short read at byte {offset} (truncated)")

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jax_mlpo.checkpoint import digest
+from jax_mlpo.checkpoint import digest, file_io
 from jax_mlpo.checkpoint.blocks import (
     Index,
     Read,
@@ -103,6 +103,7 @@ def write_synced(path: epath.Path, text: str) -> None:
     The manifest must be durable before orbax's rename publishes the checkpoint; tensorstore
     fsyncs the array files itself.
     """
+    file_io.request("write", file_io.MANIFEST, os.fspath(path), 0, 0, len(text))
     with open(os.fspath(path), "w") as f:
         f.write(text)
         f.flush()
@@ -148,6 +149,7 @@ def read_manifest(directory: epath.Path) -> dict[str, Any]:
         not match its seal, or has a leaf whose shards do not cover it exactly once.
     """
     path = directory / CHECKSUMS_FILE
+    file_io.request("read", file_io.MANIFEST, os.fspath(path), 0, 0, 0)
     try:  # the format first (unsealed): an older manifest has other keys
         fmt = json.loads(path.read_text()).get("format")
     except (OSError, ValueError, AttributeError, UnicodeDecodeError):

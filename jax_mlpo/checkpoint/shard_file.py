@@ -12,7 +12,6 @@ place is what reaches the disk's bandwidth, as the tiers' posix engine does.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import os
 from collections.abc import Hashable, Sequence
@@ -21,8 +20,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jax_mlpo.checkpoint import file_io
 from jax_mlpo.checkpoint.recycle import SpareFiles
-from jax_mlpo.tiers.submit import ALIGN, open_direct, pread_full, pwrite_full, round_up_pages
+from jax_mlpo.tiers.submit import ALIGN, open_direct, round_up_pages
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +139,21 @@ class ShardWriter:
         os.makedirs(os.path.dirname(data), exist_ok=True)
         self._fd = create_data_file(data, 4 * whole_pages(size), spares)
 
-    def write(self, start: int, buffer: np.ndarray, count: int) -> None:
+    def write(self, start: int, buffer: np.ndarray, count: int, piece: int = 0) -> None:
         """Writes ``buffer[:count]`` at element ``start``.
 
         ``buffer`` is page-aligned float32 with room up to the page after ``count`` elements;
         that room is zeroed and written too (O_DIRECT moves whole pages), then cut off by
-        :meth:`finish`.
+        :meth:`finish`. ``piece``: its index in the array (a fault plan's ``slot``).
+
+        Raises:
+          OSError: the write failed or was short (``ENOSPC``: a full disk).
         """
         n = 4 * count
         raw = _page_view(buffer, count)
         raw[n:] = 0
-        if pwrite_full(self._fd, raw, 4 * start) < raw.nbytes:
-            raise OSError(errno.ENOSPC, f"{self.path}: short write at element {start}")
+        data = os.path.join(self.path, DATA_FILE)
+        file_io.write_piece(self._fd, raw, 4 * start, data, file_io.STATE, piece)
 
     def finish(self) -> None:
         """Cuts the page padding off, makes the array durable and closes its file."""
@@ -237,18 +240,19 @@ class ShardReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd, _ = open_direct(os.path.join(path, DATA_FILE), os.O_RDONLY)
+        self._data = os.path.join(path, DATA_FILE)
+        self._fd, _ = open_direct(self._data, os.O_RDONLY)
 
-    def read(self, start: int, buffer: np.ndarray, count: int) -> np.ndarray:
+    def read(self, start: int, buffer: np.ndarray, count: int, piece: int = 0) -> np.ndarray:
         """Reads elements ``[start, start + count)`` into ``buffer`` (page-aligned float32 with
-        room up to the page after ``count``); returns ``buffer[:count]``.
+        room up to the page after ``count``); returns ``buffer[:count]``. ``piece``: its index
+        in the array (a fault plan's ``slot``).
 
         Raises:
-          OSError: the file is short (truncated).
+          OSError: the read failed, or the file is short (truncated).
         """
-        got = pread_full(self._fd, _page_view(buffer, count), 4 * start)
-        if got < 4 * count:
-            raise OSError(errno.EIO, f"{self.path}: short read at element {start} (truncated)")
+        view = _page_view(buffer, count)
+        file_io.read_piece(self._fd, view, 4 * start, 4 * count, self._data, file_io.STATE, piece)
         return buffer[:count]
 
     def close(self) -> None:

@@ -151,7 +151,7 @@ class StateReader:
         count = min(chunk, record["size"] - k * chunk)
         file = self._check(record)  # on the I/O thread: ~30 ms per array (tensorstore's open)
         try:
-            data = file.read(k * chunk, buffer, count)
+            data = file.read(k * chunk, buffer, count, k)
         except OSError as e:
             raise CorruptCheckpointError(f"{where}: piece {k} cannot be read ({e})") from e
         expected = digest.recorded(record)

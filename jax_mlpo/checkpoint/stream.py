@@ -215,7 +215,8 @@ class StateWriter:
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._settle()
         count = array.filled - start
-        future = self._io.submit(_write_piece, array.file, start, array.buffer, count)
+        piece = start // array.chunk
+        future = self._io.submit(_write_piece, array.file, start, array.buffer, count, piece)
         self._in_flight.append((future, array, array.buffer))
         array.digests.append(future)
         array.pending += 1
@@ -237,10 +238,10 @@ class StateWriter:
             self._finishing.append(self._syncs.submit(array.file.finish))
 
 
-def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int) -> str:
-    piece = digest.of(buffer[:count])
-    file.write(start, buffer, count)
-    return piece
+def _write_piece(file: ShardWriter, start: int, buffer: np.ndarray, count: int, piece: int) -> str:
+    digested = digest.of(buffer[:count])
+    file.write(start, buffer, count, piece)
+    return digested
 
 
 STATE_DIR = "jax_mlpo_state"  # in the item directory: <state>/process_<k>/<quantity>.<leaf>

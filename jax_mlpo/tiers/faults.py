@@ -1,9 +1,12 @@
-"""Fault injection for the tier stores: chosen blob reads and writes fail, corrupt, slow or hang.
+"""Fault injection: chosen reads and writes of a tier or a checkpoint fail, corrupt, slow or hang.
 
 Every blob read and write of a tier (:class:`~jax_mlpo.tiers.file.FileTierStore`, whatever its
 I/O engine: posix files, tensorstore's zarr3, an object store) passes through one place, which
 asks the store's :class:`FaultPlan` what to do with it when one is attached
-(``store.faults``; None, the default, costs one attribute check per request). The plan acts
+(``store.faults``; None, the default, costs one attribute check per request). A checkpoint's
+own file I/O has such a place too (:mod:`jax_mlpo.checkpoint.file_io`: the pieces of its arrays
+and its manifest), where the kinds are ``"state"``, ``"array"`` and ``"manifest"`` and a slot is
+a piece's index in its file; an injected failure there fails the save or restore. The plan acts
 inside the request, after its permit and bandwidth reservation, so an injected fault looks to
 the engine exactly as the device's own would: an ``OSError`` becomes the tier's
 :class:`~jax_mlpo.tiers.errors.TierIOError` (``ENOSPC``:
@@ -15,7 +18,7 @@ Rules say which requests to touch: the ``nth`` request (counted from 1, from whe
 added) of an operation (``"read"`` or ``"write"``) that matches the rule's ``kind`` and
 ``slot`` (None: any), and ``count`` requests from there (None: every one). A request may match
 several rules; their actions run in the order the rules were added. The plan records every
-request it sees in :attr:`FaultPlan.trace`, as ``(op, kind, slot, outcome, tier)``, so a test
+request it sees in :attr:`FaultPlan.trace`, as ``(op, kind, slot, outcome, where)``, so a test
 can assert on counts and orders rather than times::
 
     with jax_mlpo.testing.tier_faults(opt_state, tier=0) as plan:
@@ -23,7 +26,8 @@ can assert on counts and orders rather than times::
         ...
     assert plan.outcomes("write").count("failed") == 1
 
-:mod:`jax_mlpo.testing` attaches a plan to an optimizer's tiers; it is for tests only.
+:mod:`jax_mlpo.testing` attaches a plan to an optimizer's tiers or to the checkpoint's I/O; it
+is for tests only.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 OPS = ("read", "write")
 _OUTCOMES = {
@@ -47,9 +51,11 @@ _OUTCOMES = {
 
 
 class FaultyStore(Protocol):
-    """What the plan needs of a tier store (``tier.path`` names it in the trace)."""
+    """What the plan needs of the store a request goes to: a tier store, a checkpoint's file."""
 
-    tier: Any
+    @property
+    def where(self) -> str:
+        """Names the store in the trace (a tier's path, a checkpoint file's)."""
 
     def blob_path(self, slot: int, kind: str = "state") -> str:
         """The file (or object key) that holds the blob."""
@@ -62,14 +68,15 @@ class FaultEvent(NamedTuple):
     """A request the plan saw, and what it did to it.
 
     ``outcome`` is ``"passed"`` (untouched) or the actions taken, joined by ``+``:
-    ``"delayed"``, ``"hung"``, ``"called"``, ``"corrupted"``, ``"failed"``.
+    ``"delayed"``, ``"hung"``, ``"called"``, ``"corrupted"``, ``"failed"``. ``where``: the tier's
+    path, or the checkpoint file's.
     """
 
     op: str
     kind: str
     slot: int
     outcome: str
-    tier: str
+    where: str
 
 
 @dataclasses.dataclass
@@ -99,7 +106,7 @@ class _Rule:
 
 
 class FaultPlan:
-    """The faults to inject into the blob requests of one or more tier stores.
+    """The faults to inject into the requests of one or more tier stores, or of checkpoints.
 
     Each method adds a rule and returns the plan, so rules chain. Thread-safe: requests come
     from the tiers' I/O threads.
@@ -127,8 +134,10 @@ class FaultPlan:
           errno: the error's code, e.g. ``errno.EIO`` (a device error) or ``errno.ENOSPC`` (a
             full file system: the store raises ``TierFullError``).
           kind: only blobs of this kind (``"state"``, which covers ``"state.alt"``,
-            ``"grad"``, ``"probe"``); None: any.
-          slot: only this slot (the subgroup's index); None: any.
+            ``"grad"``, ``"probe"``; a checkpoint's: ``"state"``, ``"array"``, ``"manifest"``);
+            None: any.
+          slot: only this slot (the subgroup's index; a checkpoint's: the piece's index in its
+            file); None: any.
 
         Returns:
           The plan.
@@ -275,7 +284,7 @@ class FaultPlan:
         with self._lock:
             fired = [r for r in self._rules if r.matches(op, kind, slot) and r.fires()]
             outcome = "+".join(_OUTCOMES[r.action] for r in fired) or "passed"
-            self.trace.append(FaultEvent(op, kind, slot, outcome, store.tier.path))
+            self.trace.append(FaultEvent(op, kind, slot, outcome, store.where))
             self._lock.notify_all()
         for rule in fired:
             if rule.action == "delay":

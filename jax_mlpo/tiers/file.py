@@ -146,6 +146,11 @@ class FileTierStore:
             self.close()
             raise TierIOError(self._explain(e, "creating the blob files in")) from e
 
+    @property
+    def where(self) -> str:
+        """The tier's path (names the store in a fault plan's trace)."""
+        return self.tier.path
+
     def blob_path(self, slot: int, kind: str = "state") -> str:
         """The file that holds blob ``slot`` of ``kind`` (its first chunk for tensorstore)."""
         return self._blobs.path(slot, kind)
