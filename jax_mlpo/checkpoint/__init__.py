@@ -92,6 +92,7 @@ Modules, one concept each:
   arithmetic and the leaf kinds and names they share.
 """
 
+from jax_mlpo.checkpoint.failures import CheckpointWriteError
 from jax_mlpo.checkpoint.handler import OffloadCheckpointHandler, OffloadRestore, OffloadSave
 from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.space import CheckpointSpaceError
@@ -99,6 +100,7 @@ from jax_mlpo.checkpoint.training import Restored, manager, restore, save
 
 __all__ = [
     "CheckpointSpaceError",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "OffloadCheckpointHandler",
     "OffloadRestore",

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jax_mlpo.checkpoint import manifest
+from jax_mlpo.checkpoint import failures, manifest
 from jax_mlpo.checkpoint.blocks import as_read
 from jax_mlpo.checkpoint.host_arrays import DirectNumpyHandler, tree_handler
 from jax_mlpo.checkpoint.load import load
@@ -113,9 +113,11 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
             # writes the large host arrays before it returns (they are not copied)
             futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
             records = manifest.host_records(host, self._arrays.digests)
-        except BaseException:
+        except BaseException as e:
             for stream in streams:
                 stream.snapshot.close()
+            if failures.needs_explaining(e):
+                raise failures.explain(e, directory) from e
             raise
         rest = ocp.future.CommitFutureAwaitingContractedSignals(
             self._write_streams_and_manifest(directory, records, streams, spares),
@@ -133,10 +135,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
             await asyncio.to_thread(_STREAMS_MAY_START.wait)
             # in a thread: the stream blocks on tier reads and tensorstore writes
             streamed = await asyncio.to_thread(write_streams, directory, streams, spares)
+            self._write_manifest(directory, records, streamed)
+        except Exception as e:
+            if failures.needs_explaining(e):
+                raise failures.explain(e, directory) from e
+            raise
         finally:
             for stream in streams:
                 stream.snapshot.close()
-        self._write_manifest(directory, records, streamed)
 
     def _write_manifest(
         self, directory: Any, records: dict[str, Any], streamed: dict[str, Any]
@@ -163,10 +169,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
             self._tree.save(directory, args=ocp.args.PyTreeSave(host))
             records = manifest.host_records(host, self._arrays.digests)
             streamed = write_streams(directory, streams, args.spares)
+            self._write_manifest(directory, records, streamed)
+        except Exception as e:
+            if failures.needs_explaining(e):
+                raise failures.explain(e, directory) from e
+            raise
         finally:
             for stream in streams:
                 stream.snapshot.close()
-        self._write_manifest(directory, records, streamed)
 
     def restore(self, directory: epath.Path, args: OffloadRestore | None = None) -> Any:
         """Restores the tree saved in ``directory``, verified against its checksums.

@@ -18,7 +18,9 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from jax_mlpo.checkpoint import host_reads
+from jax_mlpo.checkpoint.failures import CheckpointWriteError
 from jax_mlpo.checkpoint.handler import OffloadRestore, OffloadSave, streams_held
+from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.recycle import RECYCLED, SpareFiles, spare_files, wait_for_deletions
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
@@ -120,13 +122,22 @@ def save(
       StaleStateError: ``opt_state`` is not the latest state of its optimizer.
       EngineFailedError: an update failed midway; restore from the previous checkpoint.
       CheckpointSpaceError: a file system has too little free space for the checkpoint.
+      CheckpointWriteError: a write failed (the message says which, why and what to do); or
+        the save before this one failed, so this one was not started.
     """
     check_savable(opt_state)  # before orbax starts a step directory
     if not force and not mngr.should_save(step):
         return False  # without waiting for a save in flight
     options = _options_of(mngr)
     concurrent = options.enable_async_checkpointing and blocking is not True
-    mngr.wait_until_finished()  # the last save may still delete a step into the recycled files
+    try:  # the last save may still delete a step into the recycled files
+        mngr.wait_until_finished()
+    except Exception as e:
+        raise CheckpointWriteError(
+            f"checkpoint {step} was not started: the save before it failed, and orbax reports "
+            f"that at the next save. Call save again for step {step} once its cause is fixed. "
+            f"The failed save: {e}"
+        ) from e
     spares = spare_files(mngr.directory) if options.todelete_subdir == RECYCLED else None
     target = os.path.join(os.fspath(mngr.directory), str(step))
     everything = (params, opt_state, extra)  # the items share the file system's free space
@@ -181,9 +192,14 @@ def restore(
 
     Raises:
       FileNotFoundError: no (such) checkpoint in the manager's directory.
-      CorruptCheckpointError: a file of the checkpoint was changed or is incomplete.
+      CorruptCheckpointError: a file of the checkpoint was changed or is incomplete; the
+        message names the file and the other steps to restore.
       ValueError: the checkpoint does not fit ``params``/``opt_state``.
     """
+    try:  # orbax lists a save in flight as a step: wait, so that a failed one is not taken
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - the failed save is not listed; restore another
+        logger.warning("jax_mlpo: restoring from the checkpoints before a failed save: %s", e)
     if step is None:
         step = mngr.latest_step()
         if step is None:
@@ -197,6 +213,16 @@ def restore(
     drop = host_reads.prefetch(os.path.join(os.fspath(mngr.directory), str(step), "params"))
     try:
         out = mngr.restore(step, args=args)
+    except CorruptCheckpointError as e:
+        others = sorted(set(mngr.all_steps()) - {step})
+        raise CorruptCheckpointError(
+            f"checkpoint {step} in {mngr.directory} is corrupt: {e} The manager's other "
+            + (
+                f"checkpoints are steps {others}: pass step={others[-1]} to restore the latest."
+                if others
+                else "checkpoints: none; this one cannot be restored."
+            )
+        ) from e
     finally:
         drop()
     return Restored(int(step), out["params"], out["opt_state"], dict(out["extra"]))
