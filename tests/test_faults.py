@@ -15,115 +15,31 @@ import errno
 import logging
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from fault_training import (
+    LR,
+    WD,
+    N,
+    Training,
+    assert_resumes_as_optax,
+    file_config,
+    make_params,
+    object_config,
+    optax_params,
+)
 from s3_server import FaultyS3Proxy
 
 import jax_mlpo
 from experiments.s3_server import S3Server, dummy_credentials
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.tiers.errors import TierFullError
-
-SUB = 4096  # elements per subgroup
-N = 8  # subgroups
-BLOB = 8 * SUB  # fp32 params: m | v
-LR, WD = 1e-3, 0.1
-
-
-def make_params() -> dict[str, jax.Array]:
-    return {"w": jnp.linspace(-1.0, 1.0, N * SUB, dtype=jnp.float32)}
-
-
-def grads_for(params: dict[str, jax.Array], step: int) -> dict[str, jax.Array]:
-    """Gradients that depend on the params, so a wrong state shows in every later step."""
-    return {"w": jnp.cos(params["w"] * (step + 1))}
-
-
-def optax_params(steps: int) -> np.ndarray:
-    """The params after ``steps`` updates of ``optax.adamw`` (the reference)."""
-    tx = optax.adamw(LR, weight_decay=WD)
-    params = make_params()
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    for step in range(steps):
-        updates, state = update(grads_for(params, step), state, params)
-        params = optax.apply_updates(params, updates)
-    return np.asarray(params["w"])
-
-
-def file_config(path: Path, tiers: int = 1, **switches) -> jax_mlpo.OffloadConfig:
-    """``tiers`` file tiers under ``path`` (made); the host cache holds only the pipeline's
-    buffers."""
-    path.mkdir(parents=True, exist_ok=True)
-    return jax_mlpo.OffloadConfig(
-        host_cache=(tiers + 2) * BLOB,
-        tiers=[
-            jax_mlpo.FileTier(
-                str(path / f"t{k}"), sync=False, io_engine=switches.pop("io_engine", "posix")
-            )
-            for k in range(tiers)
-        ],
-        subgroup_size=SUB,
-        prefetch_depth=1,
-        placement="even",  # no bandwidth probe: every subgroup's tier is known
-        **switches,
-    )
-
-
-class Training:
-    """An offloaded AdamW on the fixed problem, updated and checkpointed through the public API."""
-
-    def __init__(self, config: jax_mlpo.OffloadConfig) -> None:
-        self.tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config)
-        self.params = make_params()
-        self.state = self.tx.init(self.params)
-        self.engine = jax_mlpo.engine_of(self.state)
-        self._update = jax.jit(self.tx.update)
-        self.step = 0
-
-    def run(self, steps: int) -> None:
-        """Applies ``steps`` updates (an update that fails raises here)."""
-        for _ in range(steps):
-            updates, state = self._update(
-                grads_for(self.params, self.step), self.state, self.params
-            )
-            self.params = jax.block_until_ready(optax.apply_updates(self.params, updates))
-            self.state = state
-            self.step += 1
-
-    def save(self, directory: Path):
-        """A checkpoint of this step, written before it returns."""
-        mngr = jax_mlpo.checkpoint.manager(str(directory), max_to_keep=1)
-        jax_mlpo.checkpoint.save(mngr, self.step, self.params, self.state, blocking=True)
-        return mngr
-
-    def assert_refuses_to_go_on(self, mngr) -> None:
-        """After a failed update: no checkpoint of the partly updated state, no more updates."""
-        assert self.engine.failed
-        refused = "failed midway.*partly updated.*Restore from your last checkpoint"
-        with pytest.raises(jax_mlpo.EngineFailedError, match=refused):
-            jax_mlpo.checkpoint.save(mngr, self.step + 1, self.params, self.state, blocking=True)
-        with pytest.raises(Exception, match=f"EngineFailedError: .*{refused} and init a new"):
-            self.run(1)
-
-
-def assert_resumes_as_optax(mngr, config: jax_mlpo.OffloadConfig, steps: int) -> None:
-    """Restores ``mngr``'s checkpoint into a new optimizer on ``config``, runs it to ``steps``
-    updates and compares the params with optax's."""
-    run = Training(config)
-    restored = jax_mlpo.checkpoint.restore(mngr, run.params, run.state)
-    run.params, run.state, run.step = restored.params, restored.opt_state, restored.step
-    run.run(steps - run.step)
-    np.testing.assert_allclose(np.asarray(run.params["w"]), optax_params(steps), rtol=1e-6)
-    jax_mlpo.close(run.state)
-
 
 # -- file tiers ---------------------------------------------------------------------------------
 
@@ -241,6 +157,9 @@ def test_a_read_that_hangs_past_io_timeout_s_fails_the_update(tmp_path):
     assert_resumes_as_optax(mngr, file_config(tmp_path / "resumed"), steps=3)
 
 
+NOBODY = 65534  # the unprivileged uid root drops to where it cannot mount
+
+
 def can_write(directory: Path) -> bool:
     try:
         (directory / ".probe").touch()
@@ -252,10 +171,15 @@ def can_write(directory: Path) -> bool:
 
 @contextlib.contextmanager
 def read_only(directory: Path) -> Iterator[str]:
-    """Makes ``directory`` read-only for this process; yields how: ``"mode"`` (chmod 0o500),
-    ``"mount"`` (a read-only bind mount over it: root ignores the mode bits), or ``"none"``
-    (root, and no mount allowed: the directory stays writable)."""
-    directory.chmod(0o500)
+    """Makes ``directory`` read-only for this process; yields how.
+
+    ``"mode"``: chmod 0o555 (the process is not root). Root ignores the mode bits, so then
+    ``"mount"``: a read-only bind mount over it; where root may not mount, ``"setuid"``: the
+    process's effective uid is :data:`NOBODY`'s for the block (every thread's: glibc's
+    ``seteuid``), so the mode bits apply. The directory's parents must let others through.
+    Fails the test where none of them works: an unchecked refusal is no test.
+    """
+    directory.chmod(0o555)
     try:
         if not can_write(directory):
             yield "mode"
@@ -263,45 +187,63 @@ def read_only(directory: Path) -> Iterator[str]:
         mount = subprocess.run(
             ["mount", "--bind", "-o", "ro", str(directory), str(directory)], capture_output=True
         )
-        if mount.returncode != 0:
-            yield "none"
+        if mount.returncode == 0:
+            try:
+                yield "mount"
+            finally:
+                subprocess.run(["umount", str(directory)], check=True)
             return
         try:
-            yield "mount"
+            os.seteuid(NOBODY)
+        except OSError as e:
+            pytest.fail(
+                f"cannot make {directory} read-only for root: the mode bits do not bind root, "
+                f"mount --bind -o ro failed ({mount.stderr.decode().strip()}) and "
+                f"os.seteuid({NOBODY}) failed ({e}). Run the test as a user other than root, or "
+                "with CAP_SYS_ADMIN (mount) or CAP_SETUID"
+            )
+        try:
+            if can_write(directory):
+                pytest.fail(f"{directory} (mode 0o555) is still writable as uid {NOBODY}")
+            yield "setuid"
         finally:
-            subprocess.run(["umount", str(directory)], check=True)
+            os.seteuid(0)
     finally:
         directory.chmod(0o700)
 
 
-def test_a_read_only_tier_directory_is_refused_before_training(tmp_path):
-    tier_dir = tmp_path / "run" / "t0"
+@pytest.fixture
+def reachable_tmp():
+    """A temporary directory that every user may pass through (mode 0o711), unlike pytest's
+    ``tmp_path`` under root, so that only a directory's own mode bits stop an unprivileged
+    uid."""
+    base = Path(tempfile.mkdtemp(prefix="jax_mlpo-ro-"))
+    base.chmod(0o711)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_read_only_tier_directory_is_refused_before_training(reachable_tmp):
+    tier_dir = reachable_tmp / "run" / "t0"
     tier_dir.mkdir(parents=True)
     (tier_dir / "notes.txt").write_text("not ours")
-    config = file_config(tmp_path / "run")
+    config = file_config(reachable_tmp / "run")
     tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config)  # validated while writable
     with read_only(tier_dir) as how:
-        if how == "none":
-            # root without mount permission: the mode bits do not stop root, so the directory
-            # is a working tier; what matters then is that training is right
-            run = Training(config)
-            run.run(2)
-            np.testing.assert_allclose(np.asarray(run.params["w"]), optax_params(2), rtol=1e-6)
-            jax_mlpo.close(run.state)
-            return
-        cause = {"mode": "Permission denied", "mount": "Read-only file system"}[how]
+        cause = {"mount": "Read-only file system"}.get(how, "Permission denied")
         # a new optimizer checks the path first
         with pytest.raises(jax_mlpo.ConfigError, match=(
             rf"FileTier.path={re.escape(repr(str(tier_dir)))} is not writable \({cause}\)\. "
             "Choose a directory you can write to, or fix its permissions or free space"
         )):  # fmt: skip
-            jax_mlpo.adamw(LR, offload=file_config(tmp_path / "run"))
+            jax_mlpo.adamw(LR, offload=file_config(reachable_tmp / "run"))
         # one validated before the directory turned read-only fails at init
         fix = {
-            "mode": "permission denied. Fix the directory's permissions or choose another path",
             "mount": "the tier's file system is read-only .* Choose a writable directory, or "
             "remount it read-write",
-        }[how]
+        }.get(how, "permission denied. Fix the directory's permissions or choose another path")
         with pytest.raises(jax_mlpo.TierIOError, match=(
             rf"tier {re.escape(repr(str(tier_dir)))}: error locking the directory of the tier: "
             rf".*{cause}.*Cause: {fix}"
@@ -335,19 +277,6 @@ def test_a_truncated_blob_file_is_named_and_the_checkpoint_restores(tmp_path):
 
 
 # -- the object store -----------------------------------------------------------------------------
-
-
-def object_config(endpoint: str, bucket: str, **switches) -> jax_mlpo.OffloadConfig:
-    """One object tier at ``endpoint``; nothing retained, so every update reads and writes
-    every subgroup there."""
-    retries = switches.pop("request_retries", 3)
-    tier = jax_mlpo.ObjectTier(
-        f"s3://{bucket}/run/", endpoint=endpoint, region="us-east-1", request_retries=retries
-    )
-    return jax_mlpo.OffloadConfig(
-        host_cache=3 * BLOB, tiers=[tier], subgroup_size=SUB, prefetch_depth=1,
-        placement="even", retain=False, **switches,
-    )  # fmt: skip
 
 
 def test_an_object_store_lost_during_write_behind_fails_the_next_update(server, tmp_path):
