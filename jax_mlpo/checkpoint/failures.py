@@ -3,10 +3,10 @@
 A save writes everything into orbax's temporary directory (``<step>.orbax-checkpoint-tmp``),
 published by a rename once every file is written. A write that fails there (a full disk, a
 device error) or a read of the offloaded state from its tier that fails (a lost object store)
-leaves that directory unpublished: ``CheckpointManager`` never lists it (and
-:func:`~jax_mlpo.checkpoint.manager` removes it when it next opens the directory), and the
-earlier checkpoints are as they were. :func:`explain` turns the error into a
-:class:`CheckpointWriteError` that says so, with the fix for its cause.
+leaves that directory unpublished: ``CheckpointManager`` never lists it (the next
+:func:`~jax_mlpo.checkpoint.manager` on the directory deletes it, in the background and before
+its first save), and the earlier checkpoints are as they were. :func:`explain` turns the error
+into a :class:`CheckpointWriteError` that says so, with the fix for its cause.
 """
 
 from __future__ import annotations
@@ -76,6 +76,6 @@ def explain(error: OSError, item_directory: Any) -> CheckpointWriteError:
     return CheckpointWriteError(
         f"checkpoint {step} in {root} was not saved: {what}. It was not published: the manager "
         f"does not list step {step} and the earlier checkpoints are intact (the partial "
-        f"directory {step_dir} is removed when jax_mlpo.checkpoint.manager next opens "
-        f"{root}). {fix}."
+        f"directory {step_dir} is deleted by the next jax_mlpo.checkpoint.manager on {root}, "
+        f"before its first save). {fix}."
     )

@@ -205,7 +205,11 @@ def restore(
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
     elif step not in mngr.all_steps():
-        raise FileNotFoundError(f"no checkpoint of step {step} in {mngr.directory}")
+        raise FileNotFoundError(
+            f"no checkpoint of step {step} in {mngr.directory} (a save that failed or was "
+            f"killed is never listed); its checkpoints are steps {list(mngr.all_steps())}: "
+            "restore one of those"
+        )
     args = ocp.args.Composite(
         params=OffloadRestore(params), opt_state=OffloadRestore(opt_state), extra=OffloadRestore()
     )
