@@ -56,7 +56,9 @@ arrays fdatasync'd, the manifest fsynced) and published by orbax's atomic rename
 is written. A process killed at any moment, during an asynchronous save included, leaves the
 previous checkpoints as they were and at most a temporary directory, which
 ``CheckpointManager`` never returns as a step (and removes at start with
-``cleanup_tmp_directories``). A checkpoint is durable once ``manager.wait_until_finished()``
+``cleanup_tmp_directories``). A save that fails midway (a full disk, a lost object store)
+leaves the same and raises :class:`CheckpointWriteError` naming the step, the file, the cause
+and the fix. A checkpoint is durable once ``manager.wait_until_finished()``
 returns (or the next save has started: orbax waits for the previous one first). Tiers are never
 read back after a crash: restoring into a freshly ``tx.init``-ed optimizer re-creates them and
 writes the checkpointed state into them.
@@ -84,6 +86,9 @@ Modules, one concept each:
 - :mod:`~jax_mlpo.checkpoint.pieces`: which saved pieces fill a restoring subgroup, across
   shards cut into other blocks;
 - :mod:`~jax_mlpo.checkpoint.space`: the free space a save needs;
+- :mod:`~jax_mlpo.checkpoint.failures`: what a save that fails midway tells its caller;
+- :mod:`~jax_mlpo.checkpoint.file_io`: the checkpoint's own file I/O, in one place (where a test's
+  fault plan meets it);
 - :mod:`~jax_mlpo.checkpoint.manifest`: the checksum manifest, written and verified;
 - :mod:`~jax_mlpo.checkpoint.digest`: the digests it records (CRC-32C) and checks;
 - :mod:`~jax_mlpo.checkpoint.restore_plan`: what each process reads of every leaf;
