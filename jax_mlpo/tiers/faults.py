@@ -148,8 +148,9 @@ class FaultPlan:
         self, *, nth: int = 1, count: int | None = 1, kind: str | None = None,
         slot: int | None = None,
     ) -> FaultPlan:  # fmt: skip
-        """Flips a bit of the stored blob just before matching reads, as bit rot would: the
-        read's checksum must catch it. The blob stays damaged for later reads too.
+        """Flips a bit of the stored blob (a checkpoint's piece) just before matching reads, as
+        bit rot or a torn write would leave it: the read's checksum must catch it. It stays
+        damaged for later reads too.
 
         Args:
           nth, count, kind, slot: which reads (as for :meth:`fail`).
@@ -269,7 +270,7 @@ class FaultPlan:
         with self._lock:
             if not self._lock.wait_for(lambda: seen() >= n, timeout_s):
                 raise TimeoutError(
-                    f"the tiers saw {seen()} requests (op={op!r}, outcome={outcome!r}) within "
+                    f"the plan saw {seen()} requests (op={op!r}, outcome={outcome!r}) within "
                     f"{timeout_s} s, not {n}: {self.trace[-5:]}"
                 )
 
