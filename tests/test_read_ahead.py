@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_faults import BLOB, LR, SUB, WD, N, grads_for, make_params  # the same problem
+from fault_training import BLOB, LR, SUB, WD, N, grads_for, make_params  # the same problem
 
 import jax_mlpo
 from jax_mlpo import retention
