@@ -4,11 +4,11 @@ optax's AdamW, Lion and Muon with their optimizer state (fp32 master params and 
 accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
-from jax_mlpo import checkpoint
+from jax_mlpo import checkpoint, errors
 from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
-from jax_mlpo.errors import EngineFailedError, StaleStateError
+from jax_mlpo.errors import EngineFailedError, JaxMlpoError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
 from jax_mlpo.muon import OffloadedMuonState, muon
 from jax_mlpo.opt_state import OffloadedAdamWState
@@ -26,6 +26,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EngineFailedError",
     "FileTier",
+    "JaxMlpoError",
     "MultiSteps",
     "ObjectTier",
     "OffloadConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "lion",
     "muon",
     "checkpoint",
+    "errors",
     "close",
     "closing",
     "engine_of",

@@ -2,7 +2,7 @@
 
 ``jax.export`` lowers for a platform that is not present. The exported module shows what XLA
 would hand the CUDA handler (``ffi/cuda_host_update.cu``): one side-effecting
-``jax_mlpo_host_update`` custom call per update, its operands (handle, count, the f32[8]
+``jax_mlpo_host_update`` custom call per update, its operands (handle, count, the f32[12]
 scalars, every gradient, every param), the updates aliased onto the gradients, and row-major
 layouts, which the handler's flat copies assume. What this cannot check: that the handlers run.
 """

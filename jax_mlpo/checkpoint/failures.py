@@ -15,15 +15,7 @@ import errno
 import os
 from typing import Any
 
-from jax_mlpo.checkpoint.space import CheckpointSpaceError
-from jax_mlpo.tiers.errors import TierIOError
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; it was not published and the earlier ones are intact.
-
-    The message names the step, the file or tier that failed, the cause and the fix.
-    """
+from jax_mlpo.errors import CheckpointSpaceError, CheckpointWriteError, TierIOError
 
 
 def _step_of(step_dir: str) -> str:

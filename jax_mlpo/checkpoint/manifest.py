@@ -38,6 +38,7 @@ from jax_mlpo.checkpoint.blocks import (
     volume,
 )
 from jax_mlpo.checkpoint.tree import leaves
+from jax_mlpo.errors import CorruptCheckpointError
 
 CHECKSUMS_FILE = "jax_mlpo_checksums.json"
 PROCESS_CHECKSUMS_FILE = "jax_mlpo_checksums.process_{}.json"  # merged into CHECKSUMS_FILE
@@ -47,10 +48,6 @@ PROCESS_CHECKSUMS_FILE = "jax_mlpo_checksums.process_{}.json"  # merged into CHE
 # 1: one per leaf
 FORMAT = 5
 READABLE_FORMATS = (3, 4, 5)
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint's contents differ from what was saved (or it is incomplete)."""
 
 
 def host_records(host: Any, digests: dict[int, str] | None = None) -> dict[str, Any]:

@@ -17,11 +17,8 @@ from typing import Any
 import jax
 
 from jax_mlpo.checkpoint.tree import is_offloaded
+from jax_mlpo.errors import CheckpointSpaceError
 from jax_mlpo.registry import engine_of
-
-
-class CheckpointSpaceError(OSError):
-    """A file system has less free space than a checkpoint needs."""
 
 
 def _existing(path: str) -> str:

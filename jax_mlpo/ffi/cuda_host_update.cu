@@ -40,7 +40,8 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
                               ffi::RemainingArgs leaves, ffi::ResultBufferR0<ffi::S32> count_out,
                               ffi::RemainingRets updates) {
   if (scalars.element_count() != kNumScalars) {
-    return ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[8]");
+    return ffi::Error::InvalidArgument(
+        "jax_mlpo_host_update: scalars must be f32[" + std::to_string(kNumScalars) + "]");
   }
   thread_local Scalars* pinned = nullptr;  // one pinned record per XLA thread
   if (pinned == nullptr) {

@@ -37,7 +37,8 @@ ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S3
   ffi::Promise promise;
   ffi::Future future(promise);  // before any copy of the promise: a promise has one future
   if (scalars.element_count() != kNumScalars) {
-    promise.SetError(ffi::Error::InvalidArgument("jax_mlpo_host_update: scalars must be f32[8]"));
+    promise.SetError(ffi::Error::InvalidArgument(
+        "jax_mlpo_host_update: scalars must be f32[" + std::to_string(kNumScalars) + "]"));
     return future;
   }
   auto* pending = new PendingUpdate{promise};

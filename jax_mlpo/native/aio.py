@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jax_mlpo.errors import AioUnavailableError
 from jax_mlpo.native.library import LIB, P, address, declare
 
 __all__ = ["AioQueue", "AioRequest", "AioUnavailableError"]
@@ -40,10 +41,6 @@ _REQUEST = np.dtype(
      ("write", "<i4"), ("unused", "<i4")]
 )  # fmt: skip
 _RESULT = np.dtype([("moved", "<i8"), ("crc", "<u4"), ("unused", "<u4")])
-
-
-class AioUnavailableError(OSError):
-    """The kernel refused an AIO context (no AIO syscalls, or ``fs.aio-max-nr`` used up)."""
 
 
 class AioRequest(NamedTuple):

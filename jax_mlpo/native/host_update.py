@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_mlpo import errors
 from jax_mlpo.native.copies import cuda_lib
 from jax_mlpo.native.library import LIB
 
@@ -103,8 +104,7 @@ class Completion:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("a deferred jax_mlpo update was completed twice")
-        message = None if error is None else f"{type(error).__name__}: {error}".encode(
-            errors="replace")  # fmt: skip
+        message = None if error is None else _message(error).encode(errors="replace")
         LIB.jax_mlpo_host_update_complete(pending, message)  # ctypes releases the GIL
 
 
@@ -117,6 +117,13 @@ HostUpdate = Callable[
     str | None,
 ]
 _runner: HostUpdate | None = None
+
+
+def _message(error: BaseException) -> str:
+    """What the failed call reports: the exception's type and text, and its mark, by which
+    :func:`jax_mlpo.errors.cause` gives the exception itself back (ahead of the text, which
+    the error's capacity may cut)."""
+    return f"{errors.tag(error)} {type(error).__name__}: {error}"
 
 
 def _dtype(view: _BufferView) -> np.dtype:
@@ -164,7 +171,7 @@ def _handler(handle, count, scalars, leaves, grads, params, updates, stream, err
             return _PENDING
         return _DONE
     except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
-        message = f"{type(e).__name__}: {e}".encode(errors="replace")[: int(capacity) - 1]
+        message = _message(e).encode(errors="replace")[: int(capacity) - 1]
         ctypes.memmove(error, message + b"\0", len(message) + 1)
         return _FAILED
 

@@ -8,9 +8,9 @@ import os
 import socket
 import time
 
+from jax_mlpo.errors import TierInUseError
 
-class TierInUseError(RuntimeError):
-    """The tier directory is locked by another run (or another optimizer in this process)."""
+__all__ = ["TierInUseError", "TierLock"]
 
 
 class TierLock:
