@@ -16,8 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jax_mlpo"
 DESIGN = ROOT / "docs" / "design.md"
 
-# The paper's principles (../shared/reference/mlp-offload.md, "The four design principles":
-# its multi-path offloading counted apart from the placement that feeds it).
+# The paper's principles (MLP-Offload, Maurya et al., SC'25, its four design principles: its
+# multi-path offloading counted apart from the placement that feeds it).
 PAPER_PRINCIPLES = {
     "multi-path asynchronous offloading",
     "placement by a bandwidth model",

@@ -7,7 +7,7 @@
 #
 #   bash experiments/bench/deepspeed/install_deepspeed_peer.sh
 #
-# Recipe: /work/shared/reference/deepspeed-on-cpu.md. torch==2.13.0 because a CPU wheel of exactly
+# docs/deepspeed.md says what it installs and why. torch==2.13.0 because a CPU wheel of exactly
 # that version lies in the pip find-links directory; any other version pulls a multi-GB CUDA build.
 set -euo pipefail
 
