@@ -307,10 +307,8 @@ def muon(
         grads, treedef = jax.tree.flatten(updates)
         leaves = treedef.flatten_up_to(params)
         out: list[Any] = list(grads)
-        # an empty group's engine runs nothing; its count advances as optax's states' do
-        momentum, master, adam = (x._replace(count=optax.safe_increment(x.count)) for x in state)
+        momentum, master, adam = state
         if groups.muon:
-            momentum = state.momentum
             muon_params = [leaves[i] for i in groups.muon]
             count = momentum.count
             mu_hat, momentum = momentum_tx(offload).update(
@@ -337,17 +335,23 @@ def muon(
             if groups.master:
                 masked = [flags[k] for k in groups.master]
                 applied, master = master_tx(offload, masked).update(
-                    [directions[k] for k in groups.master], state.master,
+                    [directions[k] for k in groups.master], master,
                     [muon_params[k] for k in groups.master],
                 )  # fmt: skip
                 for k, u in zip(groups.master, applied, strict=True):
                     out[groups.muon[k]] = u
         if groups.adam:
             adam_updates, adam = adam_tx(offload).update(
-                [grads[i] for i in groups.adam], state.adam, [leaves[i] for i in groups.adam]
+                [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam]
             )
             for i, u in zip(groups.adam, adam_updates, strict=True):
                 out[i] = u
+        # an empty group's engine runs nothing; its count advances as optax's states' do
+        momentum, master, adam = (
+            x if ran else x._replace(count=optax.safe_increment(x.count))
+            for x, ran in zip((momentum, master, adam), (groups.muon, groups.master, groups.adam),
+                              strict=True)
+        )  # fmt: skip
         return treedef.unflatten(out), OffloadedMuonState(momentum, master, adam)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

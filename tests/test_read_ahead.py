@@ -14,12 +14,11 @@ import dataclasses
 import errno
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from fault_training import BLOB, LR, SUB, WD, N, grads_for, make_params  # the same problem
+from fault_training import BLOB, LR, SUB, WD, N, Training, grads_for, make_params
 
 import jax_mlpo
 from jax_mlpo import retention
@@ -56,26 +55,13 @@ def optax_run(steps: int) -> list[np.ndarray]:
     return out
 
 
-class Run:
-    """An offloaded AdamW trained step by step, as a loop would."""
-
-    def __init__(self, offload: jax_mlpo.OffloadConfig) -> None:
-        self.tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=offload)
-        self.params = make_params()
-        self.state = self.tx.init(self.params)
-        self.engine = jax_mlpo.engine_of(self.state)
-        self.update = jax.jit(self.tx.update)
-        self.step = 0
+class Run(Training):
+    """An offloaded AdamW trained step by step, as a loop would, watched between updates."""
 
     def train(self, steps: int = 1) -> None:
         """Runs ``steps`` updates; a failed one leaves the params and state as they were (its
         outputs carry its error, which XLA may report at dispatch or when they are read)."""
-        for _ in range(steps):
-            updates, state = self.update(grads_for(self.params, self.step), self.state, self.params)
-            params = optax.apply_updates(self.params, updates)
-            jax.block_until_ready((params, state))
-            self.params, self.state = params, state
-            self.step += 1
+        self.run(steps)
 
     def settle(self) -> None:
         """Waits, as a forward and backward pass would, until the read-ahead has issued what

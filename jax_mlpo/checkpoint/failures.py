@@ -11,8 +11,10 @@ into a :class:`CheckpointWriteError` that says so, with the fix for its cause.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from jax_mlpo.errors import CheckpointSpaceError, CheckpointWriteError, TierIOError
@@ -23,6 +25,18 @@ def _step_of(step_dir: str) -> str:
     name = os.path.basename(step_dir.rstrip(os.sep))
     head = name.split(".", 1)[0]
     return head if head.isdigit() else name
+
+
+@contextlib.contextmanager
+def explained(item_directory: Any) -> Iterator[None]:
+    """Raises what the block's writes raise as a :class:`CheckpointWriteError` (chained to it)
+    when :func:`needs_explaining` says so; other errors pass through unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if needs_explaining(e):
+            raise explain(e, item_directory) from e
+        raise
 
 
 def needs_explaining(error: BaseException) -> bool:

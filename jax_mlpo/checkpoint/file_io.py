@@ -25,14 +25,8 @@ from jax_mlpo.tiers.submit import pread_full, pwrite_full
 STATE = "state"  # a piece of an offloaded state's streamed array
 ARRAY = "array"  # a piece of a large host array (the params) written by jax_mlpo itself
 MANIFEST = "manifest"  # an item's checksum manifest
-KINDS = (STATE, ARRAY, MANIFEST)
 
 _faults: FaultPlan | None = None  # every checkpoint request of this process consults it
-
-
-def attached_faults() -> FaultPlan | None:
-    """The fault plan the checkpoint's requests consult, or None."""
-    return _faults
 
 
 def attach_faults(plan: FaultPlan | None) -> None:
@@ -51,15 +45,15 @@ class _Piece:
     """One request's bytes in a file, as the fault plan sees them (its ``FaultyStore``)."""
 
     def __init__(self, path: str, offset: int, nbytes: int) -> None:
-        self.where, self._path, self._offset, self._nbytes = path, path, offset, nbytes
+        self.where, self._offset, self._nbytes = path, offset, nbytes
 
     def blob_path(self, slot: int, kind: str) -> str:
-        return self._path
+        return self.where
 
     def damage_blob(self, slot: int, kind: str) -> None:
         """Flips a bit in the middle of the piece, as bit rot or a torn write would leave it."""
         pos = self._offset + max(0, self._nbytes // 2)
-        with open(self._path, "r+b") as f:
+        with open(self.where, "r+b") as f:
             f.seek(pos)
             byte = f.read(1)
             f.seek(pos)

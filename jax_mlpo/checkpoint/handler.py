@@ -108,16 +108,15 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
         spares = args.spares
         try:
-            self._arrays.digests.clear()
-            self._arrays.spares = spares
-            # writes the large host arrays before it returns (they are not copied)
-            futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
-            records = manifest.host_records(host, self._arrays.digests)
-        except BaseException as e:
+            with failures.explained(directory):
+                self._arrays.digests.clear()
+                self._arrays.spares = spares
+                # writes the large host arrays before it returns (they are not copied)
+                futures = await self._tree.async_save(directory, args=ocp.args.PyTreeSave(host))
+                records = manifest.host_records(host, self._arrays.digests)
+        except BaseException:
             for stream in streams:
                 stream.snapshot.close()
-            if failures.needs_explaining(e):
-                raise failures.explain(e, directory) from e
             raise
         rest = ocp.future.CommitFutureAwaitingContractedSignals(
             self._write_streams_and_manifest(directory, records, streams, spares),
@@ -133,13 +132,10 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
             if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
                 directory = await directory.await_creation()
             await asyncio.to_thread(_STREAMS_MAY_START.wait)
-            # in a thread: the stream blocks on tier reads and tensorstore writes
-            streamed = await asyncio.to_thread(write_streams, directory, streams, spares)
-            self._write_manifest(directory, records, streamed)
-        except Exception as e:
-            if failures.needs_explaining(e):
-                raise failures.explain(e, directory) from e
-            raise
+            with failures.explained(directory):
+                # in a thread: the stream blocks on tier reads and tensorstore writes
+                streamed = await asyncio.to_thread(write_streams, directory, streams, spares)
+                self._write_manifest(directory, records, streamed)
         finally:
             for stream in streams:
                 stream.snapshot.close()
@@ -164,16 +160,13 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         # loop: orbax exposes no public way to run a coroutine where a loop may be running.
         host, streams = _host_tree(args, kwargs, directory, concurrent=False)
         try:
-            self._arrays.digests.clear()
-            self._arrays.spares = args.spares
-            self._tree.save(directory, args=ocp.args.PyTreeSave(host))
-            records = manifest.host_records(host, self._arrays.digests)
-            streamed = write_streams(directory, streams, args.spares)
-            self._write_manifest(directory, records, streamed)
-        except Exception as e:
-            if failures.needs_explaining(e):
-                raise failures.explain(e, directory) from e
-            raise
+            with failures.explained(directory):
+                self._arrays.digests.clear()
+                self._arrays.spares = args.spares
+                self._tree.save(directory, args=ocp.args.PyTreeSave(host))
+                records = manifest.host_records(host, self._arrays.digests)
+                streamed = write_streams(directory, streams, args.spares)
+                self._write_manifest(directory, records, streamed)
         finally:
             for stream in streams:
                 stream.snapshot.close()

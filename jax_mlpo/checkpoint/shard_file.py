@@ -135,9 +135,9 @@ class ShardWriter:
     def __init__(self, path: str, size: int, spares: SpareFiles | None = None) -> None:
         self.path, self.size = path, size
         create_metadata(array_spec(path, size))
-        data = os.path.join(path, DATA_FILE)
-        os.makedirs(os.path.dirname(data), exist_ok=True)
-        self._fd = create_data_file(data, 4 * whole_pages(size), spares)
+        self._data = os.path.join(path, DATA_FILE)
+        os.makedirs(os.path.dirname(self._data), exist_ok=True)
+        self._fd = create_data_file(self._data, 4 * whole_pages(size), spares)
 
     def write(self, start: int, buffer: np.ndarray, count: int, piece: int = 0) -> None:
         """Writes ``buffer[:count]`` at element ``start``.
@@ -152,8 +152,7 @@ class ShardWriter:
         n = 4 * count
         raw = _page_view(buffer, count)
         raw[n:] = 0
-        data = os.path.join(self.path, DATA_FILE)
-        file_io.write_piece(self._fd, raw, 4 * start, data, file_io.STATE, piece)
+        file_io.write_piece(self._fd, raw, 4 * start, self._data, file_io.STATE, piece)
 
     def finish(self) -> None:
         """Cuts the page padding off, makes the array durable and closes its file."""
