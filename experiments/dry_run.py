@@ -177,7 +177,7 @@ def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
     engines = []
     for part, shape, share in zip(parts, shapes, shares, strict=True):
         host = host_plan(dataclasses.replace(off, host_cache=share), shape)
-        given = [(t.read_bandwidth, t.write_bandwidth) for t in host.tiers]
+        given = [(t.bandwidth.read, t.bandwidth.write) for t in host.tiers]
         known = bool(given) and all(r and w for r, w in given)
         split = None
         if host.tiers:

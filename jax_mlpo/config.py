@@ -12,13 +12,30 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jax_mlpo.errors import ConfigError
 from jax_mlpo.object_tier import ObjectTier
-from jax_mlpo.sizes import check_keys, parse_rates, parse_size
+from jax_mlpo.sizes import check_choice, check_keys, parse_size
+from jax_mlpo.tier_settings import FLAT_KEYS, Bandwidth, TierLimits, check_settings, nest
 
-__all__ = ["ConfigError", "FileTier", "ObjectTier", "OffloadConfig", "parse_size"]
+__all__ = [
+    "Bandwidth",
+    "ConfigError",
+    "FileTier",
+    "ObjectTier",
+    "OffloadConfig",
+    "TierLimits",
+    "parse_size",
+]
+
+
+IoEngine = Literal["posix", "tensorstore"]
+IoMode = Literal["default", "direct", "memmap"]
+IoSubmit = Literal["aio", "threads"]
+Placement = Literal["measured", "even", "first"]
+Order = Literal["alternate", "ascending"]
+RetainPolicy = Literal["equal", "slow_tiers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,69 +48,51 @@ class FileTier:
 
     Attributes:
       path: the tier's directory. Its parent must exist; the directory itself is created.
-      max_concurrency: blobs in flight on this tier in this process, per direction: up to
-        this many reads and, on their own permits, this many writes at once.
-      bandwidth_cap: bytes per second this tier may move (token bucket), e.g. ``"600MB"``, or
-        None for no cap. Use it to be a good neighbour on a shared file system, or to emulate
-        slower storage honestly in benchmarks.
-      io_engine: how blobs reach the file system. ``"posix"`` (default): one preallocated file
-        per blob, written and read with ``pwrite``/``pread`` of ``chunk_bytes`` each, up to
+      limits: requests in flight and bandwidth caps, per process and per node
+        (:class:`~jax_mlpo.tier_settings.TierLimits`).
+      bandwidth: the tier's read and write bandwidth for placement; where not given, measured
+        by a probe at start (:class:`~jax_mlpo.tier_settings.Bandwidth`).
+      io_engine: how blobs reach the file system. ``"posix"``: one preallocated file per blob,
+        written and read with ``pwrite``/``pread`` of ``chunk_bytes`` each, up to
         ``queue_depth`` requests in flight (reads ahead of writes), a checksum per chunk in the
-        file's trailer; with ``io_mode="direct"`` it uses O_DIRECT (where the file system
-        supports it) and reaches the disk's sequential bandwidth. ``"tensorstore"``: a zarr3
-        array per kind of blob on tensorstore's ``file`` driver (one chunk file per
-        ``chunk_bytes``, zarr3's crc32c codec); 65-75% of the disk's bandwidth on the
-        development machines.
-      io_mode: ``"direct"`` (O_DIRECT: no page cache, the default for ``"posix"``),
-        ``"default"`` (the page cache; the default for ``"tensorstore"``) or ``"memmap"``
-        (tensorstore only).
+        file's trailer; with O_DIRECT (where the file system supports it) it reaches the disk's
+        sequential bandwidth. ``"tensorstore"``: a zarr3 array per kind of blob on
+        tensorstore's ``file`` driver (one chunk file per ``chunk_bytes``, zarr3's crc32c
+        codec); 65-75% of the disk's bandwidth on the development machines.
+      io_mode: ``"direct"`` (O_DIRECT: no page cache), ``"default"`` (the page cache) or
+        ``"memmap"`` (tensorstore only); None: the engine's own, :attr:`effective_io_mode`.
       queue_depth: chunk requests in flight on this tier (``"posix"``).
-      io_submit: how ``"posix"`` hands requests to the kernel: ``"aio"`` (default: Linux
-        kernel AIO from C++, DeepSpeed's libaio path; falls back to threads, with a warning,
-        where the kernel refuses it) or ``"threads"`` (a thread per request in flight).
+      io_submit: how ``"posix"`` hands requests to the kernel: ``"aio"`` (Linux kernel AIO
+        from C++, DeepSpeed's libaio path; falls back to threads, with a warning, where the
+        kernel refuses it) or ``"threads"`` (a thread per request in flight).
       sync: ``fdatasync`` every blob write before it counts as done. Off by default: a tier
         holds working state, never restored from (a restart deletes its blob files and restores
         a checkpoint, whose files are synced), so a flush buys no recoverability. A ``kill -9``
         loses no written blob either way (O_DIRECT writes are in the device, page-cache writes
         outlive the process); a power loss or kernel crash may lose tier writes, and the run
         then resumes from its last checkpoint, as it would anyway.
-      read_bandwidth, write_bandwidth: the tier's bandwidth in bytes/s for placement (e.g.
-        ``"2GB"``); when None, measured by a probe at start (and remembered in the tier).
-      node_max_concurrency: blobs in flight on this tier across all processes of the node
-        (e.g. 1 for a shared parallel file system: one process in the tier at a time), or None
-        for no node limit.
-      node_bandwidth_cap: like ``bandwidth_cap``, but for all the node's processes together
-        (one pacing clock in ``OffloadConfig.node_permits_dir``): a shared device's cap.
-      node_permits: ``"tier"`` (default): ``node_max_concurrency`` counts reads and writes
-        together; ``"direction"``: reads and writes have ``node_max_concurrency`` each.
       chunk_bytes: the size of one request (and one checksum): blobs larger than this are
         read and written as several concurrent requests.
-      permits_key: what the node-level permits are shared by (default: the path). The
-        processes of a multi-process run use per-process subdirectories of one tier and share
-        its permits through this key.
+
+    Raises:
+      ConfigError: naming the field, the value, the tier's path and the fix.
     """
 
     path: str
-    max_concurrency: int = 4
-    bandwidth_cap: int | str | None = None
-    io_engine: str = "posix"
-    io_mode: str | None = None
+    limits: TierLimits = TierLimits()
+    bandwidth: Bandwidth = Bandwidth()
+    io_engine: IoEngine = "posix"
+    io_mode: IoMode | None = None
     queue_depth: int = 8
-    io_submit: str = "aio"
+    io_submit: IoSubmit = "aio"
     sync: bool = False
-    read_bandwidth: int | str | None = None
-    write_bandwidth: int | str | None = None
-    node_max_concurrency: int | None = None
-    node_permits: str = "tier"
-    node_bandwidth_cap: int | str | None = None
-    permits_key: str | None = None
     chunk_bytes: int | str = "8MiB"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike) or not str(self.path):
             raise ConfigError(f"FileTier.path={self.path!r} must be a non-empty directory path")
         object.__setattr__(self, "path", os.fspath(self.path))
-        parse_rates(self, "FileTier")
+        check_settings(self, "FileTier")
         chunk = parse_size(self.chunk_bytes, f"FileTier.chunk_bytes ({self.path})")
         if chunk < 4 or chunk % 4:
             raise ConfigError(
@@ -101,46 +100,58 @@ class FileTier:
                 "multiple of 4 bytes (float32 elements), e.g. '8MiB'"
             )
         object.__setattr__(self, "chunk_bytes", chunk)
-        if self.io_engine not in ("posix", "tensorstore"):
-            raise ConfigError(
-                f"FileTier.io_engine={self.io_engine!r} for {self.path}: must be 'posix' "
-                "(pread/pwrite, O_DIRECT) or 'tensorstore' (zarr3 on tensorstore's file driver)"
-            )
-        if self.io_mode is None:
-            object.__setattr__(
-                self, "io_mode", "direct" if self.io_engine == "posix" else "default"
-            )
-        modes = (
-            ("default", "direct", "memmap")
-            if self.io_engine == "tensorstore"
-            else ("default", "direct")
+        check_choice(
+            self.io_engine,
+            IoEngine,
+            "FileTier.io_engine",
+            "'posix': pread/pwrite, O_DIRECT; 'tensorstore': zarr3 on tensorstore's file driver",
+            self.path,
         )
-        if self.io_mode not in modes:
+        if self.io_mode is not None:
+            check_choice(
+                self.io_mode,
+                IoMode,
+                "FileTier.io_mode",
+                "'direct': O_DIRECT; 'default': the page cache; 'memmap': tensorstore only",
+                self.path,
+            )
+        if self.io_mode == "memmap" and self.io_engine != "tensorstore":
             raise ConfigError(
-                f"FileTier.io_mode={self.io_mode!r} for {self.path}: must be one of {modes} with "
-                f"io_engine={self.io_engine!r} ('direct' is O_DIRECT, 'default' the page cache)"
+                f"FileTier.io_mode='memmap' for {self.path}: needs io_engine='tensorstore' "
+                f"(io_engine={self.io_engine!r} has 'direct' and 'default')"
             )
         if not isinstance(self.queue_depth, int) or self.queue_depth < 1:
             raise ConfigError(
                 f"FileTier.queue_depth={self.queue_depth!r} for {self.path}: must be an int >= 1 "
                 "(chunk requests in flight; 8 suits NVMe and virtual disks)"
             )
-        if self.io_submit not in ("aio", "threads"):
-            raise ConfigError(
-                f"FileTier.io_submit={self.io_submit!r} for {self.path}: must be 'aio' (kernel "
-                "AIO) or 'threads' (a thread per request)"
-            )
+        check_choice(
+            self.io_submit,
+            IoSubmit,
+            "FileTier.io_submit",
+            "'aio': kernel AIO; 'threads': a thread per request",
+            self.path,
+        )
+
+    @property
+    def effective_io_mode(self) -> IoMode:
+        """``io_mode``, or where None the engine's own: ``"direct"`` for ``"posix"``,
+        ``"default"`` (the page cache) for ``"tensorstore"``."""
+        if self.io_mode is not None:
+            return self.io_mode
+        return "direct" if self.io_engine == "posix" else "default"
 
     def for_process(self, index: int) -> FileTier:
         """This tier for process ``index`` of a multi-process run: ``<path>/proc<index>``,
-        sharing node permits with the other processes through ``permits_key``."""
+        sharing node permits with the other processes through ``limits.permits_key``."""
         return self.for_part(f"proc{index}")
 
     def for_part(self, name: str) -> FileTier:
         """This tier for one of several engines of a run (a process's, or one of
-        ``jax_mlpo.muon``'s): ``<path>/<name>``, sharing node permits through ``permits_key``."""
+        ``jax_mlpo.muon``'s): ``<path>/<name>``, sharing node permits through
+        ``limits.permits_key``."""
         return dataclasses.replace(
-            self, path=os.path.join(self.path, name), permits_key=self.permits_key or self.path
+            self, path=os.path.join(self.path, name), limits=self.limits.shared_by(self.path)
         )
 
     def validate(self) -> None:
@@ -221,13 +232,13 @@ class OffloadConfig:
     """
 
     host_cache: int | str = "1GiB"
-    tiers: tuple[FileTier, ...] = ()
+    tiers: tuple[FileTier | ObjectTier, ...] = ()
     subgroup_size: int = 100_000_000
     prefetch_depth: int = 2
-    placement: str = "measured"
-    order: str = "alternate"
+    placement: Placement = "measured"
+    order: Order = "alternate"
     retain: bool = True
-    retain_policy: str = "equal"
+    retain_policy: RetainPolicy = "equal"
     delayed_conversion: bool = True
     replan: bool = True
     write_behind: bool = True
@@ -260,13 +271,9 @@ class OffloadConfig:
             raise ConfigError(
                 f"prefetch_depth={self.prefetch_depth!r} must be an int >= 0 (0 = synchronous)"
             )
-        for name, allowed in (
-            ("placement", ("measured", "even", "first")),
-            ("order", ("alternate", "ascending")),
-            ("retain_policy", ("slow_tiers", "equal")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        check_choice(self.placement, Placement, "placement")
+        check_choice(self.order, Order, "order")
+        check_choice(self.retain_policy, RetainPolicy, "retain_policy")
         if self.io_timeout_s is not None and not (
             isinstance(self.io_timeout_s, int | float) and self.io_timeout_s > 0
         ):
@@ -340,14 +347,16 @@ class OffloadConfig:
 
 def _as_tier(tier: Any) -> FileTier | ObjectTier:
     """A tier from a config value: a tier, a path (``s3://`` URLs are object tiers) or a
-    mapping (with ``url`` or ``kvstore``: an object tier; with ``path``: a file tier)."""
+    mapping (with ``url`` or ``kvstore``: an object tier; with ``path``: a file tier), whose
+    limits and bandwidth may be nested or flat (:func:`jax_mlpo.tier_settings.nest`)."""
     if isinstance(tier, FileTier | ObjectTier):
         return tier
     if isinstance(tier, str | os.PathLike):
         text = os.fspath(tier)
         return ObjectTier(text) if text.startswith("s3://") else FileTier(text)
     if isinstance(tier, Mapping):
-        if "url" in tier or "kvstore" in tier:
-            return ObjectTier(**check_keys(ObjectTier, tier, "tiers[]"))
-        return FileTier(**check_keys(FileTier, tier, "tiers[]"))
+        cls = ObjectTier if "url" in tier or "kvstore" in tier else FileTier
+        name = tier.get("url") or tier.get("path")
+        where = f"tiers[] ({name})" if isinstance(name, str) else "tiers[]"
+        return cls(**check_keys(cls, nest(tier, where), where, also=FLAT_KEYS))
     raise ConfigError(f"tiers: {tier!r} is not a FileTier, an ObjectTier, a path or a mapping")

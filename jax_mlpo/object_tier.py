@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Literal
 
 from jax_mlpo.errors import ConfigError
-from jax_mlpo.sizes import parse_rates
+from jax_mlpo.sizes import check_choice
+from jax_mlpo.tier_settings import Bandwidth, TierLimits, check_settings
 
-_CREDENTIALS = ("environment", "anonymous", "default", "imds", "ecs")
+# tensorstore's aws_credentials types
+Credentials = Literal["environment", "anonymous", "default", "imds", "ecs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,31 +43,24 @@ class ObjectTier:
         ``{"type": "profile", "profile": NAME}``.
       request_concurrency: HTTP requests in flight (tensorstore's ``s3_request_concurrency``).
       request_retries: retries of a failed request before the tier reports an error.
-      max_concurrency: blobs in flight on this tier in this process, per direction.
-      bandwidth_cap, node_bandwidth_cap, read_bandwidth, write_bandwidth,
-      node_max_concurrency, node_permits, permits_key: as for :class:`FileTier`.
+      limits: blobs in flight and bandwidth caps, per process and per node
+        (:class:`~jax_mlpo.tier_settings.TierLimits`).
+      bandwidth: the tier's read and write bandwidth for placement; where not given, measured
+        by a probe at start (:class:`~jax_mlpo.tier_settings.Bandwidth`).
+
+    Raises:
+      ConfigError: naming the field, the value and the fix.
     """
 
     url: str | None = None
     kvstore: dict[str, Any] | None = None
     endpoint: str | None = None
     region: str | None = None
-    credentials: str | dict[str, Any] = "environment"
+    credentials: Credentials | dict[str, Any] = "environment"
     request_concurrency: int = 8
     request_retries: int = 3
-    max_concurrency: int = 4
-    bandwidth_cap: int | str | None = None
-    read_bandwidth: int | str | None = None
-    write_bandwidth: int | str | None = None
-    node_max_concurrency: int | None = None
-    node_permits: str = "tier"
-    node_bandwidth_cap: int | str | None = None
-    permits_key: str | None = None
-
-    # what the tier's store asks every tier kind (an object store has no file modes)
-    io_engine = "kvstore"
-    io_mode = None
-    sync = True
+    limits: TierLimits = TierLimits()
+    bandwidth: Bandwidth = Bandwidth()
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.kvstore is None):
@@ -92,17 +87,19 @@ class ObjectTier:
                 "with a 'driver', and a 'bucket' for s3: {'driver': 's3', 'bucket': ..., "
                 "'path': ...})"
             )
-        creds = self.credentials
-        if not (creds in _CREDENTIALS or (isinstance(creds, dict) and "type" in creds)):
-            raise ConfigError(
-                f"ObjectTier.credentials={creds!r} for {self.path}: must be one of "
-                f"{_CREDENTIALS} or a dict such as {{'type': 'profile', 'profile': 'name'}}"
+        if not (isinstance(self.credentials, dict) and "type" in self.credentials):
+            check_choice(
+                self.credentials,
+                Credentials,
+                "ObjectTier.credentials",
+                "a dict such as {'type': 'profile', 'profile': 'name'} also works",
+                self.url or "kvstore",  # self.path needs valid credentials
             )
         for name in ("request_concurrency", "request_retries"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "request_concurrency" else 0):
                 raise ConfigError(f"ObjectTier.{name}={value!r} for {self.path}: must be an int")
-        parse_rates(self, "ObjectTier")
+        check_settings(self, "ObjectTier")
 
     @property
     def path(self) -> str:
@@ -150,16 +147,16 @@ class ObjectTier:
 
     def for_process(self, index: int) -> ObjectTier:
         """This tier for process ``index`` of a multi-process run: ``<prefix>/proc<index>/``,
-        sharing node permits with the other processes through ``permits_key``."""
+        sharing node permits with the other processes through ``limits.permits_key``."""
         return self.for_part(f"proc{index}")
 
     def for_part(self, name: str) -> ObjectTier:
         """This tier for one of several engines of a run: ``<prefix>/<name>/``, sharing node
-        permits through ``permits_key``."""
+        permits through ``limits.permits_key``."""
         spec = self.spec()
         spec["path"] = f"{spec.get('path', '')}{name}/"
         return dataclasses.replace(
-            self, url=None, kvstore=spec, permits_key=self.permits_key or self.path
+            self, url=None, kvstore=spec, limits=self.limits.shared_by(self.path)
         )
 
     def validate(self) -> None:

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jax_mlpo import retention
-from jax_mlpo.config import FileTier, OffloadConfig
+from jax_mlpo.config import FileTier, ObjectTier, OffloadConfig
 from jax_mlpo.errors import ConfigError
 from jax_mlpo.layout import Layout
 
@@ -41,7 +41,7 @@ class HostPlan:
 
     host_only: bool
     state_bytes: int
-    tiers: tuple[FileTier, ...]
+    tiers: tuple[FileTier | ObjectTier, ...]
     buffer_bytes: int
     buffers: int
     minimum: int

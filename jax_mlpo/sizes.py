@@ -1,7 +1,7 @@
-"""Byte counts and rates in configs ("8GiB", "600MB/s").
+"""Config values: byte counts and rates ("8GiB", "600MB/s"), string options, mapping keys.
 
-Shared by :mod:`jax_mlpo.config` and :mod:`jax_mlpo.object_tier` (below both, so neither
-imports the other for them).
+Shared by :mod:`jax_mlpo.config`, :mod:`jax_mlpo.object_tier` and
+:mod:`jax_mlpo.tier_settings` (below them all, so none imports another for them).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jax_mlpo.errors import ConfigError
@@ -59,60 +60,42 @@ def parse_size(value: int | float | str, field: str) -> int:
     )
 
 
-_RATES = (
-    ("bandwidth_cap", "for no cap"),
-    ("node_bandwidth_cap", "for no cap"),
-    ("read_bandwidth", "to measure it"),
-    ("write_bandwidth", "to measure it"),
-)
+def check_choice(value: Any, choices: Any, field: str, why: str = "", where: str = "") -> None:
+    """Checks a string option against the values of its ``Literal`` type.
 
-
-def parse_rates(tier: Any, kind: str) -> None:
-    """Validates a tier config's rates and node permits in place (a frozen dataclass).
-
-    The fields every tier kind shares: ``bandwidth_cap``, ``node_bandwidth_cap``,
-    ``read_bandwidth``, ``write_bandwidth`` (bytes/s, parsed), ``node_max_concurrency`` and
-    ``node_permits``.
+    Args:
+      value: the option's value.
+      choices: the option's ``Literal`` type, e.g. ``Literal["aio", "threads"]``.
+      field: the option, as the error names it (``"FileTier.io_submit"``).
+      why: what the values mean, appended to the error.
+      where: whose option it is (a tier's path), for the error.
 
     Raises:
-      ConfigError: naming ``kind``, the field, the tier's path and the fix.
+      ConfigError: naming the field, the value and the allowed values.
     """
-    where = tier.path
-    for name, none_means in _RATES:
-        value = getattr(tier, name)
-        if value is not None:
-            rate = parse_size(value, f"{kind}.{name} ({where})")
-            if rate <= 0:
-                raise ConfigError(
-                    f"{kind}.{name}={value!r} for {where}: must be positive "
-                    f"(bytes/s, e.g. '600MB'), or None {none_means}"
-                )
-            object.__setattr__(tier, name, rate)
-    if not isinstance(tier.max_concurrency, int) or tier.max_concurrency < 1:
+    allowed = typing.get_args(choices)
+    if not isinstance(value, str) or value not in allowed:
         raise ConfigError(
-            f"{kind}.max_concurrency={tier.max_concurrency!r} for {where}: must be an "
-            "int >= 1 (use 1 for a shared parallel file system)"
-        )
-    node = tier.node_max_concurrency
-    if node is not None and (not isinstance(node, int) or node < 1):
-        raise ConfigError(
-            f"{kind}.node_max_concurrency={node!r} for {where}: "
-            "must be an int >= 1, or None for no node-level limit"
-        )
-    if tier.node_permits not in ("tier", "direction"):
-        raise ConfigError(
-            f"{kind}.node_permits={tier.node_permits!r} for {where}: must be 'tier' "
-            "(reads and writes share node_max_concurrency) or 'direction' (each has it)"
+            f"{field}={value!r}{f' for {where}' if where else ''}: must be one of {allowed}"
+            + (f"; {why}" if why else "")
         )
 
 
-def check_keys(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_keys(
+    cls: type, data: Mapping[str, Any], where: str, also: Iterable[str] = ()
+) -> dict[str, Any]:
     """``data`` as keyword arguments of dataclass ``cls``.
+
+    Args:
+      cls: the dataclass.
+      data: its fields' values by name.
+      where: the mapping's place in the config, for the error.
+      also: keys the caller accepts besides the fields (named in the error as valid).
 
     Raises:
       ConfigError: on an unknown key, listing the valid ones.
     """
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} | set(also)
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(names)}")

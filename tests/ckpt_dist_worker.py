@@ -76,6 +76,7 @@ def main() -> None:
     import jax_mlpo
     from jax_mlpo import checkpoint, distributed
     from jax_mlpo.checkpoint import restore_plan, state_reader
+    from jax_mlpo.config import Bandwidth
 
     def barrier(name: str) -> None:
         if nproc > 1:
@@ -83,7 +84,7 @@ def main() -> None:
 
     offload = jax_mlpo.OffloadConfig(
         host_cache="4KiB",  # smaller than every process's state: subgroups go to the tiers
-        tiers=[jax_mlpo.FileTier(path, read_bandwidth="2GB", write_bandwidth="2GB", sync=False)
+        tiers=[jax_mlpo.FileTier(path, bandwidth=Bandwidth("2GB", "2GB"), sync=False)
                for path in spec["tiers"]],
         subgroup_size=spec["subgroup_size"],
         replan=False,

@@ -110,6 +110,7 @@ def main() -> None:
 
     import jax_mlpo
     from jax_mlpo import distributed
+    from jax_mlpo.config import Bandwidth, TierLimits
 
     slow = {}
     if mode not in ("plain", "fused-clip", "inject", "s3", "muon"):
@@ -118,21 +119,20 @@ def main() -> None:
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
         if mode == "node-permits":
             slow["node_max_concurrency"] = 1
-    slow_tier = jax_mlpo.FileTier(os.path.join(tier_root, "slow"), read_bandwidth="1GB",
-                                  write_bandwidth="1GB", sync=False, **slow)  # fmt: skip
+    slow_tier = jax_mlpo.FileTier(os.path.join(tier_root, "slow"), TierLimits(**slow),
+                                  Bandwidth("1GB", "1GB"), sync=False)  # fmt: skip
     if mode == "s3":  # the slow tier is an object store (test_object_tier's moto_server)
         slow_tier = jax_mlpo.ObjectTier(
             f"s3://{os.environ['JAX_MLPO_TEST_S3_BUCKET']}/dist/", region="us-east-1",
-            endpoint=os.environ["JAX_MLPO_TEST_S3_ENDPOINT"], read_bandwidth="1GB",
-            write_bandwidth="1GB",
+            endpoint=os.environ["JAX_MLPO_TEST_S3_ENDPOINT"], bandwidth=Bandwidth("1GB", "1GB"),
         )  # fmt: skip
     offload = jax_mlpo.OffloadConfig(
         # smaller than every process's state: subgroups go to the tiers (muon: its engines'
         # pipelines need twice that)
         host_cache="8KiB" if mode == "muon" else "4KiB",
         tiers=[
-            jax_mlpo.FileTier(os.path.join(tier_root, "fast"), read_bandwidth="2GB",
-                              write_bandwidth="2GB", sync=False),
+            jax_mlpo.FileTier(os.path.join(tier_root, "fast"), bandwidth=Bandwidth("2GB", "2GB"),
+                              sync=False),
             slow_tier,
         ],
         subgroup_size=64,

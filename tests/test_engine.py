@@ -17,6 +17,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import FileTier, OffloadConfig
+from jax_mlpo.config import TierLimits
 from jax_mlpo.leaves import HostLeaves
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.types import AdamWHyper
@@ -341,7 +342,8 @@ def overlap_step(tmp_path, depth, states):
     """One update over a bandwidth-capped tier with slowed compute; returns its metrics and the
     read and compute spans."""
     blob = 8 * OVERLAP_SUBGROUP
-    tier = FileTier(str(tmp_path / f"tier-depth{depth}"), bandwidth_cap=blob / READ_S, sync=False)
+    limits = TierLimits(bandwidth_cap=blob / READ_S)
+    tier = FileTier(str(tmp_path / f"tier-depth{depth}"), limits, sync=False)
     config = OffloadConfig(
         host_cache=(depth + 2) * blob,
         tiers=[tier],
@@ -411,7 +413,7 @@ def write_behind_run(tmp_path, write_behind: bool, states, steps: int = 3, settl
     nothing left to write behind.
     """
     blob = 8 * OVERLAP_SUBGROUP
-    tier = FileTier(str(tmp_path / f"tier-{write_behind}"), bandwidth_cap=blob / 0.01, sync=False)
+    tier = FileTier(str(tmp_path / f"tier-{write_behind}"), TierLimits(bandwidth_cap=blob / 0.01))
     config = OffloadConfig(
         host_cache=4 * blob,
         tiers=[tier],

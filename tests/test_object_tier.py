@@ -18,6 +18,7 @@ from parity import assert_matches_reference, offloaded_adamw, run_offloaded
 
 import jax_mlpo
 from experiments.s3_server import S3Server, free_port
+from jax_mlpo.config import Bandwidth, TierLimits
 from jax_mlpo.step_metrics import shared_tier_path
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.tiers.kvstore import LOCK_KEY
@@ -293,8 +294,8 @@ def test_object_tiers_from_yaml_dicts_and_urls():
         (dict(url="http://x/y"), "must look like 's3://bucket/prefix/'"),
         (dict(url="s3:///p"), "names no bucket"),
         (dict(url="s3://b/p", credentials="password"), "credentials='password'"),
-        (dict(url="s3://b/p", max_concurrency=0), "max_concurrency=0"),
-        (dict(url="s3://b/p", bandwidth_cap="0MB"), "bandwidth_cap='0MB'"),
+        (dict(url="s3://b/p", limits=dict(max_concurrency=2)), "ObjectTier.limits=.* e.g. "),
+        (dict(url="s3://b/p", bandwidth="1GB"), "must be a Bandwidth, e.g. bandwidth=Bandwidth"),
         (dict(kvstore={"bucket": "b"}), "must be a tensorstore kvstore spec"),
         (dict(kvstore={"driver": "s3"}), "and a 'bucket' for s3"),
     ],
@@ -317,7 +318,7 @@ def test_replanning_moves_subgroups_off_an_object_tier_that_slows_down(server, t
     40x, not 10x: the disk tier's own first steps run up to ~5x its model (files created and
     preallocated, a loaded CI machine), and at 10x the rescaled split then left 4 of 6
     subgroups on the object tier (seen in CI)."""
-    given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB")
+    given = dict(limits=TierLimits(bandwidth_cap="40MB"), bandwidth=Bandwidth("40MB", "40MB"))
     tiers = [
         jax_mlpo.FileTier(str(tmp_path / "disk"), sync=False, **given),
         object_tier(server, server.bucket(), **given),

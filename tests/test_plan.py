@@ -41,8 +41,10 @@ def _scaled(path: Path, tmp_path: Path) -> RunConfig:
     for k, tier in enumerate(full.offload.tiers):
         t = dataclasses.asdict(tier)
         t["path"] = str(tmp_path / f"t{k}")
-        t["read_bandwidth"] = tier.read_bandwidth or 2_000_000_000 // (k + 1)
-        t["write_bandwidth"] = tier.write_bandwidth or 1_000_000_000 // (k + 1)
+        t["bandwidth"] = {
+            "read": tier.bandwidth.read or 2_000_000_000 // (k + 1),
+            "write": tier.bandwidth.write or 1_000_000_000 // (k + 1),
+        }
         tiers.append(t)
     overrides = [
         f"run_dir={tmp_path / 'run'}",

@@ -17,6 +17,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import placement, retention
+from jax_mlpo.config import Bandwidth, TierLimits
 from jax_mlpo.tiers.concurrency import TierPermits
 
 N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements
@@ -32,9 +33,8 @@ def make_tx(tmp_path, buffers: int, tiers: int = 2, **switches):
         tiers=[
             jax_mlpo.FileTier(
                 str(tmp_path / f"t{k}"),
-                read_bandwidth=f"{(k + 1) * 100}MB",
-                write_bandwidth=f"{(k + 1) * 100}MB",
-            )  # fmt: skip
+                bandwidth=Bandwidth(read=f"{(k + 1) * 100}MB", write=f"{(k + 1) * 100}MB"),
+            )
             for k in range(tiers)
         ],
         subgroup_size=SUBGROUP,
@@ -94,8 +94,7 @@ def test_a_tier_that_retains_nothing_cannot_starve_the_pipeline(tmp_path):
 
     def tx(retain: bool):
         tiers = [
-            jax_mlpo.FileTier(str(tmp_path / f"{retain}-t{k}"), read_bandwidth=bw,
-                              write_bandwidth=bw)
+            jax_mlpo.FileTier(str(tmp_path / f"{retain}-t{k}"), bandwidth=Bandwidth(bw, bw))
             for k, bw in enumerate(("100MB", "300MB"))
         ]  # fmt: skip
         config = jax_mlpo.OffloadConfig(
@@ -170,8 +169,8 @@ def test_placement_proportions(bandwidths, retained, policy):
 def test_measured_placement_follows_the_probe(tmp_path):
     # no fsync: the page cache is far faster than the caps even when the disk is busy
     tiers = [
-        jax_mlpo.FileTier(str(tmp_path / "fast"), bandwidth_cap="40MB", sync=False),
-        jax_mlpo.FileTier(str(tmp_path / "slow"), bandwidth_cap="10MB", sync=False),
+        jax_mlpo.FileTier(str(tmp_path / "fast"), TierLimits(bandwidth_cap="40MB"), sync=False),
+        jax_mlpo.FileTier(str(tmp_path / "slow"), TierLimits(bandwidth_cap="10MB"), sync=False),
     ]
     config = jax_mlpo.OffloadConfig(
         host_cache=4 * BLOB * 4, tiers=tiers, subgroup_size=SUBGROUP * 4, prefetch_depth=1,
@@ -284,7 +283,8 @@ def test_node_permits_never_exceeded_across_processes(tmp_path):
 
 
 def test_replan_migrates_away_from_a_tier_that_slows_down(tmp_path):
-    given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB", sync=False)
+    given = dict(limits=TierLimits(bandwidth_cap="40MB"), bandwidth=Bandwidth("40MB", "40MB"))
+    given["sync"] = False
     tiers = [
         jax_mlpo.FileTier(str(tmp_path / "a"), **given),
         jax_mlpo.FileTier(str(tmp_path / "b"), **given),

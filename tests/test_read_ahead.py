@@ -22,6 +22,7 @@ from fault_training import BLOB, LR, SUB, WD, N, Training, grads_for, make_param
 
 import jax_mlpo
 from jax_mlpo import retention
+from jax_mlpo.config import Bandwidth, TierLimits
 from jax_mlpo.layout import gather_state
 from jax_mlpo.opt_state import with_count
 from jax_mlpo.testing import tier_faults
@@ -231,7 +232,9 @@ def test_a_load_drops_the_reads_of_the_state_it_replaces(tmp_path, runs):
 
 
 def test_a_replan_moves_subgroups_under_read_ahead(tmp_path, runs):
-    given = dict(bandwidth_cap="40MB", read_bandwidth="40MB", write_bandwidth="40MB", sync=False)
+    given = dict(
+        limits=TierLimits(bandwidth_cap="40MB"), bandwidth=Bandwidth("40MB", "40MB"), sync=False
+    )
     offload = jax_mlpo.OffloadConfig(
         host_cache=4 * BLOB,
         tiers=[jax_mlpo.FileTier(str(tmp_path / k), **given) for k in ("a", "b")],

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_mlpo.config import FileTier
+from jax_mlpo.config import FileTier, TierLimits
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
 from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError
@@ -47,7 +47,7 @@ def tier_config(path, io_engine: str = "posix", **tier_kwargs) -> FileTier:
 def open_store(path, lengths, **tier_kwargs) -> FileTierStore:
     """A store holding ``"state"`` blobs of the given lengths, one slot each."""
     tier = tier_config(path, **tier_kwargs)
-    permits = TierPermits(tier.path, tier.max_concurrency, tier.max_concurrency)
+    permits = TierPermits(tier.path, tier.limits.max_concurrency, tier.limits.max_concurrency)
     return FileTierStore(tier, {"state": list(lengths)}, permits)
 
 
@@ -183,7 +183,7 @@ def test_concurrent_reads_and_writes_are_byte_exact(engine, tmp_path):
     store = open_store(
         tmp_path / "tier",
         lengths,
-        max_concurrency=4,
+        limits=TierLimits(max_concurrency=4),
         sync=False,
         chunk_bytes=4096,
         io_engine=engine,
@@ -231,7 +231,10 @@ def test_requests_in_flight_bounded_per_direction(tmp_path):
     # The cap makes each request last ~10 ms, so requests that may overlap do.
     n, slots = 2048, 8
     store = open_store(
-        tmp_path / "tier", [n] * 2 * slots, max_concurrency=2, bandwidth_cap=4 * n * 100, sync=False
+        tmp_path / "tier",
+        [n] * 2 * slots,
+        limits=TierLimits(max_concurrency=2, bandwidth_cap=4 * n * 100),
+        sync=False,
     )
     try:
         for f in [store.write(s, np.full(n, s, np.float32)) for s in range(slots, 2 * slots)]:
@@ -407,7 +410,7 @@ def test_reads_are_served_before_queued_writes(engine, tmp_path):
         tmp_path / "tier",
         [n] * 2 * slots,
         io_engine=engine,
-        max_concurrency=8,
+        limits=TierLimits(max_concurrency=8),
         queue_depth=1,
         chunk_bytes=4096,
         sync=False,
@@ -475,7 +478,9 @@ def test_token_bucket_paces_threads_together():
 
 def test_bandwidth_cap_paces_a_store(tmp_path):
     n, slots, cap = 16_384, 4, 2_000_000
-    store = open_store(tmp_path / "tier", [n] * slots, bandwidth_cap=cap, sync=False)
+    store = open_store(
+        tmp_path / "tier", [n] * slots, limits=TierLimits(bandwidth_cap=cap), sync=False
+    )
     try:
         store.trace, store.pacing = [], []
         data = np.ones(n, np.float32)
@@ -638,8 +643,7 @@ def test_node_bandwidth_cap_is_shared_by_the_node(tmp_path):
     for k in range(2):
         tier = FileTier(
             str(tmp_path / "tier" / f"proc{k}"),
-            node_bandwidth_cap=rate,
-            permits_key=str(tmp_path / "tier"),
+            limits=TierLimits(node_bandwidth_cap=rate, permits_key=str(tmp_path / "tier")),
             sync=False,
         )
         permits = TierPermits(tier.path, 4, 4)

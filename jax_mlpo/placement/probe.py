@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.file import FileTierStore
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,19 @@ def cached_probe(
     """:func:`probe`, remembered in the tier directory for the same tier settings (an object
     tier, which has no directory, is probed every time)."""
     tier = store.tier
-    if store.directory is None:
+    if not isinstance(tier, FileTier):
         return probe(store, blob_elems, buffers)
-    key = json.dumps([tier.max_concurrency, tier.io_mode, tier.sync, tier.bandwidth_cap,
-                      blob_elems, min(len(buffers), PROBE_BLOBS)])  # fmt: skip
+    limits = tier.limits
+    key = json.dumps(
+        [
+            limits.max_concurrency,
+            tier.effective_io_mode,
+            tier.sync,
+            limits.bandwidth_cap,
+            blob_elems,
+            min(len(buffers), PROBE_BLOBS),
+        ]
+    )
     path = os.path.join(store.directory, ".jax_mlpo-probe.json")
     try:
         with open(path) as f:
@@ -90,11 +100,12 @@ def cached_probe(
 def tier_bandwidth(
     store: FileTierStore, max_state_elems: int, buffers: Sequence[np.ndarray]
 ) -> tuple[float, float]:
-    """The tier's ``(read, write)`` bytes/s: its ``read_bandwidth``/``write_bandwidth`` where
+    """The tier's ``(read, write)`` bytes/s: its ``bandwidth.read``/``bandwidth.write`` where
     given, the (cached) probe for the rest, through ``buffers`` (see :func:`probe`)."""
     tier = store.tier
-    if tier.read_bandwidth and tier.write_bandwidth:
-        return float(tier.read_bandwidth), float(tier.write_bandwidth)
+    given = tier.bandwidth
+    if given.read and given.write:
+        return float(given.read), float(given.write)
     (elems,) = set(probe_kind(max_state_elems)["probe"])
     read, write = cached_probe(store, elems, buffers)
-    return float(tier.read_bandwidth or read), float(tier.write_bandwidth or write)
+    return float(given.read or read), float(given.write or write)

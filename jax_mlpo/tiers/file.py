@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jax_mlpo.config import FileTier
+from jax_mlpo.config import FileTier, ObjectTier
 from jax_mlpo.tiers import kvstore
 from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
 from jax_mlpo.tiers.errors import CorruptBlobError, TierFullError, TierIOError
@@ -89,14 +89,14 @@ class FileTierStore:
 
     def __init__(
         self,
-        tier: FileTier,
+        tier: FileTier | ObjectTier,
         kinds: dict[str, list[int]],
         permits: TierPermits,
         node_dir: str | None = None,
     ) -> None:
         self.tier = tier
         self._kvstore = None
-        if tier.io_engine == "kvstore":  # an object tier: a prefix, not a directory
+        if isinstance(tier, ObjectTier):  # a prefix, not a directory
             self.directory = None
             try:
                 self._kvstore = kvstore.open_kvstore(tier)
@@ -122,16 +122,17 @@ class FileTierStore:
         self.faults: FaultPlan | None = None
         self._bucket: TokenBucket | None = None
         try:
-            if tier.node_bandwidth_cap:
-                key = hashlib.sha1((tier.permits_key or tier.path).encode()).hexdigest()[:16]
+            limits = tier.limits
+            if limits.node_bandwidth_cap:
+                key = hashlib.sha1((limits.permits_key or tier.path).encode()).hexdigest()[:16]
                 clock = os.path.join(node_dir or "/dev/shm/jax_mlpo", f"{key}.bucket")
-                self._bucket = NodeTokenBucket(clock, tier.node_bandwidth_cap)
-            elif tier.bandwidth_cap:
-                self._bucket = TokenBucket(tier.bandwidth_cap)
+                self._bucket = NodeTokenBucket(clock, limits.node_bandwidth_cap)
+            elif limits.bandwidth_cap:
+                self._bucket = TokenBucket(limits.bandwidth_cap)
         except BaseException:
             self._lock.release()  # an object tier's lock object would outlive this process
             raise
-        workers = 2 * tier.max_concurrency  # reads and writes have their own permits
+        workers = 2 * tier.limits.max_concurrency  # reads and writes have their own permits
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix=f"jax_mlpo-tier-{os.path.basename(tier.path)}"
         )
@@ -299,7 +300,7 @@ class FileTierStore:
 
     def _explain(self, error: Exception, doing: str) -> str:
         text = str(error)
-        remote = kvstore.explain(self.tier, error) if self.tier.io_engine == "kvstore" else None
+        remote = kvstore.explain(self.tier, error) if isinstance(self.tier, ObjectTier) else None
         if remote is not None:
             hint = remote
         elif isinstance(error, CorruptBlobError):
@@ -340,7 +341,9 @@ class FileTierStore:
         self._lock.release()
 
 
-def open_store(tier: FileTier, kinds: dict[str, list[int]], node_permits_dir: str) -> FileTierStore:
+def open_store(
+    tier: FileTier | ObjectTier, kinds: dict[str, list[int]], node_permits_dir: str
+) -> FileTierStore:
     """Opens a tier with its permits: ``max_concurrency`` reads and as many writes in the
     process, and ``node_max_concurrency`` for all processes of the node when set.
 
@@ -349,15 +352,16 @@ def open_store(tier: FileTier, kinds: dict[str, list[int]], node_permits_dir: st
       kinds: for each blob kind, the float32 length of each slot's blob.
       node_permits_dir: ``OffloadConfig.node_permits_dir`` (node-local lock files and clocks).
     """
-    node = tier.node_max_concurrency
+    limits = tier.limits
+    node = limits.node_max_concurrency
     permits = TierPermits(
-        tier.permits_key or tier.path,
-        tier.max_concurrency,
-        tier.max_concurrency,
+        limits.permits_key or tier.path,
+        limits.max_concurrency,
+        limits.max_concurrency,
         node_permits_dir if node else None,
         node or 1,
         node or 1,
-        node_shared=tier.node_permits == "tier",
+        node_shared=limits.node_permits == "tier",
     )
     try:
         return FileTierStore(tier, kinds, permits, node_permits_dir)

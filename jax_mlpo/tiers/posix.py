@@ -60,7 +60,7 @@ class PosixBlobs:
         self.directory = directory
         self._nbytes = {kind: [4 * n for n in lengths] for kind, lengths in kinds.items()}
         self._chunk = max(ALIGN, tier.chunk_bytes // ALIGN * ALIGN)
-        self._direct = tier.io_mode == "direct"
+        self._direct = tier.effective_io_mode == "direct"
         self._sync = tier.sync
         # A blob file left by an earlier run is not this run's state: start clean, as a fresh
         # zarr array would (restoring goes through checkpoints, never through tier files).

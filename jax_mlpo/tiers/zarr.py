@@ -25,9 +25,9 @@ from jax_mlpo.tiers.posix import flip_first_byte
 def context_spec(tier: FileTier) -> dict[str, Any]:
     """The tensorstore context of a tier: its own I/O concurrency, sync and mode, no cache."""
     return {
-        "file_io_concurrency": {"limit": tier.max_concurrency},
+        "file_io_concurrency": {"limit": tier.limits.max_concurrency},
         "file_io_sync": tier.sync,
-        "file_io_mode": {"mode": tier.io_mode},
+        "file_io_mode": {"mode": tier.effective_io_mode},
         "cache_pool": {"total_bytes_limit": 0},
     }
 

@@ -75,7 +75,7 @@ KEPT = ("update_s", "permit_wait_s", "total_s", "read_wait_s", "write_wait_s", "
 
 def _offload_config(cfg: dict[str, Any], variant: str) -> Any:
     import jax_mlpo
-    from jax_mlpo.config import parse_size
+    from jax_mlpo.config import Bandwidth, TierLimits, parse_size
 
     caps = [parse_size(c, "--caps") for c in cfg["caps"].split(",")]
     tiers = []
@@ -83,15 +83,16 @@ def _offload_config(cfg: dict[str, Any], variant: str) -> Any:
         tiers.append(
             jax_mlpo.FileTier(
                 os.path.join(cfg["run_dir"], f"tier{k}"),
-                max_concurrency=cfg["concurrency"],
-                node_max_concurrency=cfg["node_concurrency"] if variant == "node" else None,
-                # shared-cap: one pacing clock for the node's processes (a shared device);
-                # process-cap: each process paced alone
-                node_bandwidth_cap=cap if cfg["device"] == "shared-cap" else None,
-                bandwidth_cap=cap if cfg["device"] == "process-cap" else None,
+                limits=TierLimits(
+                    max_concurrency=cfg["concurrency"],
+                    node_max_concurrency=cfg["node_concurrency"] if variant == "node" else None,
+                    # shared-cap: one pacing clock for the node's processes (a shared device);
+                    # process-cap: each process paced alone
+                    node_bandwidth_cap=cap if cfg["device"] == "shared-cap" else None,
+                    bandwidth_cap=cap if cfg["device"] == "process-cap" else None,
+                ),
                 # placement needs the tiers' ratio only; no probe, the same plan in every run
-                read_bandwidth=cap,
-                write_bandwidth=cap,
+                bandwidth=Bandwidth(read=cap, write=cap),
             )
         )
     return jax_mlpo.OffloadConfig(

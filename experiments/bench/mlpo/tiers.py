@@ -26,7 +26,7 @@ import time
 
 from experiments.bench.harness import interleave, medians, spread, write_json
 from experiments.bench.sysio import drop_page_cache, fio_bandwidth, fio_mixed
-from jax_mlpo.config import FileTier
+from jax_mlpo.config import FileTier, TierLimits
 from jax_mlpo.tiers.concurrency import TierPermits
 from jax_mlpo.tiers.file import FileTierStore
 from jax_mlpo.tiers.submit import aligned_empty
@@ -48,7 +48,7 @@ def run_once(directory: str, config: str, args: argparse.Namespace) -> dict:
         io_mode=mode,
         io_submit=submit,
         sync=sync,
-        max_concurrency=args.concurrency,
+        limits=TierLimits(max_concurrency=args.concurrency),
         queue_depth=args.queue_depth,
         chunk_bytes=args.chunk_mib * 2**20,
     )

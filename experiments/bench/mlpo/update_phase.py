@@ -36,7 +36,7 @@ import optax
 
 import jax_mlpo
 from experiments.bench.harness import medians, spread, write_json
-from jax_mlpo.config import parse_size
+from jax_mlpo.config import TierLimits, parse_size
 
 logger = logging.getLogger("bench.update_phase")
 
@@ -122,7 +122,7 @@ def run_row(name, config, params, grads, steps: int, warmup: int, gap_s: float) 
             }
             in_update = statistics.median(o.get(path, 0) for o in own)
             tiers[os.path.basename(path)]["in_update_bytes"] = in_update
-            bound = max(bound, in_update / store.tier.bandwidth_cap)
+            bound = max(bound, in_update / store.tier.limits.bandwidth_cap)
         out["tiers"] = tiers
         out["io_bound_s"] = bound
         out["bound_efficiency"] = bound / out["update_s"]
@@ -161,8 +161,9 @@ def main() -> None:
         os.makedirs(args.dir)
         tiers = [
             jax_mlpo.FileTier(
-                os.path.join(args.dir, f"tier{k}-{cap // 10**6}MBps"), bandwidth_cap=cap
-            )  # fmt: skip
+                os.path.join(args.dir, f"tier{k}-{cap // 10**6}MBps"),
+                limits=TierLimits(bandwidth_cap=cap),
+            )
             for k, cap in enumerate(caps)
         ]
         if config is not None:
