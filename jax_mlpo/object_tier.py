@@ -18,8 +18,7 @@ import json
 from typing import Any, Literal
 
 from jax_mlpo.errors import ConfigError
-from jax_mlpo.sizes import check_choice
-from jax_mlpo.tier_settings import Bandwidth, TierLimits, check_settings
+from jax_mlpo.sizes import Bandwidth, TierLimits, check_choice, check_settings
 
 # tensorstore's aws_credentials types
 Credentials = Literal["environment", "anonymous", "default", "imds", "ecs"]
@@ -44,9 +43,9 @@ class ObjectTier:
       request_concurrency: HTTP requests in flight (tensorstore's ``s3_request_concurrency``).
       request_retries: retries of a failed request before the tier reports an error.
       limits: blobs in flight and bandwidth caps, per process and per node
-        (:class:`~jax_mlpo.tier_settings.TierLimits`).
+        (:class:`~jax_mlpo.sizes.TierLimits`).
       bandwidth: the tier's read and write bandwidth for placement; where not given, measured
-        by a probe at start (:class:`~jax_mlpo.tier_settings.Bandwidth`).
+        by a probe at start (:class:`~jax_mlpo.sizes.Bandwidth`).
 
     Raises:
       ConfigError: naming the field, the value and the fix.

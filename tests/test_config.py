@@ -28,7 +28,7 @@ from jax_mlpo.config import (
     TierLimits,
 )
 from jax_mlpo.object_tier import Credentials
-from jax_mlpo.tier_settings import FLAT_KEYS, NodePermits
+from jax_mlpo.sizes import FLAT_KEYS, NodePermits
 from jax_mlpo.tiers.lock import TierLock
 
 # -- parse_size ---------------------------------------------------------------------------------
