@@ -4,14 +4,14 @@ optax's AdamW, Lion and Muon with their optimizer state (fp32 master params and 
 accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
-from jax_mlpo import checkpoint, errors
+from jax_mlpo import checkpoint, errors, extend
 from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
 from jax_mlpo.errors import EngineFailedError, JaxMlpoError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
 from jax_mlpo.muon import OffloadedMuonState, muon
-from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.opt_state import OffloadedAdamWState, OffloadedState
 from jax_mlpo.registry import close, closing, engine_of, metrics
 from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
@@ -32,6 +32,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadedAdamWState",
     "OffloadedMuonState",
+    "OffloadedState",
     "StaleStateError",
     "StepMetrics",
     "TierIOError",
@@ -41,6 +42,7 @@ __all__ = [
     "muon",
     "checkpoint",
     "errors",
+    "extend",
     "close",
     "closing",
     "engine_of",

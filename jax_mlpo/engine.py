@@ -29,6 +29,7 @@ from jax_mlpo.idle_io import EngineIdleIO
 from jax_mlpo.layout import Layout
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.optimizers import HostOptimizer
+from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.placement.replan import TierAssignment
 from jax_mlpo.placement.split import TierSplit
 from jax_mlpo.plan import HostPlan, layout_plan
@@ -49,7 +50,8 @@ class Engine(EngineStateIO, EngineIdleIO):
     Args:
       layout: the subgroups of the params (laid out for ``optimizer``'s moments).
       config: the offload configuration (already validated).
-      optimizer: the per-subgroup math (:mod:`jax_mlpo.optimizers`) and its hyper-parameters
+      optimizer: the per-subgroup math (:mod:`jax_mlpo.optimizers`).
+      scalars: the layout of the scalar vector each update hands in, with the hyper-parameters
         given at construction (an update may pass others: optax.inject_hyperparams).
 
     Raises:
@@ -57,13 +59,17 @@ class Engine(EngineStateIO, EngineIdleIO):
         fit in the host cache and no tier is configured.
     """
 
-    def __init__(self, layout: Layout, config: OffloadConfig, optimizer: HostOptimizer) -> None:
+    def __init__(
+        self, layout: Layout, config: OffloadConfig, optimizer: HostOptimizer,
+        scalars: ScalarNames,
+    ) -> None:  # fmt: skip
         if layout.moment_names != optimizer.moment_names:
             raise ValueError(
                 f"the layout has moments {layout.moment_names}, {optimizer.name} keeps "
                 f"{optimizer.moment_names}"
             )
         self.layout, self.config, self.optimizer = layout, config, optimizer
+        self.scalars = scalars
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
         self._snapshot: StateSnapshot | None = None

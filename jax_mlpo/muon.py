@@ -21,6 +21,7 @@ matrices: the host passes are elementwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -33,13 +34,13 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import build_layout, check_moment_dtypes, resolve_mask
 from jax_mlpo.offloaded import (
     EmptyGroup,
-    concrete,
     is_traced,
     offloaded,
     refuse_discarding_wrappers,
     template_state,
 )
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
+from jax_mlpo.optimizers.scalars import concrete
 from jax_mlpo.plan import StateShape, split_host_cache
 from jax_mlpo.transform import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.types import BF16, F32
@@ -49,9 +50,9 @@ class OffloadedMuonState(NamedTuple):
     """The states of ``jax_mlpo.muon``'s engines (an engine over no leaves where a group is
     empty)."""
 
-    momentum: Any  # OffloadedAdamWState: the matrices' momentum
-    master: Any  # OffloadedAdamWState: the fp32 master of bfloat16 matrices
-    adam: Any  # OffloadedAdamWState: AdamW's state of the other leaves
+    momentum: Any  # OffloadedState: the matrices' momentum
+    master: Any  # OffloadedState: the fp32 master of bfloat16 matrices
+    adam: Any  # OffloadedState: AdamW's state of the other leaves
 
 
 class _Groups(NamedTuple):
@@ -203,29 +204,27 @@ def muon(
     coeffs = _ns_coeffs(ns_coeffs, ns_steps)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
 
-    def momentum_tx(config: OffloadConfig) -> optax.GradientTransformation:
-        return offloaded(
-            "muon", MuonMomentum(concrete(beta), bool(nesterov)), learning_rate=0.0,
-            scalars_given={"beta": beta},
-            device_scalars=lambda count_inc, hp, lr, updates: [
-                1 - hp["beta"] ** count_inc, 1 - hp["beta"] ** optax.safe_increment(count_inc)],
-            moment_dtypes=moment, mask=None, offload=config, update_dtype=jnp.float32,
-            keeps_master=False,
-        )  # fmt: skip
-
-    def master_tx(config: OffloadConfig, mask: Any) -> optax.GradientTransformation:
-        return offloaded(
-            "muon", MuonMaster(concrete(weight_decay)), learning_rate=learning_rate,
-            scalars_given={"weight_decay": weight_decay},
-            device_scalars=lambda count_inc, hp, lr, updates: [lr], moment_dtypes=(),
-            mask=mask, offload=config, update_dtype=update_dtype,
-        )  # fmt: skip
-
-    def adam_tx(config: OffloadConfig) -> optax.GradientTransformation:
-        return adamw(
-            adam_lr, adam_b1, adam_b2, eps, adam_weight_decay, offload=config,
-            mu_dtype=mu_dtype, nesterov=nesterov, update_dtype=update_dtype,
-        )  # fmt: skip
+    # The three parts, made once: each keeps the shapes it was initialised with (its update
+    # checks them) and its jitted update, so an eager step compiles nothing new. Each part's
+    # init takes its own config (a subdirectory of every tier) and mask.
+    momentum_tx = offloaded(
+        "muon", MuonMomentum(bool(nesterov)), learning_rate=0.0, hyperparams={"beta": beta},
+        device_scalars=lambda count_inc, hp, lr, updates: {
+            "bc": 1 - hp["beta"] ** count_inc,
+            "bc_next": 1 - hp["beta"] ** optax.safe_increment(count_inc)},
+        moment_dtypes=moment, mask=None, offload=offload, update_dtype=jnp.float32,
+        keeps_master=False,
+    )  # fmt: skip
+    master_tx = offloaded(
+        "muon", MuonMaster(), learning_rate=learning_rate,
+        hyperparams={"weight_decay": weight_decay},
+        device_scalars=lambda count_inc, hp, lr, updates: {"lr": lr}, moment_dtypes=(),
+        mask=None, offload=offload, update_dtype=update_dtype,
+    )  # fmt: skip
+    adam_tx = adamw(
+        adam_lr, adam_b1, adam_b2, eps, adam_weight_decay, offload=offload,
+        mu_dtype=mu_dtype, nesterov=nesterov, update_dtype=update_dtype,
+    )  # fmt: skip
 
     def decay_flags(params: Any, groups: _Groups) -> list[bool]:
         flags = resolve_mask(weight_decay_mask, params)
@@ -278,20 +277,22 @@ def muon(
         # states do not: optax.tree.map_params inits on a placeholder with no leaves.
         masked = [flags[k] for k in groups.master]
         return OffloadedMuonState(
-            momentum=momentum_tx(configs["momentum"]).init(
-                muon_leaves or EmptyGroup()),
-            master=master_tx(configs["master"], masked if bf16 else None).init(
-                bf16 or EmptyGroup()),
-            adam=adam_tx(configs["adam"]).init(adam_params or EmptyGroup()),
+            momentum=momentum_tx.init(muon_leaves or EmptyGroup(),
+                                      part_offload=configs["momentum"]),
+            master=master_tx.init(bf16 or EmptyGroup(), part_offload=configs["master"],
+                                  part_mask=masked if bf16 else None),
+            adam=adam_tx.init(adam_params or EmptyGroup(), part_offload=configs["adam"]),
         )  # fmt: skip
 
-    def orthogonalize(mu_hat: list[jax.Array], dims: list[MuonDimensionNumbers]) -> list:
+    # Jitted once here: eagerly, optax's Newton-Schulz scan would compile again at every step.
+    @functools.partial(jax.jit, static_argnums=1)
+    def orthogonalize(mu_hat: list[jax.Array], dims: tuple[MuonDimensionNumbers, ...]) -> list:
         # optax's scale_by_muon with beta 0 and no nesterov passes the momentum it is given
         # through unchanged ((1 - 0) m + 0 m, divided by 1 - 0^1): what is left is its
         # orthogonalization (and adaptive scaling), computed by optax's own code.
         tx = scale_by_muon(coeffs, ns_steps, beta=0.0, eps=eps, nesterov=False,
                            adaptive=adaptive, preconditioning=preconditioning,
-                           weight_dimension_numbers=dims)  # fmt: skip
+                           weight_dimension_numbers=list(dims))  # fmt: skip
         state = tx.init(mu_hat)._replace(mu=mu_hat)  # its zeros are never read
         out, _ = tx.update(mu_hat, state)
         return [_scale_by_shape(x, d, consistent_rms) for x, d in zip(out, dims, strict=True)]
@@ -311,10 +312,10 @@ def muon(
         if groups.muon:
             muon_params = [leaves[i] for i in groups.muon]
             count = momentum.count
-            mu_hat, momentum = momentum_tx(offload).update(
+            mu_hat, momentum = momentum_tx.update(
                 [grads[i] for i in groups.muon], momentum, muon_params
             )
-            directions = orthogonalize(mu_hat, groups.dims)
+            directions = orthogonalize(mu_hat, tuple(groups.dims))
             flags = decay_flags(params, groups)
             in_master = set(groups.master)
             on_device = [k for k in range(len(groups.muon)) if k not in in_master]
@@ -333,15 +334,14 @@ def muon(
                 for k, u in zip(on_device, scaled, strict=True):
                     out[groups.muon[k]] = u
             if groups.master:
-                masked = [flags[k] for k in groups.master]
-                applied, master = master_tx(offload, masked).update(
+                applied, master = master_tx.update(
                     [directions[k] for k in groups.master], master,
                     [muon_params[k] for k in groups.master],
                 )  # fmt: skip
                 for k, u in zip(groups.master, applied, strict=True):
                     out[groups.muon[k]] = u
         if groups.adam:
-            adam_updates, adam = adam_tx(offload).update(
+            adam_updates, adam = adam_tx.update(
                 [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam]
             )
             for i, u in zip(groups.adam, adam_updates, strict=True):

@@ -13,7 +13,6 @@ call returns the next step count, so each update's data depends on the previous 
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -31,15 +30,10 @@ from jax_mlpo.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.mesh_update import MeshPlan, mesh_plan
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
-from jax_mlpo.native.host_update import (
-    DEFERRED,
-    NUM_SCALARS,
-    ensure_platform,
-    host_update_call,
-    set_host_update,
-)
-from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.native.host_update import DEFERRED, ensure_platform, host_update_call, set_host_update
+from jax_mlpo.opt_state import OffloadedState
 from jax_mlpo.optimizers import HostOptimizer
+from jax_mlpo.optimizers.scalars import ScalarNames
 
 
 def refuse_discarding_wrappers(name: str) -> None:
@@ -109,14 +103,6 @@ def validate_once(offload: OffloadConfig) -> None:
     _VALIDATED[id(offload)] = weakref.ref(offload)
 
 
-def concrete(value: Any) -> float:
-    """``value`` as a Python float; NaN for a traced one (an update then always passes it)."""
-    try:
-        return float(value)
-    except jax.errors.ConcretizationTypeError:
-        return math.nan
-
-
 def _step(engine, count, scalars, grads, params, updates, stream) -> None:
     """One update of ``engine`` on XLA's buffers: in place on CPU (``stream`` None), staged a
     subgroup at a time through XLA's stream on a GPU."""
@@ -125,7 +111,7 @@ def _step(engine, count, scalars, grads, params, updates, stream) -> None:
     else:
         staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
         leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
-    engine.step_leaves(count, engine.optimizer.hyper(scalars), leaves)
+    engine.step_leaves(count, engine.optimizer.hyper(engine.scalars.read(scalars)), leaves)
 
 
 set_host_update(_run_update)
@@ -144,7 +130,7 @@ def is_traced(params: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
 
 
-def template_state(params: Any) -> OffloadedAdamWState:
+def template_state(params: Any) -> OffloadedState:
     """The state's shapes and dtypes for abstract ``params``, with no engine behind it.
 
     ``jax.eval_shape(tx.init, params)`` (and ``nnx.eval_shape`` of an ``nnx.Optimizer``) is how
@@ -161,10 +147,11 @@ def template_state(params: Any) -> OffloadedAdamWState:
             shape = tuple(mesh.axis_sizes)
             break
     template = jnp.full(shape, registry.TEMPLATE, jnp.int32)
-    return OffloadedAdamWState(count=jnp.zeros([], jnp.int32), handle=template)
+    return OffloadedState(count=jnp.zeros([], jnp.int32), handle=template)
 
 
-DeviceScalars = Callable[[jax.Array, dict[str, Any], Any, Any], list[Any]]
+# (count_inc, hyperparams, lr, grads) -> {name: scalar}: what the device computes for a step
+DeviceScalars = Callable[[jax.Array, dict[str, Any], Any, Any], dict[str, Any]]
 
 
 def offloaded(
@@ -172,7 +159,7 @@ def offloaded(
     optimizer: HostOptimizer,
     *,
     learning_rate: optax.ScalarOrSchedule,
-    scalars_given: dict[str, Any],
+    hyperparams: dict[str, Any],
     device_scalars: DeviceScalars,
     moment_dtypes: tuple[Any, ...],
     mask: Any,
@@ -184,13 +171,13 @@ def offloaded(
 
     Args:
       name: the public function's name (``"adamw"``), for messages.
-      optimizer: the engine's per-subgroup math, with the hyper-parameters given as floats.
+      optimizer: the engine's per-subgroup math.
       learning_rate: a float or an optax schedule (evaluated on the device at the count).
-      scalars_given: the other hyper-parameters as given, in the order
-        :meth:`HostOptimizer.hyper` reads them after ``device_scalars``': Python floats (kept
-        in the optimizer) or scalar arrays (inject_hyperparams: passed with every update).
-      device_scalars: ``(count_inc, hyper, lr, grads) -> [lr, ...]``: the scalars the device
-        computes for the step (optax's own expressions, so they match it bit for bit).
+      hyperparams: the other hyper-parameters by name, as given: Python floats (kept in double
+        precision) or scalar arrays (inject_hyperparams: passed with every update).
+      device_scalars: ``(count_inc, hyperparams, lr, grads) -> {name: scalar}``: the scalars
+        ``optimizer.scalar_names`` names, computed on the device for the step (optax's own
+        expressions, so they match it bit for bit).
       moment_dtypes: each moment's storage dtype, in ``optimizer.moment_names``' order.
       mask: where weight decay applies (resolved at init).
       offload: where the state lives.
@@ -223,15 +210,20 @@ def offloaded(
         return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
 
     moments = (moment_dtypes, optimizer.moment_names, keeps_master)
+    scalar_names = ScalarNames.of(optimizer.scalar_names, hyperparams)  # checked once, here
 
     def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, registry.Place]:
         # it replaces the engine of this process at its place (a second init)
         place = registry.place_of(config)
         registry.take_place(place)
-        return Engine(layout, config, optimizer), place
+        return Engine(layout, config, optimizer, scalar_names), place
 
-    def init_fn(params):
+    def init_fn(params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None):
+        # part_offload, part_mask: where an optimizer is made of several of these, each over a
+        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask
         refuse_discarding_wrappers(name)
+        where = offload if part_offload is None else part_offload
+        decay = mask if part_mask is None else part_mask
         init_shapes.add(shapes_of(params))
         if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
             return template_state(params)
@@ -242,36 +234,32 @@ def offloaded(
         if plan is not None:  # params on a mesh: one engine over this process's shards
             if jax.default_backend() != "cpu":
                 raise NotImplementedError(_NO_GPU_MESH)
-            flags = plan.shard_flags(resolve_mask(mask, params))
-            layout = build_layout(
-                plan.shard_structs(params), offload.subgroup_size, flags, *moments
-            )
-            config = offload
+            flags = plan.shard_flags(resolve_mask(decay, params))
+            layout = build_layout(plan.shard_structs(params), where.subgroup_size, flags, *moments)
+            config = where
             if distributed.is_multiprocess():
-                config = distributed.process_config(offload, jax.process_index())
+                config = distributed.process_config(where, jax.process_index())
             engine, place = new_engine(layout, config)
             key = plan_key(plan.mesh.devices.shape, jax.tree.leaves(params))
             handles = registry.register_mesh(engine, plan, run_on(engine), key, place)
             handle = plan.handle_array(handles)
             mesh_plans[key] = plan
-            return OffloadedAdamWState(count=plan.replicated(np.int32(0)), handle=handle)
+            return OffloadedState(count=plan.replicated(np.int32(0)), handle=handle)
         if distributed.is_multiprocess():
             # Data parallel (see jax_mlpo/distributed.py): this process's engine holds the state
             # of its own shards, in per-process tier directories.
             mesh = distributed.data_parallel_mesh()
             local = distributed.local_params(params, jax.process_count())
-            layout = build_layout(
-                local, offload.subgroup_size, resolve_mask(mask, params), *moments
-            )
-            config = distributed.process_config(offload, jax.process_index())
+            layout = build_layout(local, where.subgroup_size, resolve_mask(decay, params), *moments)
+            config = distributed.process_config(where, jax.process_index())
             engine, place = new_engine(layout, config)
-            return OffloadedAdamWState(
+            return OffloadedState(
                 count=distributed.replicated(np.int32(0), mesh),
                 handle=distributed.global_handle(registry.register(engine, place), mesh),
             )
-        layout = build_layout(params, offload.subgroup_size, resolve_mask(mask, params), *moments)
-        engine, place = new_engine(layout, offload)
-        return OffloadedAdamWState(
+        layout = build_layout(params, where.subgroup_size, resolve_mask(decay, params), *moments)
+        engine, place = new_engine(layout, where)
+        return OffloadedState(
             count=jnp.zeros([], jnp.int32),
             handle=jnp.asarray(registry.register(engine, place), jnp.int32),
         )
@@ -294,7 +282,7 @@ def offloaded(
         # Arrays among the hyper-parameters (inject_hyperparams's, maybe traced) are arguments
         # of the jitted update; Python floats stay constants of it, in double precision.
         lr = None if callable(learning_rate) else learning_rate
-        arrays = {k: v for k, v in scalars_given.items() if not isinstance(v, int | float)}
+        arrays = {k: v for k, v in hyperparams.items() if not isinstance(v, int | float)}
         return jitted_update(updates, state, params, lr, arrays)
 
     # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
@@ -303,11 +291,8 @@ def offloaded(
         count_inc = optax.safe_increment(state.count)
         if lr is None:
             lr = learning_rate(state.count)
-        hp = {**scalars_given, **arrays}
-        given = [arrays.get(k, jnp.float32(jnp.nan)) for k in scalars_given]
-        computed = device_scalars(count_inc, hp, lr, updates)
-        pad = [jnp.float32(jnp.nan)] * (NUM_SCALARS - len(computed) - len(given))
-        scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (*computed, *given, *pad)])
+        computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
+        scalars = scalar_names.vector(computed, arrays)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         key = plan_key(np.shape(state.handle), param_leaves)
@@ -323,7 +308,7 @@ def offloaded(
             )
         else:
             count_out, outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
-        return treedef.unflatten(outs), OffloadedAdamWState(count=count_out, handle=state.handle)
+        return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
 
     def host_update(grads, param_leaves, handle, count, scalars):
         dtypes = [

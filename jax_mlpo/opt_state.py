@@ -1,11 +1,12 @@
 """The offloaded optimizer state as it appears in a user's tree, in every form it takes there.
 
-The state of ``jax_mlpo.adamw`` and of ``jax_mlpo.lion`` alike is :class:`OffloadedAdamWState`:
-the step count and a handle naming the host engine that owns the fp32 master and the moments.
+The state of every offloaded optimizer (``jax_mlpo.adamw``, ``lion``, each part of ``muon``) is
+:class:`OffloadedState`: the step count and a handle naming the host engine that owns the fp32
+master and the moments.
 Inside a training loop the state is seldom seen as that NamedTuple:
 
 - ``nnx.Optimizer`` wraps each leaf in an ``nnx.OptArray`` variable
-  (``OffloadedAdamWState(count=OptArray(...), handle=OptArray(...))``), and ``nnx.state(optimizer)``
+  (``OffloadedState(count=OptArray(...), handle=OptArray(...))``), and ``nnx.state(optimizer)``
   turns the NamedTuple into a state dict ``{"count": OptArray, "handle": OptArray}``;
 - ``nnx.to_pure_dict`` gives ``{"count": array, "handle": array}``;
 - a linen ``TrainState``, ``optax.chain``/``masked``/``partition`` states hold the NamedTuple.
@@ -25,12 +26,16 @@ import jax
 _FIELDS = frozenset({"count", "handle"})
 
 
-class OffloadedAdamWState(NamedTuple):
+class OffloadedState(NamedTuple):
     """What the accelerator holds; the fp32 master and the moments live in the host cache and
     the file tiers."""
 
     count: jax.Array  # shape=(), int32: updates applied so far
     handle: jax.Array  # shape=(), int32 (int32[processes] across processes): its engine's key
+
+
+# The same class under AdamW's name, which code may import.
+OffloadedAdamWState = OffloadedState
 
 
 def unwrap(x: Any) -> Any:
@@ -42,19 +47,19 @@ def unwrap(x: Any) -> Any:
 def is_offloaded(x: Any) -> bool:
     """Whether ``x`` is an offloaded state, as the NamedTuple or as its dict form (a flax.nnx
     state dict or a pure dict with exactly the keys ``count`` and ``handle``)."""
-    if isinstance(x, OffloadedAdamWState):
+    if isinstance(x, OffloadedState):
         return True
     return isinstance(x, Mapping) and len(x) == 2 and set(x.keys()) == _FIELDS
 
 
 def count_of(state: Any) -> Any:
     """The step count array of an offloaded state in any of its forms."""
-    return unwrap(state.count if isinstance(state, OffloadedAdamWState) else state["count"])
+    return unwrap(state.count if isinstance(state, OffloadedState) else state["count"])
 
 
 def handle_of(state: Any) -> Any:
     """The handle array of an offloaded state in any of its forms."""
-    return unwrap(state.handle if isinstance(state, OffloadedAdamWState) else state["handle"])
+    return unwrap(state.handle if isinstance(state, OffloadedState) else state["handle"])
 
 
 def with_count(state: Any, count: Any) -> Any:

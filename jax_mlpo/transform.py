@@ -17,7 +17,7 @@ import optax
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.layout import check_moment_dtypes
-from jax_mlpo.offloaded import concrete, offloaded, validate_once
+from jax_mlpo.offloaded import offloaded, validate_once
 from jax_mlpo.optimizers.adamw import AdamW
 from jax_mlpo.optimizers.lion import Lion
 from jax_mlpo.quantize import Q8
@@ -158,8 +158,8 @@ def adamw(
       >>> jax_mlpo.close(state)
     """
     check_offload(offload)
-    scalars_given = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
-    check_scalars(scalars_given)
+    hyperparams = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    check_scalars(hyperparams)
     moments = check_moment_dtypes([jnp.float32 if d is None else d for d in (mu_dtype, nu_dtype)])
     if q8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f'q8_rounding must be "nearest" or "stochastic", got {q8_rounding!r}')
@@ -168,11 +168,7 @@ def adamw(
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     check_update_dtype(update_dtype)
-    # the engine's own values: used where an update passes none (Python floats, kept double)
-    optimizer = AdamW(
-        *(concrete(v) for v in scalars_given.values()),
-        stochastic_rounding=q8_rounding == "stochastic", nesterov=bool(nesterov),
-    )  # fmt: skip
+    optimizer = AdamW(stochastic_rounding=q8_rounding == "stochastic", nesterov=bool(nesterov))
 
     def device_scalars(count_inc, hp, lr, updates):
         # the same expressions optax evaluates, on the device, so they match it bit for bit
@@ -183,10 +179,10 @@ def adamw(
             g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates))
             scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
         bc1_next = 1 - hp["b1"] ** optax.safe_increment(count_inc) if nesterov else 1.0
-        return [lr, bc1, bc2, scale, bc1_next]
+        return {"lr": lr, "bc1": bc1, "bc2": bc2, "grad_scale": scale, "bc1_next": bc1_next}
 
     return offloaded(
-        "adamw", optimizer, learning_rate=learning_rate, scalars_given=scalars_given,
+        "adamw", optimizer, learning_rate=learning_rate, hyperparams=hyperparams,
         device_scalars=device_scalars, moment_dtypes=moments, mask=mask, offload=offload,
         update_dtype=update_dtype,
     )  # fmt: skip
@@ -252,16 +248,15 @@ def lion(
       >>> jax_mlpo.close(state)
     """
     check_offload(offload)
-    scalars_given = {"b1": b1, "b2": b2, "weight_decay": weight_decay}
-    check_scalars(scalars_given)
+    hyperparams = {"b1": b1, "b2": b2, "weight_decay": weight_decay}
+    check_scalars(hyperparams)
     if mu_dtype is not None and isinstance(mu_dtype, str):
         raise ValueError(f'mu_dtype={mu_dtype!r}: jax_mlpo.lion stores its moment in float32 '
                          "or bfloat16 (jnp.bfloat16)")  # fmt: skip
     moments = check_moment_dtypes([jnp.float32 if mu_dtype is None else mu_dtype], ["mu"])
     check_update_dtype(update_dtype)
-    optimizer = Lion(*(concrete(v) for v in scalars_given.values()))
     return offloaded(
-        "lion", optimizer, learning_rate=learning_rate, scalars_given=scalars_given,
-        device_scalars=lambda count_inc, hp, lr, updates: [lr], moment_dtypes=moments,
+        "lion", Lion(), learning_rate=learning_rate, hyperparams=hyperparams,
+        device_scalars=lambda count_inc, hp, lr, updates: {"lr": lr}, moment_dtypes=moments,
         mask=mask, offload=offload, update_dtype=update_dtype,
     )  # fmt: skip

@@ -4,7 +4,7 @@ A jax_mlpo optimizer state is two int32 scalars on the device; AdamW's p, m and 
 engine's host cache and file tiers, and may be larger than host memory. Each item of a
 checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
 ``optax.chain`` state, a dict of scalars) as a standard orbax PyTree item, every
-:class:`~jax_mlpo.OffloadedAdamWState` in it reduced to its ``count``, and the offloaded state
+:class:`~jax_mlpo.OffloadedState` in it reduced to its ``count``, and the offloaded state
 *streamed* beside it (``jax_mlpo_state/``) in the *logical* layout:
 
 - ``mu`` and ``nu`` of every parameter leaf, and ``master`` (the fp32 master copy) of every

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo import distributed
-from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.opt_state import OffloadedState
 from jax_mlpo.registry import engine_of, mesh_plan_of
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
@@ -182,7 +182,7 @@ class Region:
 
 
 def engine_regions(
-    state: OffloadedAdamWState, shapes: list[tuple[int, ...]]
+    state: OffloadedState, shapes: list[tuple[int, ...]]
 ) -> tuple[list[Region], list[int]]:
     """Each of an offloaded state's engine leaves as a :class:`Region` of the parameter leaves,
     and the engine leaves this process does not write (a process of a lower index holds them

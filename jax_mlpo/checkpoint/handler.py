@@ -68,7 +68,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves and restores a pytree that may hold offloaded AdamW states, checksummed.
 
     ``async_save`` snapshots the tree synchronously (small arrays copied, every
-    :class:`~jax_mlpo.OffloadedAdamWState` reduced to its count and its engine snapshotted,
+    :class:`~jax_mlpo.OffloadedState` reduced to its count and its engine snapshotted,
     copy-on-write where ``concurrent``), writes the large host arrays
     (:class:`~jax_mlpo.checkpoint.host_arrays.DirectNumpyHandler`) and hands the rest to orbax's
     ``PyTreeCheckpointHandler``; in the background it streams the offloaded states (once

@@ -28,7 +28,7 @@ from jax_mlpo.checkpoint.blocks import Index, Region, engine_regions, full, inde
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
 from jax_mlpo.checkpoint.stream import quantities
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
-from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.opt_state import OffloadedState
 from jax_mlpo.registry import engine_of, mesh_plan_of
 
 
@@ -152,7 +152,7 @@ def plan_restore(target: Any, manifest: dict[str, Any], directory: Any) -> Resto
     )
 
 
-def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, str, int]]:
+def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedState, str, str, int]]:
     """The arrays the target's offloaded states want: name -> (state, its name, quantity,
     parameter leaf)."""
     arrays = {}
@@ -175,7 +175,7 @@ def _offloaded_arrays(target: Any) -> dict[str, tuple[OffloadedAdamWState, str, 
 
 
 def _plan_streams(
-    arrays: dict[str, tuple[OffloadedAdamWState, str, str, int]], saved: dict[str, Any],
+    arrays: dict[str, tuple[OffloadedState, str, str, int]], saved: dict[str, Any],
     directory: Any,
 ) -> dict[str, StreamPlan]:  # fmt: skip
     """Each offloaded state's :class:`StreamPlan`, the saved arrays checked against its engine.
@@ -187,7 +187,7 @@ def _plan_streams(
     n = jax.process_count()
     shapes: dict[str, dict[int, tuple[int, ...]]] = {}
     streams: dict[str, StreamPlan] = {}
-    states: dict[str, OffloadedAdamWState] = {}
+    states: dict[str, OffloadedState] = {}
     for name, (x, state, quantity, leaf) in arrays.items():
         record = saved[name]
         shape = tuple(int(d) for d in record["shape"])

@@ -5,7 +5,7 @@ keys), so that the next update may run (and donate or overwrite the device buffe
 checkpoint is written: small arrays are copied for orbax to write in the background, large
 host arrays (the params) are not, since they are written before the save returns
 (:mod:`~jax_mlpo.checkpoint.host_arrays`). Every
-:class:`~jax_mlpo.OffloadedAdamWState` becomes its ``count`` in that tree, and its AdamW state
+:class:`~jax_mlpo.OffloadedState` becomes its ``count`` in that tree, and its AdamW state
 an :class:`OffloadedStream`: an engine snapshot (:mod:`jax_mlpo.snapshot`), read from the host
 cache and the tiers subgroup by subgroup while it is written (:mod:`~jax_mlpo.checkpoint.stream`),
 never held in host memory as a whole. Its arrays are the *logical* layout, independent of
@@ -27,7 +27,7 @@ from jax_mlpo.checkpoint.host_arrays import writes_directly
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name
 from jax_mlpo.errors import EngineFailedError, StaleStateError
 from jax_mlpo.layout import Layout
-from jax_mlpo.opt_state import OffloadedAdamWState, count_of
+from jax_mlpo.opt_state import OffloadedState, count_of
 from jax_mlpo.registry import engine_of, mesh_plan_of
 from jax_mlpo.snapshot import StateSnapshot
 
@@ -146,7 +146,7 @@ def snapshot(
         raise
 
 
-def _global_shapes(state: OffloadedAdamWState, params: Any) -> list[tuple[int, ...]]:
+def _global_shapes(state: OffloadedState, params: Any) -> list[tuple[int, ...]]:
     """The global shape of each leaf (a multi-process engine holds local shards only, and a
     mesh's engine the distinct shards of its devices)."""
     plan, engine = mesh_plan_of(state), engine_of(state)

@@ -4,14 +4,14 @@ The engine makes a subgroup's state blob resident and hands it, with the update'
 its optimizer's :meth:`HostOptimizer.update`, which advances the moments in place and writes
 the update where the leaves say (:mod:`jax_mlpo.leaves`). An optimizer names its moments (the
 blob's parts after the fp32 master, and the arrays of ``state_dict`` and of checkpoints) and
-reads its scalars from the vector the device computed for the step. :mod:`.adamw` and
-:mod:`.lion` are the two; each has a numpy reference and a fused native kernel that matches it
-bit for bit.
+reads the step's scalars by name (:mod:`.scalars`). :mod:`.adamw`, :mod:`.lion` and
+:mod:`.muon` are the built-in ones; each has a numpy reference and a fused native kernel that
+matches it bit for bit. :mod:`jax_mlpo.extend` is how one is added from outside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,9 +26,11 @@ class HostOptimizer(Protocol):
 
     name: str  # "adamw", "lion": the profiler's name of its kernel pass (jax_mlpo.<name>)
     moment_names: tuple[str, ...]  # the moments in the blob's order: ("mu", "nu"), ("mu",)
+    scalar_names: tuple[str, ...]  # what the device computes for each step: ("lr", ...)
 
-    def hyper(self, scalars: Sequence[float]) -> Any:
-        """The step's scalars from the vector the transformation's update computed."""
+    def hyper(self, scalars: Mapping[str, float]) -> Any:
+        """The step's scalars as the update takes them, from the computed ones and the
+        hyper-parameters, by name (:meth:`jax_mlpo.optimizers.scalars.ScalarNames.read`)."""
 
     def update(
         self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,

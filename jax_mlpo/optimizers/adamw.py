@@ -12,8 +12,7 @@ and reciprocals XLA:CPU uses, so the update equals a jitted ``optax.adamw`` upda
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -157,31 +156,24 @@ class AdamW:
     """``optax.adamw``'s per-subgroup math, the engine's optimizer (:mod:`jax_mlpo.optimizers`).
 
     Attributes:
-      b1, b2, eps, weight_decay: the values given at construction, used where an update passes
-        none (Python floats, kept in double precision as optax uses them).
       stochastic_rounding: q8 moments are rounded stochastically, else to nearest.
       nesterov: optax's ``nesterov=True`` (float32 and bfloat16 moments).
     """
 
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
     stochastic_rounding: bool = False
     nesterov: bool = False
     name: ClassVar[str] = "adamw"
     moment_names: ClassVar[tuple[str, ...]] = ("mu", "nu")
+    # the learning rate, both bias corrections, the clipping scale, b1's at the next count
+    scalar_names: ClassVar[tuple[str, ...]] = ("lr", "bc1", "bc2", "grad_scale", "bc1_next")
 
-    def hyper(self, scalars: Sequence[float]) -> AdamWHyper:
-        """lr, bc1, bc2, grad scale, bc1_next (nesterov), then b1, b2, eps and weight decay
-        where the update was given them as arrays (optax.inject_hyperparams), NaN where they
-        are this object's; the rest is padding."""
-        lr, bc1, bc2, scale, bc1_next, *given = (float(x) for x in scalars[:9])
-        own = (self.b1, self.b2, self.eps, self.weight_decay)
-        b1, b2, eps, wd = (o if math.isnan(x) else x for x, o in zip(given, own, strict=True))
+    def hyper(self, scalars: Mapping[str, float]) -> AdamWHyper:
+        """The step's scalars and ``b1``, ``b2``, ``eps``, ``weight_decay``."""
+        s = scalars
         return AdamWHyper(
-            bc1, bc2, lr, b1, b2, eps, wd, grad_scale=scale, nesterov=self.nesterov,
-            bc1_next=bc1_next if self.nesterov else 1.0,
+            s["bc1"], s["bc2"], s["lr"], s["b1"], s["b2"], s["eps"], s["weight_decay"],
+            grad_scale=s["grad_scale"], nesterov=self.nesterov,
+            bc1_next=s["bc1_next"] if self.nesterov else 1.0,
         )  # fmt: skip
 
     def update(

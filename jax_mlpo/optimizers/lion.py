@@ -17,8 +17,7 @@ master (bfloat16 params only) and m: 8 bytes per bfloat16 param, against AdamW's
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -71,26 +70,16 @@ def lion_step_reference(
 
 @dataclasses.dataclass(frozen=True)
 class Lion:
-    """``optax.lion``'s per-subgroup math, the engine's optimizer (:mod:`jax_mlpo.optimizers`).
+    """``optax.lion``'s per-subgroup math, the engine's optimizer (:mod:`jax_mlpo.optimizers`)."""
 
-    Attributes:
-      b1, b2, weight_decay: the values given at construction, used where an update passes
-        none (Python floats, kept in double precision as optax uses them).
-    """
-
-    b1: float
-    b2: float
-    weight_decay: float
     name: ClassVar[str] = "lion"
     moment_names: ClassVar[tuple[str, ...]] = ("mu",)
+    scalar_names: ClassVar[tuple[str, ...]] = ("lr",)
 
-    def hyper(self, scalars: Sequence[float]) -> LionHyper:
-        """lr, then b1, b2 and weight decay where the update was given them as arrays
-        (optax.inject_hyperparams), NaN where they are this object's; the rest is padding."""
-        lr, *given = (float(x) for x in scalars[:4])
-        own = (self.b1, self.b2, self.weight_decay)
-        b1, b2, wd = (o if math.isnan(x) else x for x, o in zip(given, own, strict=True))
-        return LionHyper(lr, b1, b2, wd)
+    def hyper(self, scalars: Mapping[str, float]) -> LionHyper:
+        """The learning rate and ``b1``, ``b2``, ``weight_decay``."""
+        s = scalars
+        return LionHyper(s["lr"], s["b1"], s["b2"], s["weight_decay"])
 
     def update(
         self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,

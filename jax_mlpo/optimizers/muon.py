@@ -20,8 +20,7 @@ by their float32 reciprocals); the native kernels (:func:`jax_mlpo.native.moment
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -92,20 +91,17 @@ class MuonMomentum:
     Its state keeps no fp32 master: a bfloat16 param's master is :class:`MuonMaster`'s.
 
     Attributes:
-      beta: the momentum's decay, used where an update passes none.
       nesterov: optax's ``nesterov``.
     """
 
-    beta: float
     nesterov: bool
     name: ClassVar[str] = "muon_momentum"
     moment_names: ClassVar[tuple[str, ...]] = ("mu",)
+    scalar_names: ClassVar[tuple[str, ...]] = ("bc", "bc_next")  # bias corrections, t and t+1
 
-    def hyper(self, scalars: Sequence[float]) -> MomentumHyper:
-        """bc, bc_next, then beta where the update was given it as an array, NaN where it is
-        this object's; the rest is padding."""
-        bc, bc_next, beta = (float(x) for x in scalars[:3])
-        return MomentumHyper(self.beta if math.isnan(beta) else beta, bc, bc_next, self.nesterov)
+    def hyper(self, scalars: Mapping[str, float]) -> MomentumHyper:
+        """The bias corrections and ``beta``."""
+        return MomentumHyper(scalars["beta"], scalars["bc"], scalars["bc_next"], self.nesterov)
 
     def update(
         self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
@@ -120,21 +116,15 @@ class MuonMomentum:
 @dataclasses.dataclass(frozen=True)
 class MuonMaster:
     """The master pass of bfloat16 params: optax.contrib.muon's weight decay and learning rate
-    on the orthogonalized direction, applied to the fp32 master (:mod:`jax_mlpo.optimizers`).
+    on the orthogonalized direction, applied to the fp32 master (:mod:`jax_mlpo.optimizers`)."""
 
-    Attributes:
-      weight_decay: used where an update passes none.
-    """
-
-    weight_decay: float
     name: ClassVar[str] = "muon_master"
     moment_names: ClassVar[tuple[str, ...]] = ()
+    scalar_names: ClassVar[tuple[str, ...]] = ("lr",)
 
-    def hyper(self, scalars: Sequence[float]) -> ApplyHyper:
-        """lr, then the weight decay where the update was given it as an array, NaN where it is
-        this object's; the rest is padding."""
-        lr, wd = (float(x) for x in scalars[:2])
-        return ApplyHyper(lr, self.weight_decay if math.isnan(wd) else wd)
+    def hyper(self, scalars: Mapping[str, float]) -> ApplyHyper:
+        """The learning rate and ``weight_decay``."""
+        return ApplyHyper(scalars["lr"], scalars["weight_decay"])
 
     def update(
         self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
