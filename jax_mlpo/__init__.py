@@ -7,7 +7,15 @@ accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 from jax_mlpo import checkpoint, errors, extend
 from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
-from jax_mlpo.config import ConfigError, FileTier, ObjectTier, OffloadConfig, parse_size
+from jax_mlpo.config import (
+    Bandwidth,
+    ConfigError,
+    FileTier,
+    ObjectTier,
+    OffloadConfig,
+    TierLimits,
+    parse_size,
+)
 from jax_mlpo.errors import EngineFailedError, JaxMlpoError, StaleStateError
 from jax_mlpo.host_heap import return_freed_buffers
 from jax_mlpo.muon import OffloadedMuonState, muon
@@ -21,6 +29,7 @@ from jax_mlpo.transform import adamw, lion
 __version__ = "0.1.0"
 
 __all__ = [
+    "Bandwidth",
     "ConfigError",
     "CorruptBlobError",
     "CorruptCheckpointError",
@@ -35,6 +44,7 @@ __all__ = [
     "OffloadedState",
     "StaleStateError",
     "StepMetrics",
+    "TierLimits",
     "TierIOError",
     "TierInUseError",
     "adamw",

@@ -25,6 +25,7 @@ from jax_mlpo.sizes import (
     check_settings,
     nest,
     parse_size,
+    takes_flat_settings,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ Order = Literal["alternate", "ascending"]
 RetainPolicy = Literal["equal", "slow_tiers"]
 
 
+@takes_flat_settings
 @dataclasses.dataclass(frozen=True)
 class FileTier:
     """A directory on a file system that holds part of the optimizer state.

@@ -18,12 +18,19 @@ import json
 from typing import Any, Literal
 
 from jax_mlpo.errors import ConfigError
-from jax_mlpo.sizes import Bandwidth, TierLimits, check_choice, check_settings
+from jax_mlpo.sizes import (
+    Bandwidth,
+    TierLimits,
+    check_choice,
+    check_settings,
+    takes_flat_settings,
+)
 
 # tensorstore's aws_credentials types
 Credentials = Literal["environment", "anonymous", "default", "imds", "ecs"]
 
 
+@takes_flat_settings
 @dataclasses.dataclass(frozen=True)
 class ObjectTier:
     """A bucket prefix (or any tensorstore kvstore) that holds part of the optimizer state.

@@ -18,6 +18,7 @@ imports the other for them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
@@ -297,3 +298,19 @@ def nest(data: Mapping[str, Any], where: str) -> dict[str, Any]:
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
     return out
+
+
+def takes_flat_settings(cls: type) -> type:
+    """Lets a tier's constructor take its settings flat, as a mapping may:
+    ``FileTier(path, max_concurrency=2)`` is
+    ``FileTier(path, limits=TierLimits(max_concurrency=2))``."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.keys() & FLAT_KEYS.keys():
+            kwargs = nest(kwargs, cls.__name__)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls

@@ -352,6 +352,17 @@ def test_tier_settings_load_flat_or_nested(flat, nested, fields):
             assert config.tiers == (expected,)
 
 
+@pytest.mark.parametrize("flat,nested,fields", _args(FLAT_AND_NESTED), ids=_ids(FLAT_AND_NESTED))
+def test_tier_constructors_take_settings_flat_or_nested(flat, nested, fields):
+    for url, cls in (("/lustre/run", FileTier), ("s3://b/run/", ObjectTier)):
+        assert cls(url, **flat) == cls(url, **fields)
+
+
+def test_a_setting_given_flat_and_nested_to_a_constructor_is_refused():
+    with pytest.raises(ConfigError, match=r"\['max_concurrency'\] given both in limits and flat"):
+        FileTier("/x", max_concurrency=2, limits=TierLimits(max_concurrency=3))
+
+
 def test_launch_scripts_tier_loads():
     # experiments/launch/rank.sh's shared file system tier, through --set offload.tiers=[...]
     tier = yaml.safe_load("{path: /pfs/tier, max_concurrency: 1, node_max_concurrency: 1}")
