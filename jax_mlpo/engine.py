@@ -5,9 +5,9 @@ make the subgroup resident (a cache hit, or the read prefetched from its tier), 
 next ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.conversion`),
 run the fused kernel, then retain it in host memory or write it back behind the next subgroups
 (:mod:`jax_mlpo.buffers`). The buffers are :mod:`jax_mlpo.plan`'s; where subgroups live is
-:mod:`jax_mlpo.placement`'s; :mod:`jax_mlpo.storage` opens the tiers and makes the cache. What
-the I/O does between updates is :mod:`jax_mlpo.idle_io`'s, the state's checkpoints and loads
-:mod:`jax_mlpo.state_io`'s.
+:mod:`jax_mlpo.placement`'s; :mod:`jax_mlpo.storage` opens the tiers and makes the cache. Two
+collaborators do the rest: :class:`~jax_mlpo.idle_io.IdleIO` the I/O between updates,
+:class:`~jax_mlpo.state_io.StateIO` the state's snapshots and loads.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from jax.profiler import TraceAnnotation
 
 from jax_mlpo import retention
 from jax_mlpo.config import OffloadConfig
-from jax_mlpo.errors import EngineFailedError, StaleStateError
-from jax_mlpo.idle_io import EngineIdleIO
-from jax_mlpo.layout import Layout
+from jax_mlpo.errors import StaleStateError
+from jax_mlpo.idle_io import EngineHealth, IdleIO
+from jax_mlpo.layout import Layout, Subgroup
 from jax_mlpo.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.optimizers.scalars import ScalarNames
@@ -35,7 +35,7 @@ from jax_mlpo.placement.split import TierSplit
 from jax_mlpo.plan import HostPlan, layout_plan
 from jax_mlpo.read_ahead import ReadAhead
 from jax_mlpo.snapshot import StateSnapshot
-from jax_mlpo.state_io import EngineStateIO
+from jax_mlpo.state_io import StateIO
 from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.storage import host_storage, open_storage
 from jax_mlpo.tiers.file import FileTierStore
@@ -44,7 +44,7 @@ from jax_mlpo.types import F32
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineStateIO, EngineIdleIO):
+class Engine:
     """Owns the optimizer state of one params pytree, in host memory and file tiers.
 
     Args:
@@ -72,15 +72,12 @@ class Engine(EngineStateIO, EngineIdleIO):
         self.scalars = scalars
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
-        self._snapshot: StateSnapshot | None = None
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
-        self._failed: BaseException | None = None
-        self._closed = False
+        self.health = EngineHealth()
         self.plan: HostPlan = layout_plan(config, layout)
         self.tiers: list[FileTierStore] = []
-        self._read_ahead: ReadAhead | None = None
-        self._window = TierIOWindow(self.tiers)  # the list fills as the tiers open
+        self.idle: IdleIO | None = None  # made once the storage is open
         try:
             storage = (
                 host_storage(config, layout) if self.host_only
@@ -90,13 +87,20 @@ class Engine(EngineStateIO, EngineIdleIO):
             self.close()
             raise
         self.cache, self.pipeline = storage.cache, storage.pipeline
-        self._kinds, self._gradients = storage.kinds, storage.gradients
+        self.kinds, self._gradients = storage.kinds, storage.gradients
         self._assignment: TierAssignment | None = storage.assignment
         # Not with the baseline's fp32 gradients: a subgroup's read includes its gradient blob,
         # which the next backward pass has not produced yet.
+        read_ahead = None
         if not self.host_only and config.read_ahead and config.delayed_conversion:
-            self._read_ahead = ReadAhead(self.pipeline)
-            self._resume_read_ahead()
+            read_ahead = ReadAhead(self.pipeline)
+        self.idle = IdleIO(
+            self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
+            lambda: retention.step_order(len(layout.subgroups), self.step_count, config.order),
+            self.host_only,
+        )  # fmt: skip
+        self.state = StateIO(self, self.idle, self.health, self._step_lock)
+        self.idle.resume()
         logger.info(
             "jax_mlpo engine: %d params in %d subgroups (%.1f MiB of state); %s",
             layout.num_params, len(layout.subgroups), layout.state_bytes / 2**20,
@@ -136,7 +140,33 @@ class Engine(EngineStateIO, EngineIdleIO):
     @property
     def failed(self) -> bool:
         """Whether an update failed midway (the host state is then partly updated)."""
-        return self._failed is not None
+        return self.health.failed is not None
+
+    # -- what the collaborators do, as the engine's own ----------------------------------------
+
+    def snapshot(self, *, concurrent: bool = False) -> StateSnapshot:
+        """:meth:`jax_mlpo.state_io.StateIO.snapshot`."""
+        return self.state.snapshot(concurrent=concurrent)
+
+    def state_dict(self) -> dict[str, list[np.ndarray | None]]:
+        """:meth:`jax_mlpo.state_io.StateIO.state_dict`."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, step: int, state: dict[str, list[np.ndarray | None]]) -> None:
+        """:meth:`jax_mlpo.state_io.StateIO.load_state_dict`."""
+        self.state.load_state_dict(step, state)
+
+    def load(self, step: int, fill: Callable[[Subgroup, np.ndarray], None]) -> None:
+        """:meth:`jax_mlpo.state_io.StateIO.load`."""
+        self.state.load(step, fill)
+
+    def drain(self) -> None:
+        """:meth:`jax_mlpo.idle_io.IdleIO.drain`."""
+        self.idle.drain()
+
+    def flush(self) -> None:
+        """:meth:`jax_mlpo.idle_io.IdleIO.flush`."""
+        self.idle.flush()
 
     # -- the update ---------------------------------------------------------------------------
 
@@ -185,8 +215,9 @@ class Engine(EngineStateIO, EngineIdleIO):
         return self._staging
 
     def _step(self, count: int, hyper: Any, leaves: Leaves) -> None:
-        self._check_usable()
-        if self._snapshot is not None and not self._snapshot.concurrent:
+        self.health.check_usable()
+        snapshot = self.state.open_snapshot
+        if snapshot is not None and not snapshot.concurrent:
             raise RuntimeError("an update ran while a synchronous snapshot of its state was open")
         if count != self.step_count:
             raise StaleStateError(
@@ -199,7 +230,8 @@ class Engine(EngineStateIO, EngineIdleIO):
             )
         leaves.check(self.layout)
         metrics = StepMetrics(step=count + 1)
-        self._window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
+        window = self.idle.window
+        window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
         order = retention.step_order(len(self.layout.subgroups), count, self.config.order)
         keep = (
             set(order) if self.host_only
@@ -207,7 +239,7 @@ class Engine(EngineStateIO, EngineIdleIO):
         )  # fmt: skip
         io, sgs = self.pipeline, self.layout.subgroups
         t_start = time.monotonic()
-        self._take_read_ahead(metrics)
+        self.idle.take(metrics)
         try:
             self._gradients.before_update(order, leaves, metrics)
             io.begin_step(order, metrics)
@@ -231,25 +263,16 @@ class Engine(EngineStateIO, EngineIdleIO):
             leaves.finish()
             io.end_step(write_behind=self.config.write_behind)
         except BaseException as e:
-            self._failed = e
+            self.health.failed = e
             io.abort()
             raise
         metrics.total_s = time.monotonic() - t_start
-        self._window.close_into(metrics)
+        window.close_into(metrics)
         self.metrics.append(metrics)
         self.step_count += 1
         if self._assignment:
             self._assignment.observe(metrics)
-        self._resume_read_ahead()
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise EngineFailedError("this optimizer was closed (jax_mlpo.close); init a new one")
-        if self._failed is not None:
-            raise EngineFailedError(
-                f"an earlier update failed midway ({self._failed!r}), so the offloaded state is "
-                "partly updated. Restore from your last checkpoint and init a new optimizer."
-            ) from self._failed
+        self.idle.resume()
 
     def close(self, *, flush: bool = True) -> None:
         """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent.
@@ -258,18 +281,18 @@ class Engine(EngineStateIO, EngineIdleIO):
           flush: write the retained subgroups to their tiers first; False where the state is
             discarded (at interpreter exit: tiers are never read back by another process).
         """
-        if self._closed:
+        if self.health.closed:
             return
-        snapshot = self._snapshot
+        snapshot = self.state.open_snapshot if self.idle is not None else None
         if snapshot is not None and not snapshot.wait_closed(timeout=1.0):
             logger.info("jax_mlpo: waiting for the checkpoint being written before closing")
             snapshot.wait_closed()
-        self._closed = True
+        self.health.closed = True
         try:
-            if self._read_ahead is not None:
-                self._pause_read_ahead(cancel=True)
-            if flush and self.tiers and hasattr(self, "pipeline") and self._failed is None:
-                self._flush()
+            if self.idle is not None:  # None: the storage did not open
+                self.idle.pause(cancel=True)
+                if flush and self.tiers and self.health.failed is None:
+                    self.idle.flush_retained()
         finally:
             for tier in self.tiers:
                 tier.close()

@@ -1,66 +1,103 @@
 """The engine's I/O between updates: write-backs landing, retained subgroups flushed, reads ahead.
 
-Mixed into :class:`jax_mlpo.engine.Engine`, whose update loop stays in its own module. Between
-two updates the pipeline goes on working: the last update's write-backs land (write-behind) and
-the next update's reads are issued into the buffers they free (:mod:`jax_mlpo.read_ahead`).
-Anything else that needs the cache pauses that work first and resumes it after: an update
-keeps the reads issued ahead, a snapshot between steps or a ``load`` cancels them. An error
-that leaves a subgroup's state lost fails the engine.
+Between two updates the pipeline goes on working: the last update's write-backs land
+(write-behind) and the next update's reads are issued into the buffers they free
+(:mod:`jax_mlpo.read_ahead`). Anything else that needs the cache pauses that work first and
+resumes it after: an update keeps the reads issued ahead, a snapshot between steps or a ``load``
+cancels them. An error that leaves a subgroup's state lost fails the engine
+(:class:`EngineHealth`, which the engine and its collaborators share).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
-from jax_mlpo import retention
-from jax_mlpo.step_metrics import StepMetrics
+from jax_mlpo.buffers.pipeline import IOPipeline
+from jax_mlpo.errors import EngineFailedError
+from jax_mlpo.read_ahead import ReadAhead
+from jax_mlpo.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.tiers.errors import TierIOError
 
 
-class EngineIdleIO:
-    """The between-updates I/O of an :class:`~jax_mlpo.engine.Engine` (a mixin: it uses the
-    engine's ``pipeline``, ``_read_ahead``, ``metrics``, ``_window``, ``_failed``, ``_closed``,
-    ``step_count``, ``layout`` and ``config``)."""
+class EngineHealth:
+    """Whether an engine can still run: failed (its state partly updated or lost) or closed."""
 
-    def _resume_read_ahead(self) -> None:
+    def __init__(self) -> None:
+        self.failed: BaseException | None = None
+        self.closed = False
+
+    def check_usable(self) -> None:
+        """Raises EngineFailedError, naming the fix, when the engine failed or was closed."""
+        if self.closed:
+            raise EngineFailedError("this optimizer was closed (jax_mlpo.close); init a new one")
+        if self.failed is not None:
+            raise EngineFailedError(
+                f"an earlier update failed midway ({self.failed!r}), so the offloaded state is "
+                "partly updated. Restore from your last checkpoint and init a new optimizer."
+            ) from self.failed
+
+
+class IdleIO:
+    """The between-updates I/O of one engine.
+
+    Args:
+      pipeline: the engine's I/O pipeline.
+      read_ahead: its read-ahead thread, or None (no tiers, or the baseline's gradients).
+      window: the tier I/O since the last update started, which the next closes.
+      metrics: the engine's per-update figures (the last one takes its late write-backs).
+      health: the engine's.
+      next_order: the subgroups of the next update, in its order.
+      host_only: the whole state lives in host memory: nothing to drain or flush.
+    """
+
+    def __init__(
+        self, pipeline: IOPipeline, read_ahead: ReadAhead | None, window: TierIOWindow,
+        metrics: Sequence[StepMetrics], health: EngineHealth,
+        next_order: Callable[[], list[int]], host_only: bool,
+    ) -> None:  # fmt: skip
+        self.pipeline, self.read_ahead, self.window = pipeline, read_ahead, window
+        self._metrics, self._health = metrics, health
+        self._next_order, self._host_only = next_order, host_only
+
+    def resume(self) -> None:
         """Starts reading the next update's subgroups into the buffers free between steps."""
-        if self._read_ahead is None or self._closed or self._failed is not None:
+        if self.read_ahead is None or self._health.closed or self._health.failed is not None:
             return
-        n = len(self.layout.subgroups)
-        self._read_ahead.start(retention.step_order(n, self.step_count, self.config.order))
+        self.read_ahead.start(self._next_order())
 
-    def _pause_read_ahead(self, *, cancel: bool = False) -> None:
+    def pause(self, *, cancel: bool = False) -> None:
         """Gives the cache back to the caller: the reads issued ahead stay for the next update,
         or are dropped with ``cancel`` (the state is about to be read out or replaced).
 
         Raises:
           TierIOError: a write-back the pass reclaimed had failed (the engine is failed then).
         """
-        if self._read_ahead is None:
+        if self.read_ahead is None:
             return
         try:
-            self._read_ahead.stop()
+            self.read_ahead.stop()
             if cancel:
                 self.pipeline.cancel_reads()
         except BaseException as e:
-            self._failed = e
+            self._health.failed = e
             self.pipeline.abort()
             raise
 
-    def _take_read_ahead(self, metrics: StepMetrics) -> None:
+    def take(self, metrics: StepMetrics) -> None:
         """Stops the read-ahead before an update, which uses the reads it issued.
 
         Raises:
           TierIOError: a read issued ahead has failed: the update does not start, the
             optimizer state is as the last update left it (the engine stays usable).
         """
-        self._pause_read_ahead()
+        self.pause()
         metrics.reads_ahead = len(self.pipeline.reads_ahead)
         failed = self.pipeline.failed_read_ahead()
         if failed is None:
             return
         index, error = failed
-        self._pause_read_ahead(cancel=True)
+        self.pause(cancel=True)
         message = (
             f"subgroup {index}: a read issued ahead of this update failed ({error}). The "
             "update did not start and the optimizer state is as the last update left it: "
@@ -75,37 +112,39 @@ class EngineIdleIO:
         Raises:
           TierIOError: if one failed (and no other tier took it); the engine is failed then.
         """
-        self._pause_read_ahead()
-        self._drain()
-        self._resume_read_ahead()
+        self.pause()
+        self.drain_writes()
+        self.resume()
 
-    def _drain(self) -> None:
+    def drain_writes(self) -> None:
+        """:meth:`drain` with the read-ahead already paused."""
         if not self.pipeline.writes:
             return
         t0 = time.monotonic()
         try:
             self.pipeline.drain()
         except BaseException as e:
-            self._failed = e
+            self._health.failed = e
             self.pipeline.abort(cancel=False)  # let the other write-backs land: less state lost
             raise
-        if self.metrics:  # the last step's figures include its late write-backs
-            last = self.metrics[-1]
+        last = self._metrics[-1] if self._metrics else None
+        if last is not None:  # the last step's figures include its late write-backs
             last.write_wait_s += time.monotonic() - t0
             last.total_s += time.monotonic() - t0
-        self._window.close_into(self.metrics[-1] if self.metrics else None)
+        self.window.close_into(last)
 
     def flush(self) -> None:
         """Writes the subgroups retained in host memory to their tiers (they stay cached)."""
-        if self.host_only or self._failed is not None:
+        if self._host_only or self._health.failed is not None:
             return
-        self._pause_read_ahead()
-        self._flush()
-        self._resume_read_ahead()
+        self.pause()
+        self.flush_retained()
+        self.resume()
 
-    def _flush(self) -> None:
-        if self.host_only:
+    def flush_retained(self) -> None:
+        """:meth:`flush` with the read-ahead already paused."""
+        if self._host_only:
             return
-        self._drain()
+        self.drain_writes()
         self.pipeline.flush()
-        self._window.reset()  # these writes belong to no update
+        self.window.reset()  # these writes belong to no update

@@ -1,27 +1,44 @@
 """The engine's state in its logical layout: snapshots for checkpoints, ``state_dict``, ``load``.
 
-Mixed into :class:`jax_mlpo.engine.Engine`, whose update loop stays in its own module: these
-methods read the state out subgroup by subgroup (:mod:`jax_mlpo.snapshot`) or replace it
+These read the state out subgroup by subgroup (:mod:`jax_mlpo.snapshot`) or replace it
 (:mod:`jax_mlpo.state_stream`), between updates or, for an asynchronous checkpoint, while they
-run. They take the engine's step lock, stop its read-ahead first and fail the engine where its
+run. They take the engine's step lock, pause its read-ahead first and fail the engine where its
 state could be left partly replaced.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jax_mlpo.idle_io import EngineHealth, IdleIO
 from jax_mlpo.layout import Subgroup, gather_state, scatter_state
 from jax_mlpo.snapshot import StateSnapshot
 from jax_mlpo.state_stream import spare_buffers, stream_blobs
 from jax_mlpo.types import F32
 
+if TYPE_CHECKING:
+    from jax_mlpo.engine import Engine
 
-class EngineStateIO:
-    """The state I/O of an :class:`~jax_mlpo.engine.Engine` (a mixin: it uses the engine's
-    ``_step_lock``, ``pipeline``, ``layout``, ``tiers``, ``_window`` and read-ahead control)."""
+
+class StateIO:
+    """The state I/O of one :class:`~jax_mlpo.engine.Engine`.
+
+    Args:
+      engine: the engine (its layout, pipeline, tiers and step count).
+      idle: its between-updates I/O, paused around each read-out or load.
+      health: its health, failed by a load that breaks off.
+      step_lock: the lock its updates hold.
+    """
+
+    def __init__(
+        self, engine: Engine, idle: IdleIO, health: EngineHealth, step_lock: threading.Lock
+    ) -> None:
+        self._engine, self._idle, self._health, self._step_lock = engine, idle, health, step_lock
+        self.open_snapshot: StateSnapshot | None = None  # the one a checkpoint is reading
 
     def snapshot(self, *, concurrent: bool = False) -> StateSnapshot:
         """The state at this step, to read subgroup by subgroup (:mod:`jax_mlpo.snapshot`).
@@ -38,38 +55,39 @@ class EngineStateIO:
           EngineFailedError: the engine failed or was closed.
           RuntimeError: another snapshot of this engine is open (a checkpoint being written).
         """
+        engine, idle = self._engine, self._idle
         with self._step_lock:
-            self._check_usable()
-            if self._snapshot is not None:
+            self._health.check_usable()
+            if self.open_snapshot is not None:
                 raise RuntimeError(
                     "a checkpoint of this optimizer is still being written: wait for it "
                     "(CheckpointManager.wait_until_finished()) before saving another"
                 )
             # Between steps the snapshot reads through the free buffers: the reads issued
             # ahead give theirs back. A concurrent one has buffers of its own.
-            self._pause_read_ahead(cancel=not concurrent)
-            self._drain()
+            idle.pause(cancel=not concurrent)
+            idle.drain_writes()
             if concurrent:
-                self._flush()
-            self._snapshot = StateSnapshot(
-                self.pipeline, self._kinds, self.layout, self.tiers, self.tier_of,
-                self.step_count,
+                idle.flush_retained()
+            self.open_snapshot = StateSnapshot(
+                engine.pipeline, engine.kinds, engine.layout, engine.tiers, engine.tier_of,
+                engine.step_count,
                 concurrent=concurrent, on_close=self._snapshot_closed,
             )  # fmt: skip
             if concurrent:
-                self._resume_read_ahead()
-            return self._snapshot
+                idle.resume()
+            return self.open_snapshot
 
     def _snapshot_closed(self) -> None:
         # Between steps the snapshot's I/O belongs to no update. A concurrent one closes on the
         # checkpoint's thread, maybe inside an update: its reads count in the updates' tier
         # bytes then, rather than the window being reset under the update.
-        concurrent = self._snapshot.concurrent
+        concurrent = self.open_snapshot.concurrent
         if not concurrent:
-            self._window.reset()
-        self._snapshot = None
+            self._idle.window.reset()
+        self.open_snapshot = None
         if not concurrent:  # the free buffers are the cache's again
-            self._resume_read_ahead()
+            self._idle.resume()
 
     def state_dict(self) -> dict[str, list[np.ndarray | None]]:
         """The optimizer's state per parameter leaf, independent of subgroups and tiers.
@@ -83,7 +101,7 @@ class EngineStateIO:
           (``master`` holds the fp32 master copy of bfloat16 leaves and None for float32 ones,
           whose master copy is the params themselves).
         """
-        layout = self.layout
+        layout = self._engine.layout
         out = {name: [np.zeros(s, F32) for s in layout.shapes] for name in layout.moment_names}
         out["master"] = [
             np.zeros(s, F32) if layout.has_master(j) else None for j, s in enumerate(layout.shapes)
@@ -100,10 +118,11 @@ class EngineStateIO:
         Raises:
           ValueError: if the leaves' shapes differ from the layout's.
         """
-        for name in self.layout.moment_names:
+        layout = self._engine.layout
+        for name in layout.moment_names:
             shapes = tuple(tuple(np.shape(x)) for x in state[name])
-            if shapes != self.layout.shapes:
-                raise ValueError(f"{name}: leaf shapes {shapes} differ from {self.layout.shapes}")
+            if shapes != layout.shapes:
+                raise ValueError(f"{name}: leaf shapes {shapes} differ from {layout.shapes}")
         self.load(step, lambda sg, blob: scatter_state(sg, state, blob))
 
     def load(self, step: int, fill: Callable[[Subgroup, np.ndarray], None]) -> None:
@@ -118,20 +137,21 @@ class EngineStateIO:
           TierIOError: a tier write failed (the engine is failed then).
           Whatever ``fill`` raises (the engine is failed then: its state is partly replaced).
         """
+        engine, idle = self._engine, self._idle
         with self._step_lock:
-            self._check_usable()
-            if self._snapshot is not None:
+            self._health.check_usable()
+            if self.open_snapshot is not None:
                 raise RuntimeError("a checkpoint of this optimizer is being written")
-            self._pause_read_ahead(cancel=True)  # they hold the state being replaced
-            self._drain()
+            idle.pause(cancel=True)  # they hold the state being replaced
+            idle.drain_writes()
             try:
-                buffers = spare_buffers(self.pipeline, self.layout) if self.tiers else []
-                sgs = self.layout.subgroups
-                for sg, blob in stream_blobs(self.pipeline, sgs, buffers, load=True):
+                pipeline, layout = engine.pipeline, engine.layout
+                buffers = spare_buffers(pipeline, layout) if engine.tiers else []
+                for sg, blob in stream_blobs(pipeline, layout.subgroups, buffers, load=True):
                     fill(sg, blob)
             except BaseException as e:
-                self._failed = e
+                self._health.failed = e
                 raise
-            self._window.reset()  # this I/O belongs to no update
-            self.step_count = int(step)
-            self._resume_read_ahead()
+            idle.window.reset()  # this I/O belongs to no update
+            engine.step_count = int(step)
+            idle.resume()

@@ -33,7 +33,7 @@ def events(logdir) -> list[tuple[int, str]]:
 
 def settle(engine) -> None:
     """Waits until the read-ahead has issued what it can and those reads have landed."""
-    while engine._read_ahead.running:
+    while engine.idle.read_ahead.running:
         threading.Event().wait(0.001)
     for resident in list(engine.pipeline.issued.values()):
         concurrent.futures.wait(resident.reads)

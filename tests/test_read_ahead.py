@@ -67,7 +67,7 @@ class Run(Training):
     def settle(self) -> None:
         """Waits, as a forward and backward pass would, until the read-ahead has issued what
         it can and those reads have landed."""
-        while self.engine._read_ahead.running:
+        while self.engine.idle.read_ahead.running:
             threading.Event().wait(0.001)
         for i in self.engine.pipeline.reads_ahead:
             resident = self.engine.pipeline.issued[i]
@@ -77,8 +77,8 @@ class Run(Training):
     def read_ahead_again(self) -> None:
         """Drops the reads issued ahead and issues them again (under a fault plan just
         attached)."""
-        self.engine._pause_read_ahead(cancel=True)
-        self.engine._resume_read_ahead()
+        self.engine.idle.pause(cancel=True)
+        self.engine.idle.resume()
 
     def close(self) -> None:
         jax_mlpo.close(self.state)
@@ -104,8 +104,8 @@ def test_reads_happen_before_the_update_that_needs_them(tmp_path, runs):
     plan = run.engine.plan
     # the tier's requests finished when each update ends, as the next read-ahead starts
     ends: list[int] = []
-    resume = run.engine._resume_read_ahead
-    run.engine._resume_read_ahead = lambda: (ends.append(len(store.trace)), resume())
+    resume = run.engine.idle.resume
+    run.engine.idle.resume = lambda: (ends.append(len(store.trace)), resume())
     want = optax_run(4)
     for step in range(4):
         run.settle()  # the forward and backward pass
