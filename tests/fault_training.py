@@ -108,7 +108,10 @@ class Training:
         refused = "failed midway.*partly updated.*Restore from your last checkpoint"
         with pytest.raises(jax_mlpo.EngineFailedError, match=refused):
             jax_mlpo.checkpoint.save(mngr, self.step + 1, self.params, self.state, blocking=True)
-        with pytest.raises(Exception, match=f"EngineFailedError: .*{refused} and init a new"):
+        with (
+            pytest.raises(jax_mlpo.EngineFailedError, match=f"{refused} and init a new"),
+            jax_mlpo.errors.typed(),
+        ):
             self.run(1)
 
 

@@ -56,12 +56,12 @@ def test_a_write_that_fails_during_write_behind_fails_the_next_update(tmp_path):
         plan.wait_for(1, op="write", outcome="hung+failed")
         assert run.step == 3 and not run.engine.failed
         plan.release()
-        with pytest.raises(Exception, match=(
-            rf"TierIOError: subgroup {last}: tier {re.escape(repr(store.tier.path))}: error "
+        with pytest.raises(jax_mlpo.TierIOError, match=(
+            rf"subgroup {last}: tier {re.escape(repr(store.tier.path))}: error "
             rf"writing blob {re.escape(store.blob_path(last))} to the tier: \[Errno 5\] "
             r"Input/output error.*Cause: check that the file system is mounted, writable and "
             "healthy"
-        )):  # fmt: skip
+        )), jax_mlpo.errors.typed():  # fmt: skip
             run.run(1)
     assert plan.outcomes("write").count("hung+failed") == 1
     run.assert_refuses_to_go_on(mngr)
@@ -99,11 +99,11 @@ def test_a_full_tier_without_fallback_fails_naming_the_fix(tmp_path):
     path = run.engine.tiers[0].tier.path
     with tier_faults(run.state) as plan:
         plan.fail("write", errno=errno.ENOSPC, count=None)
-        with pytest.raises(Exception, match=(
-            rf"TierFullError: subgroup \d+: tier {re.escape(repr(path))}: error writing blob "
+        with pytest.raises(TierFullError, match=(
+            rf"subgroup \d+: tier {re.escape(repr(path))}: error writing blob "
             r".*No space left on device.*Cause: the file system is full\. Free space there or "
             "configure another tier, then restore the optimizer state from your last checkpoint"
-        )):  # fmt: skip
+        )), jax_mlpo.errors.typed():  # fmt: skip
             run.run(1)
     assert plan.outcomes("write")[0] == "failed"
     run.assert_refuses_to_go_on(mngr)
@@ -120,7 +120,10 @@ def test_a_corrupt_read_is_caught_by_its_checksum(tmp_path, io_engine):
     store = run.engine.tiers[0]
     with tier_faults(run.state) as plan:
         plan.corrupt()  # the next read's blob, as bit rot would leave it
-        with pytest.raises(Exception, match=r"CorruptBlobError: subgroup (\d+): ") as info:
+        with (
+            pytest.raises(jax_mlpo.CorruptBlobError, match=r"subgroup (\d+): ") as info,
+            jax_mlpo.errors.typed(),
+        ):
             run.run(1)
     (victim,) = [e.slot for e in plan.trace if e.outcome == "corrupted"]
     text = str(info.value)
@@ -143,11 +146,11 @@ def test_a_read_that_hangs_past_io_timeout_s_fails_the_update(tmp_path):
     path = run.engine.tiers[0].tier.path
     with tier_faults(run.state) as plan:
         plan.hang("read", limit_s=30)  # the file system stops answering the next read
-        with pytest.raises(Exception, match=(
-            rf"TierIOError: subgroup \d+: tier {re.escape(repr(path))} did not complete a request "
+        with pytest.raises(jax_mlpo.TierIOError, match=(
+            rf"subgroup \d+: tier {re.escape(repr(path))} did not complete a request "
             r"within io_timeout_s=0\.5 s\. The file system may be hung or overloaded: check it, "
             "or raise io_timeout_s if it is just slow"
-        )):  # fmt: skip
+        )), jax_mlpo.errors.typed():  # fmt: skip
             run.run(1)
         # the update gave up while the read was still held, not when it came back
         assert plan.hanging == 1
@@ -266,10 +269,10 @@ def test_a_truncated_blob_file_is_named_and_the_checkpoint_restores(tmp_path):
     assert blobs
     for blob in blobs:  # a disk that lost the end of every blob file
         os.truncate(blob, blob.stat().st_size // 2)
-    with pytest.raises(Exception, match=(
-        r"CorruptBlobError: subgroup (\d+): .*state-\1\.blob is \d+ bytes, a blob of \d+ bytes "
+    with pytest.raises(jax_mlpo.CorruptBlobError, match=(
+        r"subgroup (\d+): .*state-\1\.blob is \d+ bytes, a blob of \d+ bytes "
         r"needs \d+: the file is truncated.*Restore the optimizer state from your last checkpoint"
-    )):  # fmt: skip
+    )), jax_mlpo.errors.typed():  # fmt: skip
         run.run(1)
     run.assert_refuses_to_go_on(mngr)
     jax_mlpo.close(run.state)
@@ -291,13 +294,13 @@ def test_an_object_store_lost_during_write_behind_fails_the_next_update(server, 
             run.run(1)  # returns with that write-back in flight
             plan.wait_for(1, op="write", outcome="hung+called")
             plan.release()  # the server dies, then the write-back reaches it
-            with pytest.raises(Exception, match=(
+            with pytest.raises(jax_mlpo.TierIOError, match=(
                 # the held write-back, or one behind it that reaches the dead server first
-                r"TierIOError: subgroup \d+: .*error writing blob .*state-\d+\.blob.*"
+                r"subgroup \d+: .*error writing blob .*state-\d+\.blob.*"
                 rf"the endpoint {lost.endpoint} is unreachable \(server down, or a wrong "
                 r"endpoint\)\. Start the server or fix ObjectTier\.endpoint; after a failed "
                 "update restore the optimizer state from your last checkpoint"
-            )):  # fmt: skip
+            )), jax_mlpo.errors.typed():  # fmt: skip
                 run.run(1)
         run.assert_refuses_to_go_on(mngr)
         jax_mlpo.close(run.state)
@@ -348,11 +351,11 @@ def test_an_object_store_answering_5xx_is_retried_then_named(server, tmp_path):
         mngr = run.save(tmp_path / "ckpt")
         # a server that keeps failing: the update fails once the retries are spent
         proxy.fail_next(10_000)
-        with pytest.raises(Exception, match=(
-            rf"TierIOError: subgroup \d+: .*the server at {proxy.endpoint} kept answering HTTP "
+        with pytest.raises(jax_mlpo.TierIOError, match=(
+            rf"subgroup \d+: .*the server at {proxy.endpoint} kept answering HTTP "
             r"503 \(unavailable or overloaded\) through all ObjectTier\.request_retries=3 "
             "retries. Check the server; if it is only overloaded, raise request_retries"
-        )):  # fmt: skip
+        )), jax_mlpo.errors.typed():  # fmt: skip
             run.run(1)
         proxy.fail_next(0)
         run.assert_refuses_to_go_on(mngr)
@@ -370,11 +373,11 @@ def test_an_object_store_slower_than_io_timeout_s_fails_the_update(server, tmp_p
         run.run(1)
         mngr = run.save(tmp_path / "ckpt")
         proxy.hold()  # the server stops answering
-        with pytest.raises(Exception, match=(
-            rf"TierIOError: subgroup \d+: tier {re.escape(repr(config.tiers[0].path))} did not "
+        with pytest.raises(jax_mlpo.TierIOError, match=(
+            rf"subgroup \d+: tier {re.escape(repr(config.tiers[0].path))} did not "
             r"complete a request within io_timeout_s=2\.0 s.*raise io_timeout_s if it is just "
             "slow"
-        )):  # fmt: skip
+        )), jax_mlpo.errors.typed():  # fmt: skip
             run.run(1)
         assert proxy.held >= 1  # the request was still waiting at the server
         proxy.release()
