@@ -224,7 +224,12 @@ def test_an_object_store_lost_during_an_async_save(server, tmp_path):
         # the state was on the object store: the save read it there, until the server died
         assert plan.outcomes("read", kind="state")[:2] == ["passed", "called"]
         assert mngr.latest_step() == 2 and mngr.all_steps() == [2]
-        with pytest.raises(Exception, match=f"the endpoint {lost.endpoint} is unreachable"):
+        with (
+            pytest.raises(
+                jax_mlpo.TierIOError, match=f"the endpoint {lost.endpoint} is unreachable"
+            ),
+            jax_mlpo.errors.typed(),
+        ):
             run.run(1)  # the state went with the server
         jax_mlpo.close(run.state)
     finally:
