@@ -396,9 +396,9 @@ def test_ffi_copies_roundtrip_without_recompiling(dtype):
 def test_ffi_copy_rejects_a_small_host_buffer():
     x = jax.device_put(jnp.zeros(100, jnp.float32), CPU)
     small = np.zeros(99, np.float32)
-    with pytest.raises(Exception, match="400 bytes but the host buffer only 396"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="400 bytes but the host buffer only 396"):
         jax.jit(native.copy_to_host)(x, native.host_descriptor(small)).block_until_ready()
-    with pytest.raises(Exception, match="400 bytes but the host buffer only 396"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="400 bytes but the host buffer only 396"):
         desc = jax.device_put(native.host_descriptor(small, writable=False), CPU)
         jax.jit(native.copy_from_host, static_argnums=(1, 2))(desc, (100,), jnp.float32)
 
@@ -451,7 +451,7 @@ def test_bad_inputs_raise_clear_errors(fn, match):
 
 def test_ffi_adamw_rejects_bad_grad_dtype():
     x = jax.device_put(jnp.zeros(8, jnp.float32), CPU)
-    with pytest.raises(Exception, match="grad must be float32 or bfloat16"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="grad must be float32 or bfloat16"):
         step = native.adamw_update(x, x, x.astype(jnp.float16), x, make_hyper(1, 0.0))
         step[0].block_until_ready()
 
