@@ -262,7 +262,12 @@ def test_a_failed_read_ahead_stops_the_next_update_before_it_changes_anything(tm
         run.read_ahead_again()
         plan.wait_for(1, op="read", outcome="failed")
         run.settle()
-        with pytest.raises(Exception, match="read issued ahead of this update failed") as info:
+        with (
+            pytest.raises(
+                jax_mlpo.TierIOError, match="read issued ahead of this update failed"
+            ) as info,
+            jax_mlpo.errors.typed(),
+        ):
             run.train()
     assert "Input/output error" in str(info.value)
     assert not run.engine.failed  # nothing was updated
@@ -285,7 +290,10 @@ def test_a_write_behind_that_fails_during_read_ahead_fails_the_next_update(tmp_p
         assert run.engine.pipeline.writes
         plan.release()
         plan.wait_for(1, op="write", outcome="hung+failed")
-        with pytest.raises(Exception, match="Input/output error"):
+        with (
+            pytest.raises(jax_mlpo.TierIOError, match="Input/output error"),
+            jax_mlpo.errors.typed(),
+        ):
             run.train()
     assert run.engine.failed
     with pytest.raises(jax_mlpo.EngineFailedError):
