@@ -41,6 +41,7 @@ import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
 from jax_mlpo.snapshot import StateSnapshot
+from jax_mlpo.tiers.errors import TierFullError
 
 PACKAGE = Path(jax_mlpo.__file__).parent
 
@@ -277,7 +278,10 @@ def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_pat
 
     fill(small_disk)
     tier = spec["tiers"][0]
-    with pytest.raises(Exception, match="No space left on device") as info:
+    with (
+        pytest.raises(TierFullError, match="No space left on device") as info,
+        jax_mlpo.errors.typed(),
+    ):
         job.train(update, params, opt_state, 2, 3)
     message = str(info.value)
     assert f"tier {tier!r}" in message and "/state-" in message  # the tier and the blob file
@@ -291,12 +295,19 @@ def test_full_tier_fails_clearly_and_the_checkpoint_survives(small_disk, tmp_pat
     jax_mlpo.close(opt_state)
     restored = checkpoint.restore(mngr, fresh, new_state)
     assert_states_equal(logical_state(restored.opt_state), saved_state)
-    with pytest.raises(Exception, match="No space left on device|RESOURCE_EXHAUSTED"):
-        checkpoint.save(mngr, 3, restored.params, restored.opt_state)
+    # a step first: until an update runs, a save's wait for the updates in flight re-raises
+    # the failed one's error
+    params, opt_state, _ = job.train(update, restored.params, restored.opt_state, 2, 3)
+    with pytest.raises(
+        checkpoint.CheckpointSpaceError,
+        match=r"a checkpoint needs [\d.]+ MB on the file system of .*/ckpt, which has [\d.]+ MB "
+        "free: free space there",
+    ):
+        checkpoint.save(mngr, 3, params, opt_state)
         mngr.wait_until_finished()
     assert mngr.all_steps() == [2]
     mngr.close()
-    jax_mlpo.close(restored.opt_state)
+    jax_mlpo.close(opt_state)
 
     _, _, fresh, opt_state = start_job(other)
     mngr = checkpoint.manager(spec["ckpt"])
@@ -325,7 +336,7 @@ def test_posix_tiers_reserve_their_space_at_init(small_disk, tmp_path):
 
     # the disk is still full (the first run's blobs stay): a new optimizer cannot reserve space
     spec = spec_for(small_disk / "b", "float32", 1, "none", False)
-    with pytest.raises(Exception, match="No space left on device") as info:
+    with pytest.raises(TierFullError, match="No space left on device") as info:
         start_job(spec)
     message = str(info.value)
     assert f"tier {spec['tiers'][0]!r}" in message and "/state-" in message
