@@ -139,7 +139,12 @@ def test_a_flipped_byte_in_a_stored_value_is_detected(server, tmp_path):
     value = bytearray(kv.read(f"state-{victim}.blob").result().value)
     value[1234] ^= 0x10
     kv.write(f"state-{victim}.blob", bytes(value)).result()
-    with pytest.raises(Exception, match=rf"state-{victim}.blob: the value fails its crc32c"):
+    with (
+        pytest.raises(
+            jax_mlpo.CorruptBlobError, match=rf"state-{victim}.blob: the value fails its crc32c"
+        ),
+        jax_mlpo.errors.typed(),
+    ):
         jax.block_until_ready(update({"w": jnp.ones_like(params["w"])}, state, params))
     assert engine.failed
     jax_mlpo.close(state)
@@ -224,7 +229,12 @@ def test_server_lost_mid_update_fails_clearly_and_resumes_from_the_checkpoint(se
         mngr.wait_until_finished()
         with tier_faults(state, tier=1) as plan:  # the object tier's first read loses it
             plan.on("read", lost.kill)
-            with pytest.raises(Exception, match=f"the endpoint {lost.endpoint} is unreachable"):
+            with (
+                pytest.raises(
+                    jax_mlpo.TierIOError, match=f"the endpoint {lost.endpoint} is unreachable"
+                ),
+                jax_mlpo.errors.typed(),
+            ):
                 jax.block_until_ready(update(grads[2], state, params))
         assert plan.outcomes("read")[0] == "called"
         assert jax_mlpo.engine_of(state).failed
