@@ -239,8 +239,14 @@ def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_
     assert shapes(abstract) == shapes(state)
     # the template trains nothing: its use names the cause and the fix
     template = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
-    with pytest.raises(Exception, match="made by tx.init under a JAX trace.*tx.init\\(params\\) "
-                                        "on concrete params outside jit"):  # fmt: skip
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"made by tx.init under a JAX trace.*tx.init\(params\) on concrete params "
+            "outside jit",
+        ),
+        jax_mlpo.errors.typed(),
+    ):
         train(tx, steps=1, state=template)
     params, state = train(tx, steps=STEPS, state=state)
     assert_close(params, train(reference)[0])
@@ -299,8 +305,13 @@ def test_a_second_init_replaces_the_first_and_trains_as_optax(name, tmp_path):
     engines_before = len(registry.open_handles())
     second = tx.init(make_params())
     assert len(registry.open_handles()) == engines_before  # replaced, not added
-    with pytest.raises(Exception, match=re.escape("was replaced: a later tx.init in this process "
-                                                  "took its place (tiers")):  # fmt: skip
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=re.escape("was replaced: a later tx.init in this process took its place (tiers"),
+        ),
+        jax_mlpo.errors.typed(),
+    ):
         train(tx, steps=1, state=first)
     params, state = train(tx, state=second)
     assert_close(params, train(theirs(LR))[0])
