@@ -330,8 +330,9 @@ if sys.argv[2] == "fail":
     s = s._replace(count=s.count + 5)  # a state that is not the last one returned
     p, s, loss = step(p, s)
     try:
-        print(float(loss))
-    except Exception as e:
+        with jax_mlpo.errors.typed():
+            print(float(loss))
+    except jax_mlpo.StaleStateError as e:
         print("caught", type(e).__name__)
 """
 
@@ -349,7 +350,7 @@ def test_process_may_end_without_close(mode, tmp_path):
     if mode == "ok":
         assert done.stderr == ""
     else:
-        assert "caught JaxRuntimeError" in done.stdout
+        assert "caught StaleStateError" in done.stdout
         assert "Exception ignored in atexit" not in done.stderr
         assert done.stderr.strip().splitlines() == [
             "jax_mlpo: an optimizer update failed in this process (StaleStateError, raised by "
