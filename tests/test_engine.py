@@ -70,10 +70,16 @@ def test_second_optimizer_on_same_tier(tmp_path, states):
     updates, _ = jax.jit(second.update)(grads_for(params, 0), state2, params)
     assert np.all(np.isfinite(np.asarray(updates["w"])))
     grads = jax.block_until_ready(grads_for(params, 1))
-    with pytest.raises(Exception, match="was replaced: a later tx.init in this process"):
+    with (
+        pytest.raises(RuntimeError, match="was replaced: a later tx.init in this process"),
+        jax_mlpo.errors.typed(),
+    ):
         jax.block_until_ready(first.update(grads, state, params))
     jax_mlpo.close(state2)
-    with pytest.raises(Exception, match=r"was closed \(jax_mlpo.close\)"):
+    with (
+        pytest.raises(RuntimeError, match=r"was closed \(jax_mlpo.close\)"),
+        jax_mlpo.errors.typed(),
+    ):
         jax.block_until_ready(second.update(grads, state2, params))
     states.append(first.init(params))  # the first's tx again, once the second is closed
 
@@ -107,14 +113,14 @@ def test_corrupt_blob_fails_the_update_then_the_engine(tmp_path, states):
     # Inputs ready before dispatch: the failure surfaces from this call (see the test below).
     grads = jax.block_until_ready(grads_for(params, 1))
 
-    with pytest.raises(Exception) as info:
+    with pytest.raises(jax_mlpo.CorruptBlobError) as info, jax_mlpo.errors.typed():
         jax.block_until_ready(update(grads, state, params))
     message = str(info.value)
     assert re.search("checksum|corrupt", message)
     assert f"subgroup {victim}:" in message
     assert tier_path in message and str(path) in message
 
-    with pytest.raises(Exception, match="failed midway"):
+    with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"), jax_mlpo.errors.typed():
         jax.block_until_ready(update(grads, state, params))
     engine = jax_mlpo.engine_of(state)
     with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
@@ -134,7 +140,7 @@ def late_grads(params):
 
 def test_failed_update_does_not_poison_later_updates(tmp_path, states):
     update, state, params, _, _ = corrupt_optimizer(tmp_path, states)
-    with pytest.raises(Exception, match="checksum"):
+    with pytest.raises(jax_mlpo.CorruptBlobError, match="checksum"), jax_mlpo.errors.typed():
         jax.block_until_ready(update(late_grads(params), state, params))
     # The message says: restore and init a new optimizer. That one must work.
     config = OffloadConfig(host_cache=4 * 8 * 100, tiers=[str(tmp_path / "new")], subgroup_size=100)
@@ -144,7 +150,7 @@ def test_failed_update_does_not_poison_later_updates(tmp_path, states):
     grads = jax.block_until_ready(grads_for(params, 0))
     updates, new_state = jax.jit(tx.update)(grads, new_state, params)
     assert jax_mlpo.engine_of(new_state).step_count == 1
-    with pytest.raises(Exception, match="failed midway"):
+    with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"), jax_mlpo.errors.typed():
         jax.block_until_ready(update(grads, state, params))
 
 
@@ -523,7 +529,12 @@ def test_a_failed_write_behind_fails_the_next_update(tmp_path, states):
         jax.block_until_ready(updates)  # returned while its last write-backs are in flight
         assert any(not w.future.done() for w in engine.pipeline.writes)
         plan.release()
-        with pytest.raises(Exception, match=f"tier {store.tier.path!r}.*Input/output error"):
+        with (
+            pytest.raises(
+                jax_mlpo.TierIOError, match=f"tier {store.tier.path!r}.*Input/output error"
+            ),
+            jax_mlpo.errors.typed(),
+        ):
             jax.block_until_ready(update(grads_for(params, 1), state, params))
     assert "hung+failed" in plan.outcomes("write")
     with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
@@ -592,7 +603,12 @@ def test_a_tier_that_stops_answering_times_out(tmp_path, states):
     grads = jax.tree.map(jnp.ones_like, params)
     with tier_faults(state) as plan:
         plan.hang("read", limit_s=10)  # a file system that stops answering
-        with pytest.raises(Exception, match="did not complete a request within io_timeout_s=0.5"):
+        with (
+            pytest.raises(
+                jax_mlpo.TierIOError, match="did not complete a request within io_timeout_s=0.5"
+            ),
+            jax_mlpo.errors.typed(),
+        ):
             jax.block_until_ready(jax.jit(tx.update)(grads, state, params))
         # the update gave up while the read was still held, not when it came back
         assert plan.hanging == 1 and plan.outcomes("read").count("hung") == 1
