@@ -19,9 +19,10 @@ batch, and process 0 writes the outputs with the slowest process's step time; ev
 writes its shards of each checkpoint, which restores onto any process count. See
 docs/pretrain.md.
 
-The job's parts: :mod:`experiments.run_config` (the config), :mod:`experiments.dry_run` (the
-memory plan), :mod:`experiments.optimizer` (the optimizer), :mod:`experiments.train` (the loop)
-and :mod:`experiments.records` (its outputs).
+The job's parts, in ``experiments/job/``: :mod:`~experiments.job.run_config` (the config),
+:mod:`~experiments.job.dry_run` (the memory plan), :mod:`~experiments.job.optimizer` (the
+optimizer), :mod:`~experiments.job.train` (the loop), :mod:`~experiments.job.records` (its
+outputs) and :mod:`~experiments.job.metrics` (a step's figures across processes).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ if _CPU_DEVICES > 1:
 
 import jax  # noqa: E402
 
-from experiments.dry_run import dry_run, format_dry_run  # noqa: E402
-from experiments.run_config import ConfigError, load_config, to_yaml  # noqa: E402
-from experiments.train import init_distributed, train  # noqa: E402
+from experiments.job.dry_run import dry_run, format_dry_run  # noqa: E402
+from experiments.job.run_config import ConfigError, load_config, to_yaml  # noqa: E402
+from experiments.job.train import init_distributed, train  # noqa: E402
 
 logger = logging.getLogger("pretrain")
 
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       argv: the arguments (default: ``sys.argv[1:]``).
 
     Returns:
-      :func:`experiments.train.train`'s result, or with ``--dry-run``
-      :func:`experiments.dry_run.dry_run`'s.
+      :func:`experiments.job.train.train`'s result, or with ``--dry-run``
+      :func:`experiments.job.dry_run.dry_run`'s.
 
     Raises:
       SystemExit: for a config error (its message names the key and the fix).

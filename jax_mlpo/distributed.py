@@ -10,9 +10,10 @@ shapes, and its ``update`` runs the host update inside ``jax.shard_map`` over th
 process's callbacks see only its own shards. Everything before the update (the loss, the
 gradients, ``optax.clip_by_global_norm``'s global norm) is ordinary jitted code on global
 arrays, reduced across processes by XLA. Each engine measures its own update
-(``engine_of(state).metrics``); ``jax_mlpo.step_metrics.aggregate`` gathers them, the slowest
-process setting the step time. Tiers with ``node_max_concurrency`` share their permits among
-the processes of a node (keyed by the tier's configured path, see :func:`process_config`).
+(``engine_of(state).metrics``); a job gathers them (the pre-training job's
+``experiments/job/metrics.py``), the slowest process setting the step time. Tiers with
+``node_max_concurrency`` share their permits among the processes of a node (keyed by the
+tier's configured path, see :func:`process_config`).
 
 Example (one process per host, or per accelerator)::
 

@@ -109,6 +109,7 @@ def main() -> None:
     from jax.experimental import multihost_utils
 
     import jax_mlpo
+    from experiments.job import metrics
     from jax_mlpo import distributed
     from jax_mlpo.config import Bandwidth, TierLimits
 
@@ -175,9 +176,7 @@ def main() -> None:
     # Cross-process metrics: a made-up step time (process k: k + 1 s) makes the last process the
     # slowest; 2**40 + k checks that figures travel exactly (float64, not float32).
     last = engine.metrics[-1]
-    job = jax_mlpo.step_metrics.aggregate(
-        last, {"step_s": pid + 1.0, "big": 2.0**40 + pid}, time_key="step_s"
-    )
+    job = metrics.aggregate(last, {"step_s": pid + 1.0, "big": 2.0**40 + pid}, time_key="step_s")
     info = {
         "aggregate": {
             "slowest": job.slowest,
@@ -185,7 +184,7 @@ def main() -> None:
             "timings": job.timings,
             "per_process": job.per_process,
             "metrics": job.metrics.as_dict(),
-            "own": jax_mlpo.step_metrics.flatten(last),
+            "own": metrics.flatten(last),
         },
         "process": pid,
         "state_bytes": engine.layout.state_bytes,

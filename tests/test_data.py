@@ -1,4 +1,4 @@
-"""Tests for experiments/data.py: corpora, token files, splits, deterministic batches, errors."""
+"""experiments/job/data.py: corpora, token files, splits, deterministic batches, errors."""
 
 import itertools
 import sysconfig
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments.data import TokenDataset, batches, default_corpus_files
+from experiments.job.data import TokenDataset, batches, default_corpus_files
 
 
 def _dataset(n: int = 10_000, val_fraction: float = 0.01) -> TokenDataset:

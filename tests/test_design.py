@@ -120,3 +120,25 @@ def test_the_table_parser_reads_the_rows():
     # the checks above are only as good as the parse: a row with a backticked home is read
     rows = _table("## T\n| a | b |\n|---|---|\n| x | `y.py` |\n")
     assert rows == [["x", "`y.py`"]] and re.fullmatch(r"`[^`]+`", rows[0][1])
+
+
+EXPERIMENTS = PACKAGE.parent / "experiments"
+
+
+def test_every_benchmark_is_in_the_experiments_table_and_exists():
+    """What experiments/bench holds is maintained: each module is named in experiments/README.md
+    (a benchmark's row, or the shared parts' list), and each row's module exists."""
+    readme = (EXPERIMENTS / "README.md").read_text()
+    bench = EXPERIMENTS / "bench"
+    for path in bench.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(bench)
+        dotted = ".".join(rel.with_suffix("").parts)
+        assert dotted in readme or rel.name in readme, f"experiments/bench/{rel}: not in README"
+    # the modules of the rows (the GPU check is a script run with bash)
+    rows = [m for m in re.findall(r"^\| [^|]+ \| `([\w.]+) ", readme, re.M) if m != "bash"]
+    assert len(rows) >= 10
+    for module in rows:
+        found = bench.joinpath(*module.split(".")).with_suffix(".py")
+        assert found.exists(), f"the README's experiments.bench.{module} does not exist"

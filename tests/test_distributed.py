@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from processes import STEPS, run_data_parallel
 
+from experiments.job import metrics
 from jax_mlpo import distributed
-from jax_mlpo import step_metrics as metrics
 from jax_mlpo.step_metrics import StepMetrics
 
 TIERS = ("fast", "slow")

@@ -297,7 +297,7 @@ def test_tiny_job_on_a_mesh_refuses_a_wrong_shape(tmp_path):
     ],
 )
 def test_mesh_config_errors(item, message):
-    from experiments.run_config import ConfigError, load_config
+    from experiments.job.run_config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [item])

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import pytest
 
 import jax_mlpo
-from experiments.dry_run import dry_run, memory_plan
-from experiments.optimizer import build_optimizer, muon_update_bytes
-from experiments.run_config import RunConfig, load_config, resolve_model
-from experiments.steps import abstract_model
+from experiments.job.dry_run import dry_run, memory_plan
+from experiments.job.optimizer import build_optimizer, muon_update_bytes
+from experiments.job.run_config import RunConfig, load_config, resolve_model
+from experiments.job.steps import abstract_model
 from jax_mlpo.plan import StateShape, host_plan
 from models import get_preset, param_count
 

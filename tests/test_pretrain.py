@@ -1,5 +1,5 @@
 """Tests for experiments/pretrain.py (with run_config, dry_run, train and records) and
-experiments/report.py: the main job end to end, offload against optax step by step, two
+experiments/job/report.py: the main job end to end, offload against optax step by step, two
 processes against one, a two-process run resumed from its checkpoint on two processes and on
 one, config errors, the dry run and every shipped config."""
 
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import jax_mlpo
-from experiments import host_memory, optimizer, pretrain, report, run_config, train
-from experiments.dry_run import dry_run, optimizer_plan
+from experiments import pretrain
+from experiments.job import host_memory, optimizer, report, run_config, train
+from experiments.job.dry_run import dry_run, optimizer_plan
 from experiments.processes import free_port
 from models import get_preset, param_count
 
@@ -260,7 +261,8 @@ _FAILING_PYTHON = """#!{python}
 import sys
 
 import jax
-from experiments import pretrain, train
+from experiments import pretrain
+from experiments.job import train
 
 make_steps = train.make_steps
 
@@ -560,7 +562,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(optimizer, data_ca
 
 
 def test_dry_run_prints_the_training_plan_and_refusals(tmp_path, caplog):
-    from experiments import host_memory
+    from experiments.job import host_memory
 
     cfg = run_config.load_config(str(ROOT / "experiments" / "configs" / "beyond-ram.yaml"))
     engines = {"offload": optimizer_plan(cfg, 1), "optax": None}

@@ -1,4 +1,4 @@
-"""Tests for experiments/run_config.py: how the YAML file and ``--set`` overrides are read.
+"""Tests for experiments/job/run_config.py: how the YAML file and ``--set`` overrides are read.
 
 The errors for bad values and keys are in tests/test_pretrain.py (through the command line).
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import jax_mlpo
-from experiments import run_config
+from experiments.job import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))

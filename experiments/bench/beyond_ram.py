@@ -27,9 +27,9 @@ from pathlib import Path
 
 from experiments.bench.harness import write_json
 from experiments.bench.sysio import filesystem, fio_mixed
-from experiments.dry_run import memory_plan
-from experiments.host_memory import meminfo, training_memory
-from experiments.run_config import load_config
+from experiments.job.dry_run import memory_plan
+from experiments.job.host_memory import meminfo, training_memory
+from experiments.job.run_config import load_config
 
 logger = logging.getLogger("bench.beyond_ram")
 CONFIG = "experiments/configs/beyond-ram.yaml"

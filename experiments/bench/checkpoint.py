@@ -56,7 +56,7 @@ import time
 from experiments.bench import sysio
 from experiments.bench.checkpoint_job import LEAF, SUBGROUP, run_child
 from experiments.bench.harness import spread, write_json
-from experiments.host_memory import process_memory
+from experiments.job.host_memory import process_memory
 
 logger = logging.getLogger("bench.checkpoint")
 

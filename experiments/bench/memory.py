@@ -39,7 +39,7 @@ import tempfile
 import time
 import tracemalloc
 
-from experiments.host_memory import peak_rss_bytes, process_memory
+from experiments.job.host_memory import peak_rss_bytes, process_memory
 
 logger = logging.getLogger("bench.memory")
 

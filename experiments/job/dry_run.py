@@ -13,9 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
-from experiments.host_memory import meminfo, training_memory
-from experiments.optimizer import muon_matrix_params
-from experiments.run_config import ConfigError, RunConfig, resolve_model
+from experiments.job.host_memory import meminfo, training_memory
+from experiments.job.optimizer import muon_matrix_params
+from experiments.job.run_config import ConfigError, RunConfig, resolve_model
 from jax_mlpo import placement
 from jax_mlpo.layout import state_bytes_per_param
 from jax_mlpo.placement.split import TierSplit, tier_split

@@ -23,13 +23,13 @@ import dataclasses
 import resource
 from typing import TYPE_CHECKING
 
-from experiments.optimizer import muon_matrix_params, muon_update_bytes
-from experiments.run_config import ConfigError, RunConfig, resolve_model
-from experiments.steps import grad_step_temp_bytes
+from experiments.job.optimizer import muon_matrix_params, muon_update_bytes
+from experiments.job.run_config import ConfigError, RunConfig, resolve_model
+from experiments.job.steps import grad_step_temp_bytes
 from models import param_count
 
 if TYPE_CHECKING:  # dry_run imports this module
-    from experiments.dry_run import OptimizerPlan
+    from experiments.job.dry_run import OptimizerPlan
 
 GiB = 2**30
 # What jax and XLA hold before the model (measured: 0.25 GiB RSS after import and a first
@@ -73,7 +73,7 @@ def training_memory(
 
     Args:
       cfg: the run config.
-      engine: jax_mlpo's plan for it (:func:`experiments.dry_run.optimizer_plan` with one
+      engine: jax_mlpo's plan for it (:func:`experiments.job.dry_run.optimizer_plan` with one
         process), or None for ``pretrain.py --optimizer optax``.
       on_cpu: a CPU backend (the device parts are host memory too).
 

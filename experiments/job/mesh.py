@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.run_config import ConfigError, MeshConfig
+from experiments.job.run_config import ConfigError, MeshConfig
 from jax_mlpo import distributed
 
 

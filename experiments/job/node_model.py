@@ -1,7 +1,7 @@
 """An iteration on a GPU node, predicted from the engine's own plan and the node's bandwidths.
 
 Each of the node's GPUs has a process whose engine holds 1/gpus of the optimizer state
-(:func:`experiments.dry_run.memory_plan`: the buffers, the subgroups and how many are retained
+(:func:`experiments.job.dry_run.memory_plan`: the buffers, the subgroups and how many are retained
 are the engine's). The model, per iteration:
 
 - **Forward and backward** (``fwd_bwd_s``, on the GPUs): the host and the tiers are free. The
@@ -24,9 +24,9 @@ next update starts with, so it has nothing to do, and no policy lowers the updat
 q8 moments) or faster tiers do.
 
 Usage:
-  python -m experiments.node_model --config experiments/configs/7b-node.yaml --gpus 8 \\
+  python -m experiments.job.node_model --config experiments/configs/7b-node.yaml --gpus 8 \\
       --fwd-bwd-s 2.3 --read-gbps 27 --write-gbps 11
-  python -m experiments.node_model --table   # the 7B and 70B presets on the reference node
+  python -m experiments.job.node_model --table   # the 7B and 70B presets on the reference node
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from experiments.dry_run import MemoryPlan, memory_plan
-from experiments.run_config import ConfigError, RunConfig, load_config
+from experiments.job.dry_run import MemoryPlan, memory_plan
+from experiments.job.run_config import ConfigError, RunConfig, load_config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import optax
 
 import jax_mlpo
-from experiments.run_config import ConfigError, RunConfig, resolve_model
-from experiments.steps import abstract_model
+from experiments.job.run_config import ConfigError, RunConfig, resolve_model
+from experiments.job.steps import abstract_model
 from models import LlamaConfig
 
 

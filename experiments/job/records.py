@@ -4,7 +4,7 @@ Each step becomes one JSON line of ``<run_dir>/metrics-<optimizer>.jsonl``: the 
 (the slowest process's, in a multi-process run), the loss and, for the offloaded optimizer, the
 engine's host metrics with per-tier throughput. At the end of the run the records become
 ``summary-<optimizer>.md`` and ``.json`` and ``pretrain-<optimizer>.png``
-(:mod:`experiments.report` reads and draws metrics files; this module decides what goes in
+(:mod:`experiments.job.report` reads and draws metrics files; this module decides what goes in
 them). A resumed run continues the metrics file of the run it resumes.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import jax_mlpo
-from experiments import iteration, report
-from experiments.host_memory import process_memory
-from experiments.run_config import RunConfig
+from experiments.job import iteration, report
+from experiments.job.host_memory import process_memory
+from experiments.job.run_config import RunConfig
 
 logger = logging.getLogger("pretrain")
 
@@ -46,10 +46,10 @@ def step_record(
     Args:
       step: the 1-based step.
       loss: the step's loss (the same in every process).
-      job: the step's figures over all processes (``jax_mlpo.step_metrics.aggregate``'s result).
+      job: the step's figures over all processes (``experiments.job.metrics.aggregate``'s result).
       tokens_per_step: tokens of the global batch.
       processes: processes of the run.
-      tier_totals: this process's tier counters now (:func:`experiments.iteration.tier_totals`).
+      tier_totals: this process's tier counters now (:func:`experiments.job.iteration.tier_totals`).
 
     Returns:
       The record: step, loss, the slowest process's times, tokens/s, the engine's metrics

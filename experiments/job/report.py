@@ -1,7 +1,7 @@
 """Summary table and plots of a pretrain.py run, from its metrics JSONL.
 
 Usage:
-  python experiments/report.py runs/tiny/metrics-offload.jsonl [runs/tiny/metrics-optax.jsonl] \
+  python experiments/job/report.py runs/tiny/metrics-offload.jsonl [runs/tiny/metrics-optax.jsonl] \
       [--skip 5] [--out docs/pretrain_tiny.png]
 
 The first file is the run described; a second one (the same job with ``--optimizer optax``) is
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import iteration
+from experiments.job import iteration
 
 logger = logging.getLogger("report")
 

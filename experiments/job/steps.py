@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from experiments.run_config import RunConfig, resolve_model
+from experiments.job.run_config import RunConfig, resolve_model
 from models import Llama, LlamaConfig, loss_fn
 
 

@@ -1,10 +1,11 @@
 """The training loop of the pre-training job, on one process or as one of several.
 
-:func:`train` runs a :class:`~experiments.run_config.RunConfig`'s steps: the model from its
-preset, the batches of :mod:`experiments.data`, the optimizer of :mod:`experiments.optimizer`
-(jax_mlpo's offloaded AdamW, Lion or Muon, or optax's in memory for comparison) and, with
+:func:`train` runs a :class:`~experiments.job.run_config.RunConfig`'s steps: the model from its
+preset, the batches of :mod:`experiments.job.data`, the optimizer of
+:mod:`experiments.job.optimizer` (jax_mlpo's offloaded AdamW, Lion or Muon, or optax's in
+memory for comparison) and, with
 ``checkpoint.every``, checkpoints that a later run resumes exactly. A step is two jitted halves
-timed apart (forward + backward, then the update); :mod:`experiments.records` turns each into a
+timed apart (forward + backward, then the update); :mod:`experiments.job.records` turns each into a
 metrics record. In a multi-process run (:func:`init_distributed`) every process runs the same
 loop on its rows of the global batch.
 """
@@ -29,15 +30,16 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import jax_mlpo
-from experiments.data import TokenDataset, batches
-from experiments.dry_run import optimizer_plan
-from experiments.host_memory import check_fits, meminfo, training_memory
-from experiments.iteration import tier_totals
-from experiments.mesh import batch_sharding, build_mesh, shard
-from experiments.optimizer import build_optimizer
-from experiments.records import earlier_records, finish, progress, step_record
-from experiments.run_config import ConfigError, RunConfig, resolve_model
-from experiments.steps import make_steps
+from experiments.job import metrics
+from experiments.job.data import TokenDataset, batches
+from experiments.job.dry_run import optimizer_plan
+from experiments.job.host_memory import check_fits, meminfo, training_memory
+from experiments.job.iteration import tier_totals
+from experiments.job.mesh import batch_sharding, build_mesh, shard
+from experiments.job.optimizer import build_optimizer
+from experiments.job.records import earlier_records, finish, progress, step_record
+from experiments.job.run_config import ConfigError, RunConfig, resolve_model
+from experiments.job.steps import make_steps
 from jax_mlpo import checkpoint, distributed
 from models import Llama, param_count
 
@@ -193,7 +195,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     every process calls it with the same config: params and optimizer state are sharded over
     the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
     the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
-    summary and plot, with the slowest process's step time (``jax_mlpo.step_metrics.aggregate``).
+    summary and plot, with the slowest process's step time (``experiments.job.metrics.aggregate``).
     Checkpoints are saved and restored by every process (each writes and reads its shards;
     :mod:`jax_mlpo.checkpoint`), so a run resumes on any process count; process 0 continues
     the metrics file.
@@ -204,7 +206,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
       resume: continue from the latest checkpoint.
 
     Returns:
-      :func:`experiments.records.finish`'s ``losses``, ``summary``, ``metrics`` and ``plot``;
+      :func:`experiments.job.records.finish`'s ``losses``, ``summary``, ``metrics`` and ``plot``;
       the processes other than 0 return the losses of the steps they ran only.
     """
     name = "optax" if use_optax else "offload"
@@ -325,7 +327,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                     [e.metrics[-1] for e in engines]) if engines else None  # fmt: skip
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.
-                job = jax_mlpo.step_metrics.aggregate(step_metrics, timings, time_key="step_s")
+                job = metrics.aggregate(step_metrics, timings, time_key="step_s")
                 loss_value = float(np.asarray(loss.addressable_data(0)))  # replicated
                 totals = {k: v for e in engines for k, v in tier_totals(e).items()} or None
                 r = step_record(step + 1, loss_value, job, tokens_per_step, nproc, totals)

@@ -1,7 +1,7 @@
 """End to end: one training iteration of a small GPT, jax_mlpo against DeepSpeed ZeRO-3 + NVMe.
 
 Both systems train the same model (``experiments/configs/e2e-*.yaml``: a preset of
-``models/presets.py``, bf16 params and compute) on the same batches (``experiments/data.py``),
+``models/presets.py``, bf16 params and compute) on the same batches (``experiments/job/data.py``),
 with the same optimizer settings, subgroup size, pinned host memory budget and disk directory:
 
 - ``deepspeed``: ``ds_gpt.py`` (beside this file) in the DeepSpeed venv (``.peer-venv``): the
@@ -49,7 +49,6 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import iteration
 from experiments.bench.deepspeed.peer import (
     ROOT,
     module_command,
@@ -66,6 +65,7 @@ from experiments.bench.sysio import (
     fio_mixed,
     proc_io,
 )
+from experiments.job import iteration
 
 logger = logging.getLogger("bench.deepspeed_e2e")
 
@@ -77,8 +77,9 @@ SYSTEMS = ("deepspeed", "jax_mlpo")
 
 
 def jax_worker(args) -> dict:
-    from experiments import pretrain, train
-    from experiments.run_config import load_config, resolve_model
+    from experiments import pretrain
+    from experiments.job import train
+    from experiments.job.run_config import load_config, resolve_model
 
     per_step: dict[int, dict] = {}
     original = train.batches
@@ -293,7 +294,7 @@ def main() -> None:
         sys.stdout.write(json.dumps(jax_worker(args)) + "\n")  # the driver reads this line
         return
 
-    from experiments.run_config import load_config, plain, resolve_model
+    from experiments.job.run_config import load_config, plain, resolve_model
     from models import param_count
 
     cfg = load_config(args.config, args.set)

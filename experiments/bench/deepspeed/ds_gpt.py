@@ -10,7 +10,7 @@ in the "rotate half" layout, RMSNorm scale, SwiGLU gate/up/down), a final RMSNor
 output projection; init N(0, 0.02), residual-branch outputs N(0, 0.02 / sqrt(2 layers)); logits
 and the loss in float32. ``--expect-params`` (the jax side's ``param_count``) is checked.
 
-Training is what ``experiments/pretrain.py`` does: the same batches (``experiments/data.py``,
+Training is what ``experiments/pretrain.py`` does: the same batches (``experiments/job/data.py``,
 windows of the stdlib corpus drawn with ``default_rng((seed, step))``), AdamW with b1, b2, eps and
 weight decay on the 2-D parameters only, global-norm clipping, optax's warm-up + cosine schedule
 (a ``LambdaLR``). DeepSpeed config: ZeRO stage 3, bf16, ``offload_optimizer`` to ``nvme`` at
@@ -28,7 +28,8 @@ around DeepSpeed's swapper and optimizer: ``grad_swap_out_s``, ``swap_in_s``, ``
 ``swap_out_s``; the bytes this process read and wrote (``/proc/self/io``).
 
 Usage (normally through deepspeed_e2e.py, which passes the shape of the jax config; the
-repository root on ``PYTHONPATH`` for :mod:`experiments.data` and :mod:`experiments.bench.sysio`):
+repository root on ``PYTHONPATH`` for :mod:`experiments.job.data` and
+:mod:`experiments.bench.sysio`):
   DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.torch_ext PYTHONPATH=$PWD .peer-venv/bin/python \
       experiments/bench/deepspeed/ds_gpt.py --nvme-path /tmp/jax_mlpo-e2e/ds --steps 8 \
       --warmup 3
@@ -262,7 +263,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from experiments.data import TokenDataset, batches
+    from experiments.job.data import TokenDataset, batches
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     import_s = time.perf_counter() - t_start

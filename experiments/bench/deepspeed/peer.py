@@ -3,7 +3,7 @@
 The peer is a venv of its own (``.peer-venv``: torch CPU and DeepSpeed, no jax, installed by
 ``install_deepspeed_peer.sh``). Its workers (``ds_update.py``, ``ds_gpt.py``) are started by
 path with that venv's python; ``PYTHONPATH`` holds the repository root so that they import
-:mod:`experiments.bench.sysio`, :mod:`experiments.bench.harness` and :mod:`experiments.data`
+:mod:`experiments.bench.sysio`, :mod:`experiments.bench.harness` and :mod:`experiments.job.data`
 (standard library and numpy only). jax_mlpo's side of a comparison runs as a module of this
 package in the driver's own interpreter.
 """

@@ -30,7 +30,7 @@ What a "capped tier" is when processes share it (``--device``):
 - ``process-cap``: ``FileTier.bandwidth_cap`` per process, for comparison (N x the cap).
 
 Each run: ``--warmup`` steps, then ``--steps`` measured; a step's time is the slowest process's
-update (``jax_mlpo.step_metrics.aggregate``; the processes start each update together). The table
+update (``experiments.job.metrics.aggregate``; the processes start each update together). The table
 gives the median over repeats of each run's median step, and ``ratio = node / process`` (< 1:
 node-level permits make the update faster). The JSON holds every run, every process's step
 times and permit waits, and the merged request traces of the last repeat (``--plot`` draws
@@ -65,7 +65,7 @@ MODULE = "experiments.bench.mlpo.dist_update"  # its worker processes run it aga
 
 VARIANTS = ("process", "node")
 DEVICES = ("shared-cap", "disk", "process-cap")
-# every process's figures kept per step (the rest of jax_mlpo.step_metrics.flatten's keys dropped)
+# every process's figures kept per step (the rest of experiments.job.metrics.flatten's keys dropped)
 KEPT = ("update_s", "permit_wait_s", "total_s", "read_wait_s", "write_wait_s", "compute_s",
         "bytes_", "tier_busy_s")  # fmt: skip
 
@@ -122,8 +122,8 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
     from jax.experimental import multihost_utils
 
     import jax_mlpo
+    from experiments.job import metrics
     from jax_mlpo import distributed
-    from jax_mlpo import step_metrics as metrics
     from jax_mlpo.config import parse_size
 
     n = parse_size(cfg["state"], "--state") // 8 // nproc * nproc  # fp32 params: m, v

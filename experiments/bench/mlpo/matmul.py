@@ -29,7 +29,7 @@ from flax import nnx
 from jax import lax
 
 from experiments.bench.harness import ratio_spread, round_robin, write_json
-from experiments.run_config import RunConfig, load_config, resolve_model
+from experiments.job.run_config import RunConfig, load_config, resolve_model
 from models import Llama, loss_fn, matmul, param_count
 
 log = logging.getLogger("bench.matmul")

@@ -57,7 +57,7 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_mlpo
-    from jax_mlpo import step_metrics as metrics
+    from experiments.job import metrics
     from jax_mlpo.config import parse_size
 
     devices = cfg["devices"]
