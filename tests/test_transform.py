@@ -171,7 +171,10 @@ def test_discarded_update_is_detected(tmp_path):
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
     tx.update(grads, state, params)  # result discarded, as a misbehaving wrapper would
-    with pytest.raises(Exception, match="offloaded state is at step 1"):
+    with (
+        pytest.raises(jax_mlpo.StaleStateError, match="offloaded state is at step 1"),
+        jax_mlpo.errors.typed(),
+    ):
         jax.block_until_ready(tx.update(grads, state, params))
     jax_mlpo.close(state)
 
