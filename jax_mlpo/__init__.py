@@ -5,7 +5,6 @@ accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
 from jax_mlpo import checkpoint, errors, extend
-from jax_mlpo.accumulation import MultiSteps
 from jax_mlpo.checkpoint import CorruptCheckpointError
 from jax_mlpo.config import (
     Bandwidth,
@@ -16,15 +15,16 @@ from jax_mlpo.config import (
     TierLimits,
     parse_size,
 )
+from jax_mlpo.engine.host_heap import return_freed_buffers
+from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.errors import EngineFailedError, JaxMlpoError, StaleStateError
-from jax_mlpo.host_heap import return_freed_buffers
-from jax_mlpo.muon import OffloadedMuonState, muon
-from jax_mlpo.opt_state import OffloadedAdamWState, OffloadedState
-from jax_mlpo.registry import close, closing, engine_of, metrics
-from jax_mlpo.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
-from jax_mlpo.transform import adamw, lion
+from jax_mlpo.transforms.accumulation import MultiSteps
+from jax_mlpo.transforms.elementwise import adamw, lion
+from jax_mlpo.transforms.muon import OffloadedMuonState, muon
+from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
+from jax_mlpo.transforms.registry import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jax_mlpo.errors import ConfigError
-from jax_mlpo.object_tier import ObjectTier
-from jax_mlpo.sizes import (
+from jax_mlpo.tiers.object_tier import ObjectTier
+from jax_mlpo.tiers.settings import (
     FLAT_KEYS,
     Bandwidth,
     TierLimits,
@@ -59,9 +59,9 @@ class FileTier:
     Attributes:
       path: the tier's directory. Its parent must exist; the directory itself is created.
       limits: requests in flight and bandwidth caps, per process and per node
-        (:class:`~jax_mlpo.sizes.TierLimits`).
+        (:class:`~jax_mlpo.tiers.settings.TierLimits`).
       bandwidth: the tier's read and write bandwidth for placement; where not given, measured
-        by a probe at start (:class:`~jax_mlpo.sizes.Bandwidth`).
+        by a probe at start (:class:`~jax_mlpo.tiers.settings.Bandwidth`).
       io_engine: how blobs reach the file system. ``"posix"``: one preallocated file per blob,
         written and read with ``pwrite``/``pread`` of ``chunk_bytes`` each, up to
         ``queue_depth`` requests in flight (reads ahead of writes), a checksum per chunk in the
@@ -358,7 +358,7 @@ class OffloadConfig:
 def _as_tier(tier: Any) -> FileTier | ObjectTier:
     """A tier from a config value: a tier, a path (``s3://`` URLs are object tiers) or a
     mapping (with ``url`` or ``kvstore``: an object tier; with ``path``: a file tier), whose
-    limits and bandwidth may be nested or flat (:func:`jax_mlpo.sizes.nest`)."""
+    limits and bandwidth may be nested or flat (:func:`jax_mlpo.tiers.settings.nest`)."""
     if isinstance(tier, FileTier | ObjectTier):
         return tier
     if isinstance(tier, str | os.PathLike):

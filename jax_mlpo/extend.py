@@ -28,12 +28,12 @@ import numpy as np
 import optax
 
 from jax_mlpo.config import OffloadConfig
-from jax_mlpo.layout import Subgroup, check_moment_dtypes
-from jax_mlpo.leaves import Leaves
-from jax_mlpo.offloaded import DeviceScalars, offloaded
-from jax_mlpo.opt_state import OffloadedState
+from jax_mlpo.engine.layout import Subgroup, check_moment_dtypes
+from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.optimizers import HostOptimizer, segment_calls, write_update
-from jax_mlpo.transform import check_offload, check_scalars, check_update_dtype
+from jax_mlpo.transforms.elementwise import check_offload, check_scalars, check_update_dtype
+from jax_mlpo.transforms.offloaded import DeviceScalars, offloaded
+from jax_mlpo.transforms.opt_state import OffloadedState
 from jax_mlpo.types import F32
 
 __all__ = [

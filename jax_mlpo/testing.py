@@ -3,7 +3,7 @@ tiers' bandwidth.
 
 For tests of what training and checkpointing do when storage misbehaves, through public API
 only. :func:`tier_faults` attaches a :class:`FaultPlan` to one tier (or all) of an offloaded
-optimizer state, an :class:`~jax_mlpo.engine.Engine` or a single
+optimizer state, an :class:`~jax_mlpo.engine.engine.Engine` or a single
 :class:`~jax_mlpo.tiers.file.FileTierStore`; every blob read and write of that tier then asks the
 plan whether to fail it (an ``OSError`` with the errno of the test's choice: ``EIO``, or
 ``ENOSPC`` for a full disk), corrupt the stored blob first (the read's checksum must catch it),
@@ -48,10 +48,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_mlpo.checkpoint import file_io
-from jax_mlpo.engine import Engine
-from jax_mlpo.registry import engine_of
+from jax_mlpo.engine.engine import Engine
 from jax_mlpo.tiers.faults import FaultEvent, FaultPlan
 from jax_mlpo.tiers.file import FileTierStore
+from jax_mlpo.transforms.registry import engine_of
 
 __all__ = [
     "FaultEvent",
@@ -68,7 +68,7 @@ def tier_stores(target: Any, tier: int | None = 0) -> list[FileTierStore]:
 
     Args:
       target: an offloaded optimizer state (any form :func:`jax_mlpo.engine_of` takes), its
-        :class:`~jax_mlpo.engine.Engine`, or a :class:`~jax_mlpo.tiers.file.FileTierStore`.
+        :class:`~jax_mlpo.engine.engine.Engine`, or a :class:`~jax_mlpo.tiers.file.FileTierStore`.
       tier: the index of the tier in ``OffloadConfig.tiers`` as the engine opened them; None:
         every tier.
 

@@ -74,9 +74,10 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_mlpo
-    from jax_mlpo import checkpoint, distributed
+    from jax_mlpo import checkpoint
     from jax_mlpo.checkpoint import restore_plan, state_reader
     from jax_mlpo.config import Bandwidth
+    from jax_mlpo.sharding import processes as distributed
 
     def barrier(name: str) -> None:
         if nproc > 1:

@@ -47,7 +47,8 @@ def main() -> None:
 
     import jax_mlpo
     import jax_mlpo.testing
-    from jax_mlpo import checkpoint, distributed
+    from jax_mlpo import checkpoint
+    from jax_mlpo.sharding import processes as distributed
 
     os.makedirs(spec["tier"], exist_ok=True)
     offload = jax_mlpo.OffloadConfig(

@@ -11,8 +11,8 @@ import subprocess
 import jax.numpy as jnp
 import pytest
 
-from jax_mlpo import registry
-from jax_mlpo.opt_state import OffloadedAdamWState
+from jax_mlpo.transforms import registry
+from jax_mlpo.transforms.opt_state import OffloadedAdamWState
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

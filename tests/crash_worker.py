@@ -124,7 +124,7 @@ def as_bits(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
 
 
 def _slow_stream(delay_s: float) -> None:
-    from jax_mlpo.snapshot import StateSnapshot
+    from jax_mlpo.engine.snapshot import StateSnapshot
 
     blobs = StateSnapshot.blobs
 

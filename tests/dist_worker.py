@@ -110,8 +110,8 @@ def main() -> None:
 
     import jax_mlpo
     from experiments.job import metrics
-    from jax_mlpo import distributed
     from jax_mlpo.config import Bandwidth, TierLimits
+    from jax_mlpo.sharding import processes as distributed
 
     slow = {}
     if mode not in ("plain", "fused-clip", "inject", "s3", "muon"):
@@ -192,11 +192,13 @@ def main() -> None:
         "tiers": [t.tier.path for t in engine.tiers],
         "tier_bytes": {t.tier.path: t.bytes_written for t in engine.tiers},
         "step_count": engine.step_count,
-        "engines": len({id(e) for e in jax_mlpo.registry._ENGINES.values()}),
+        "engines": len({id(e) for e in jax_mlpo.transforms.registry._ENGINES.values()}),
         "losses": losses,
         "host_only": engine.host_only,
         "traces": {
-            jax_mlpo.step_metrics.shared_tier_path(store.tier.path): [list(t) for t in store.trace]
+            jax_mlpo.engine.step_metrics.shared_tier_path(store.tier.path): [
+                list(t) for t in store.trace
+            ]
             for store in traced
         },
     }

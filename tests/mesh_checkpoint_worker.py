@@ -61,7 +61,7 @@ def place(mesh_name: str, tree: dict) -> dict:
         return {k: jax.device_put(v, jax.devices()[0]) for k, v in tree.items()}
     shape, axes = mw.MESHES[mesh_name]
     mesh = jax.make_mesh(shape, axes, devices=jax.devices())
-    return jax_mlpo.distributed.place(
+    return jax_mlpo.sharding.processes.place(
         tree, {k: NamedSharding(mesh, mw.SPECS[mesh_name][k]) for k in tree}
     )
 

@@ -98,7 +98,7 @@ def main(mesh_name: str, dtype_name: str, mode: str, clip: str, tier_root: str) 
     else:
         tx = jax_mlpo.adamw(tt.SCHEDULE, weight_decay=0.1, mask=tt.no_decay_on_vectors,
                             offload=config, max_grad_norm=1.0)  # fmt: skip
-    params = jax_mlpo.distributed.place(tt.make_params(dtype, SHAPES), shardings)
+    params = jax_mlpo.sharding.processes.place(tt.make_params(dtype, SHAPES), shardings)
     # what this process holds of each leaf, once per distinct shard (from jax's own shards)
     held = {k: {str(s.index): s.data.size for s in x.addressable_shards} for k, x in params.items()}
     distinct = sum(sum(sizes.values()) for sizes in held.values())

@@ -1,4 +1,4 @@
-"""The host cache and its I/O pipeline (jax_mlpo.buffers) against an in-memory fake tier.
+"""The host cache and its I/O pipeline (jax_mlpo.engine.buffers) against an in-memory fake tier.
 
 The fake keeps blobs in a dict and records every request; writes can be held back with an
 event, so the tests decide when a write-back finishes and check what the pipeline does
@@ -15,12 +15,12 @@ import types
 import numpy as np
 import pytest
 
-from jax_mlpo.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.buffers.pipeline import IOPipeline, PendingWrite
-from jax_mlpo.placement.replan import TierAssignment
-from jax_mlpo.placement.split import TierSplit
-from jax_mlpo.snapshot import CopyOnWrite
-from jax_mlpo.step_metrics import StepMetrics
+from jax_mlpo.engine.buffers.cache import SlotCache, touched_buffer
+from jax_mlpo.engine.buffers.pipeline import IOPipeline, PendingWrite
+from jax_mlpo.engine.placement.replan import TierAssignment
+from jax_mlpo.engine.placement.split import TierSplit
+from jax_mlpo.engine.snapshot import CopyOnWrite
+from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 
 ELEMS = 64  # float32 per blob

@@ -40,7 +40,7 @@ from checkpoint_job import (
 import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
-from jax_mlpo.snapshot import StateSnapshot
+from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.tiers.errors import TierFullError
 
 PACKAGE = Path(jax_mlpo.__file__).parent

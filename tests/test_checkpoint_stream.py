@@ -39,7 +39,7 @@ from jax_mlpo.checkpoint import digest, host_arrays, state_reader, stream
 from jax_mlpo.checkpoint.blocks import Region, full, volume
 from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
 from jax_mlpo.checkpoint.space import space_needed
-from jax_mlpo.layout import build_layout, gather_state, scatter_state
+from jax_mlpo.engine.layout import build_layout, gather_state, scatter_state
 
 
 def test_a_state_8x_the_host_cache_restores_exactly(tmp_path, monkeypatch):

@@ -27,9 +27,9 @@ from jax_mlpo.config import (
     RetainPolicy,
     TierLimits,
 )
-from jax_mlpo.object_tier import Credentials
-from jax_mlpo.sizes import FLAT_KEYS, NodePermits
 from jax_mlpo.tiers.lock import TierLock
+from jax_mlpo.tiers.object_tier import Credentials
+from jax_mlpo.tiers.settings import FLAT_KEYS, NodePermits
 
 # -- parse_size ---------------------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ def test_no_module_outgrows_one_concept():
 
 
 def test_the_engine_is_one_class_with_collaborators_not_mixins():
-    tree = ast.parse((PACKAGE / "engine.py").read_text())
+    tree = ast.parse((PACKAGE / "engine" / "engine.py").read_text())
     (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
     assert not engine.bases, f"Engine has base classes {[ast.unparse(b) for b in engine.bases]}"
     lines = engine.end_lineno - engine.lineno + 1
@@ -142,3 +142,10 @@ def test_every_benchmark_is_in_the_experiments_table_and_exists():
     for module in rows:
         found = bench.joinpath(*module.split(".")).with_suffix(".py")
         assert found.exists(), f"the README's experiments.bench.{module} does not exist"
+
+
+def test_the_package_shows_its_layers():
+    """A few modules at the top; the rest in the packages of the layers (transforms, engine,
+    sharding, optimizers, tiers, native, checkpoint)."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, f"{len(top)} modules directly in jax_mlpo/: {top}"

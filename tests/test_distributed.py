@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from processes import STEPS, run_data_parallel
 
 from experiments.job import metrics
-from jax_mlpo import distributed
-from jax_mlpo.step_metrics import StepMetrics
+from jax_mlpo.engine.step_metrics import StepMetrics
+from jax_mlpo.sharding import processes as distributed
 
 TIERS = ("fast", "slow")
 _run = run_data_parallel

@@ -18,7 +18,7 @@ import pytest
 import jax_mlpo
 from jax_mlpo import FileTier, OffloadConfig
 from jax_mlpo.config import TierLimits
-from jax_mlpo.leaves import HostLeaves
+from jax_mlpo.engine.leaves import HostLeaves
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.types import AdamWHyper
 

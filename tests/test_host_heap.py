@@ -20,7 +20,7 @@ import jax_mlpo
 
 _PROBE = """
 import ctypes, ctypes.util, json, sys
-from jax_mlpo.host_heap import return_freed_buffers
+from jax_mlpo.engine.host_heap import return_freed_buffers
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

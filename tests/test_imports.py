@@ -156,7 +156,7 @@ def test_no_import_cycles_among_jax_mlpo_modules():
 
 # what the storage layer may build on: the layers above it (the host cache, the engine, the
 # checkpoints) pass in what it needs instead
-TIERS_MAY_IMPORT = ("tiers", "native", "sizes", "types", "config", "errors")
+TIERS_MAY_IMPORT = ("tiers", "native", "types", "config", "errors")
 
 
 def test_the_tiers_import_nothing_above_them():

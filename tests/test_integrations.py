@@ -27,7 +27,7 @@ from flax import nnx
 from helpers import run_small, small_grads, small_params
 
 import jax_mlpo
-from jax_mlpo import registry
+from jax_mlpo.transforms import registry
 
 WORKER = Path(__file__).parent / "integration_worker.py"
 ROOT = Path(__file__).resolve().parents[1]

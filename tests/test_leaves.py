@@ -18,7 +18,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo import FileTier, OffloadConfig
-from jax_mlpo.leaves import HostLeaves, StagedLeaves, SubgroupStaging
+from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves, SubgroupStaging
 from jax_mlpo.native.host_update import DeviceBuffer
 from jax_mlpo.types import BF16, F32, AdamWHyper
 

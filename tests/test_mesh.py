@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_mlpo.mesh_update import DeviceCalls, LocalShard, MeshPlan
+from jax_mlpo.sharding.mesh import DeviceCalls, LocalShard, MeshPlan
 
 WORKER = Path(__file__).parent / "mesh_worker.py"
 CASES = [

@@ -32,10 +32,10 @@ from processes import run_data_parallel
 
 import jax_mlpo
 from jax_mlpo import native
-from jax_mlpo.layout import build_layout
+from jax_mlpo.engine.layout import build_layout
+from jax_mlpo.engine.plan import StateShape, split_host_cache
 from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.optimizers.muon import apply_step_reference, momentum_step_reference
-from jax_mlpo.plan import StateShape, split_host_cache
 from jax_mlpo.types import BF16, F32, AdamWHyper, ApplyHyper, MomentumHyper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +304,9 @@ def test_the_state_is_the_momentum_and_moves_a_third_less_than_adamw(dtype, tmp_
         tx = factory(1e-3, offload=config)
         params = {"w": jnp.zeros((n, n), dtype)}
         state = tx.init(params)
-        engines = [jax_mlpo.engine_of(s) for s in jax_mlpo.opt_state.find_offloaded(state)]
+        engines = [
+            jax_mlpo.engine_of(s) for s in jax_mlpo.transforms.opt_state.find_offloaded(state)
+        ]
         # an empty group's engine (Muon's AdamW here; its master for float32) holds nothing
         engines = [e for e in engines if e.layout.num_params]
         assert len(engines) == (1 if name == "adamw" else 1 + bool(master))

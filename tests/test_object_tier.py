@@ -19,7 +19,7 @@ from parity import assert_matches_reference, offloaded_adamw, run_offloaded
 import jax_mlpo
 from experiments.s3_server import S3Server, free_port
 from jax_mlpo.config import Bandwidth, TierLimits
-from jax_mlpo.step_metrics import shared_tier_path
+from jax_mlpo.engine.step_metrics import shared_tier_path
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.tiers.kvstore import LOCK_KEY
 
@@ -187,7 +187,7 @@ def test_wrong_credentials_fail_at_init(server):
 
 def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
     """Another run's lock object on the prefix refuses the init, naming its owner; a second
-    init in this process replaces the first (jax_mlpo.registry.take_place)."""
+    init in this process replaces the first (jax_mlpo.transforms.registry.take_place)."""
     cfg = config(server, tmp_path, "s3", jnp.float32)
     params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
     state = jax_mlpo.adamw(1e-3, offload=cfg).init(params)

@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 import jax_mlpo
-from jax_mlpo import registry
+from jax_mlpo.transforms import registry
 
 SUB = 4096  # elements per subgroup
 LR = 1e-2

@@ -24,7 +24,7 @@ from experiments.job.dry_run import dry_run, memory_plan
 from experiments.job.optimizer import build_optimizer, muon_update_bytes
 from experiments.job.run_config import RunConfig, load_config, resolve_model
 from experiments.job.steps import abstract_model
-from jax_mlpo.plan import StateShape, host_plan
+from jax_mlpo.engine.plan import StateShape, host_plan
 from models import get_preset, param_count
 
 ROOT = Path(__file__).resolve().parents[1]

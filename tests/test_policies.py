@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import jax_mlpo
-from jax_mlpo import placement, retention
 from jax_mlpo.config import Bandwidth, TierLimits
+from jax_mlpo.engine import placement, retention
 from jax_mlpo.tiers.concurrency import TierPermits
 
 N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements

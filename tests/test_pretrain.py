@@ -505,7 +505,7 @@ def test_muon_in_the_config_trains_beside_optax_muon(data_cache, tmp_path):
     state = optimizer.build_optimizer(cfg, use_optax=False).init(
         {"w": jnp.zeros((64, 1000)), "scale": jnp.zeros((1000,))}
     )
-    engines = [jax_mlpo.engine_of(s) for s in jax_mlpo.opt_state.find_offloaded(state)]
+    engines = [jax_mlpo.engine_of(s) for s in jax_mlpo.transforms.opt_state.find_offloaded(state)]
     # float32 params: the master's engine is over no leaves and holds nothing
     assert [e.layout.state_bytes for e in engines] == [4 * 64_000, 0, 8 * 1000]
     jax_mlpo.close(state)

@@ -72,7 +72,7 @@ def test_a_profile_shows_each_phase_of_each_update(tmp_path):
     assert names.count("jax_mlpo.tier_write") > 0
     # the read-ahead between the two updates, and its reads before the second one started
     second = [t for t, name in found if name == "jax_mlpo.update"][1]
-    ahead = [t for t, name in found if name == "jax_mlpo.read_ahead"]
+    ahead = [t for t, name in found if name == "jax_mlpo.engine.read_ahead"]
     assert any(t < second for t in ahead), ahead
     assert metrics[1].reads_ahead > 0
     first_reads = [t for t, name in found if name == "jax_mlpo.tier_read" and t < second]

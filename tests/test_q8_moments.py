@@ -16,10 +16,16 @@ from helpers import problem as _problem
 
 import jax_mlpo
 from jax_mlpo import native
+from jax_mlpo.engine.quantize import (
+    BLOCK,
+    Quantized,
+    decode_reference,
+    encode_reference,
+    num_blocks,
+)
 from jax_mlpo.native.quantize import q8_decode, q8_encode
 from jax_mlpo.optimizers import fma64
 from jax_mlpo.optimizers.adamw import adamw_step_reference
-from jax_mlpo.quantize import BLOCK, Quantized, decode_reference, encode_reference, num_blocks
 from jax_mlpo.types import BF16, F32
 
 

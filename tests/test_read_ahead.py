@@ -21,11 +21,11 @@ import pytest
 from fault_training import BLOB, LR, SUB, WD, N, Training, grads_for, make_params
 
 import jax_mlpo
-from jax_mlpo import retention
 from jax_mlpo.config import Bandwidth, TierLimits
-from jax_mlpo.layout import gather_state
-from jax_mlpo.opt_state import with_count
+from jax_mlpo.engine import retention
+from jax_mlpo.engine.layout import gather_state
 from jax_mlpo.testing import tier_faults
+from jax_mlpo.transforms.opt_state import with_count
 
 
 def config(tmp_path, name: str = "tier", **switches) -> jax_mlpo.OffloadConfig:

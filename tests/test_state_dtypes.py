@@ -18,8 +18,8 @@ from helpers import problem as _problem
 
 import jax_mlpo
 from jax_mlpo import native
+from jax_mlpo.engine.quantize import decode_reference, encode_reference
 from jax_mlpo.optimizers.adamw import adamw_step_reference
-from jax_mlpo.quantize import decode_reference, encode_reference
 from jax_mlpo.types import BF16, F32
 
 MOMENTS = [(BF16, F32), (F32, BF16), (BF16, BF16)]

@@ -30,7 +30,7 @@ from typing import Any
 from experiments.bench.harness import write_json
 from experiments.bench.sysio import filesystem
 from jax_mlpo.native import disk_probe
-from jax_mlpo.sizes import parse_size
+from jax_mlpo.tiers.settings import parse_size
 
 logger = logging.getLogger("bench.disk_limit")
 

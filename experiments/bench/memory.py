@@ -166,7 +166,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.params_mi, args.cache, args.tier, args.steps)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from jax_mlpo.sizes import parse_size
+    from jax_mlpo.tiers.settings import parse_size
 
     sizes = [int(s) for s in args.sizes_mi.split(",")]
     systems = args.systems.split(",")

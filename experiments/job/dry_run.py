@@ -1,7 +1,7 @@
 """The dry run: a config's memory plan per process and tier, without allocating anything.
 
-The figures come from jax_mlpo's own plan (:func:`jax_mlpo.plan.host_plan` for the host
-buffers, :func:`jax_mlpo.placement.split.tier_split` for the tiers), the functions the engine
+The figures come from jax_mlpo's own plan (:func:`jax_mlpo.engine.plan.host_plan` for the host
+buffers, :func:`jax_mlpo.engine.placement.split.tier_split` for the tiers), the functions the engine
 builds itself from, so what ``pretrain.py --dry-run`` prints is what a run allocates. The state
 is assumed sharded evenly over the processes (each owns a contiguous 1/N of the flat parameters,
 as ZeRO-3 does), each process running its own engine with the config's ``offload`` section.
@@ -16,10 +16,10 @@ from typing import Any
 from experiments.job.host_memory import meminfo, training_memory
 from experiments.job.optimizer import muon_matrix_params
 from experiments.job.run_config import ConfigError, RunConfig, resolve_model
-from jax_mlpo import placement
-from jax_mlpo.layout import state_bytes_per_param
-from jax_mlpo.placement.split import TierSplit, tier_split
-from jax_mlpo.plan import HostPlan, StateShape, host_plan, split_host_cache
+from jax_mlpo.engine import placement
+from jax_mlpo.engine.layout import state_bytes_per_param
+from jax_mlpo.engine.placement.split import TierSplit, tier_split
+from jax_mlpo.engine.plan import HostPlan, StateShape, host_plan, split_host_cache
 from models import param_count
 
 
@@ -139,7 +139,7 @@ def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
     """The engine plans of one of ``processes`` processes running ``cfg``.
 
     Engines of one optimizer (Muon's) share ``offload.host_cache`` as the run does
-    (:func:`jax_mlpo.plan.split_host_cache`).
+    (:func:`jax_mlpo.engine.plan.split_host_cache`).
 
     Args:
       cfg: the run config.

@@ -7,7 +7,8 @@ the reads issued there (read-ahead) included. From those:
 
 - the **limit** of an iteration: max(forward + backward + the update's compute, the iteration's
   bytes at the tiers' bandwidth), with each tier serving its reads and writes one after the
-  other at the bandwidths the engine probed at start (:attr:`jax_mlpo.engine.Engine.bandwidth`);
+  other at the bandwidths the engine probed at start
+  (:attr:`jax_mlpo.engine.engine.Engine.bandwidth`);
 - the **disk busy fraction**: the time some request of a tier was in flight, over the iteration.
 
 :func:`plot_timeline` draws both per iteration: the compute and the waits of the iteration
@@ -26,7 +27,7 @@ def tier_totals(engine: Any) -> dict[str, dict[str, float]]:
     """Each tier's cumulative bytes and busy time, and its bandwidth in the placement model.
 
     Args:
-      engine: the optimizer's :class:`~jax_mlpo.engine.Engine`.
+      engine: the optimizer's :class:`~jax_mlpo.engine.engine.Engine`.
 
     Returns:
       Per tier path: ``read_bytes``, ``write_bytes``, ``busy_s`` and the bandwidths

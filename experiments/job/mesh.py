@@ -6,7 +6,7 @@ more) the job builds a mesh over every device of the job from the config's ``mes
 dimension over the first axis (FSDP) and, on a second axis, a 2-D or larger leaf's last
 dimension over it (tensor parallel), each only where the size divides; the rest is
 replicated. The batch is split over the first axis. jax_mlpo takes the params as they are
-sharded (:mod:`jax_mlpo.mesh_update`); a user's own rules work the same way.
+sharded (:mod:`jax_mlpo.sharding.mesh`); a user's own rules work the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.job.run_config import ConfigError, MeshConfig
-from jax_mlpo import distributed
+from jax_mlpo.sharding import processes as distributed
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device]) -> Mesh | None:

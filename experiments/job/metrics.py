@@ -1,7 +1,7 @@
 """The pre-training job's step figures, aggregated across its processes.
 
-In a data-parallel run (:mod:`jax_mlpo.distributed`) every process has its own engine and its
-own :class:`~jax_mlpo.step_metrics.StepMetrics`. The job advances at the pace of its slowest
+In a data-parallel run (:mod:`jax_mlpo.sharding.processes`) every process has its own engine and its
+own :class:`~jax_mlpo.engine.step_metrics.StepMetrics`. The job advances at the pace of its slowest
 process (the next step's gradient reduction waits for it), so :func:`aggregate` reports the
 slowest process's time as the step time, with that process's breakdown, and keeps every
 process's figures beside it::
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_mlpo.step_metrics import PER_TIER, SCALARS, StepMetrics, shared_tier_path
+from jax_mlpo.engine.step_metrics import PER_TIER, SCALARS, StepMetrics, shared_tier_path
 
 _INTS = ("cache_hits", "reads_ahead", "subgroups", "bytes_read", "bytes_written")
 

@@ -108,7 +108,7 @@ class MeshConfig:
     shape: tuple[int, ...] = ()
     """Devices per axis, their product the job's devices; () puts every device on the first
     axis (FSDP over all of them). Unused with one device, and with one device per process
-    (jax_mlpo.distributed's data-parallel layout)."""
+    (jax_mlpo.sharding.processes's data-parallel layout)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,8 @@ from experiments.job.optimizer import build_optimizer
 from experiments.job.records import earlier_records, finish, progress, step_record
 from experiments.job.run_config import ConfigError, RunConfig, resolve_model
 from experiments.job.steps import make_steps
-from jax_mlpo import checkpoint, distributed
+from jax_mlpo import checkpoint
+from jax_mlpo.sharding import processes as distributed
 from models import Llama, param_count
 
 logger = logging.getLogger("pretrain")
@@ -193,8 +194,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
 
     In a multi-process run (``jax.distributed`` initialised, see :func:`init_distributed`)
     every process calls it with the same config: params and optimizer state are sharded over
-    the processes (:mod:`jax_mlpo.distributed`), each process feeds its ``batch_size`` rows of
-    the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
+    the processes (:mod:`jax_mlpo.sharding.processes`), each process feeds its ``batch_size`` rows
+    of the global batch of ``batch_size x processes`` rows, and process 0 writes the metrics,
     summary and plot, with the slowest process's step time (``experiments.job.metrics.aggregate``).
     Checkpoints are saved and restored by every process (each writes and reads its shards;
     :mod:`jax_mlpo.checkpoint`), so a run resumes on any process count; process 0 continues
@@ -214,7 +215,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # What XLA frees goes back to the system, so the peak stays the first step's (else it rose
-    # 14% over 12 steps: jax_mlpo/host_heap.py).
+    # 14% over 12 steps: jax_mlpo/engine/host_heap.py).
     jax_mlpo.return_freed_buffers()
     if nproc == 1:  # before anything large is allocated (multi-process: --dry-run's figures)
         engine = None if use_optax else optimizer_plan(cfg, 1)
@@ -230,7 +231,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 ": it could not be held in memory even with nothing else there"
                 if plan.state_bytes >= total else "",
             )  # fmt: skip
-    # One device per process: jax_mlpo.distributed's data-parallel layout; otherwise the
+    # One device per process: jax_mlpo.sharding.processes's data-parallel layout; otherwise the
     # config's mesh over every device of the job.
     data_parallel = nproc > 1 and jax.local_device_count() == 1
     device_mesh = None if data_parallel else build_mesh(cfg.mesh, jax.devices())
@@ -278,7 +279,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         raise
     # the engines of the offloaded states (muon has up to three), which update one after
     # another; an engine over no leaves (an empty group of muon's) runs no update
-    found = [] if use_optax else jax_mlpo.opt_state.find_offloaded(opt_state)
+    found = [] if use_optax else jax_mlpo.transforms.opt_state.find_offloaded(opt_state)
     engines = [e for e in map(jax_mlpo.engine_of, found) if e.layout.num_params]
     grad_step, update_step = make_steps(graphdef, tx)
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
@@ -323,7 +324,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
-                step_metrics = jax_mlpo.step_metrics.combine(
+                step_metrics = jax_mlpo.engine.step_metrics.combine(
                     [e.metrics[-1] for e in engines]) if engines else None  # fmt: skip
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.

@@ -24,7 +24,7 @@
 # Arguments are passed on to pretrain.py (e.g. --set steps=100, --dry-run --processes 64).
 #
 # Every process runs the same config: the optimizer state is sharded over the processes and
-# each one keeps its share in <tier>/proc<RANK> (jax_mlpo.distributed); each process feeds
+# each one keeps its share in <tier>/proc<RANK> (jax_mlpo.sharding.processes); each process feeds
 # batch_size rows of the global batch of batch_size x NPROCS rows; process 0 writes config,
 # metrics, summary and plot to $PFS_DIR/jax_mlpo/$RUN_NAME/ with the slowest process's step time.
 set -euo pipefail

@@ -14,8 +14,8 @@ checkpoint is written by :class:`OffloadCheckpointHandler`: the tree (params, an
   flattening: a range of the whole leaf with one device per process, a whole block with params
   on a mesh;
 - the save reads the state from the host cache and the tiers subgroup by subgroup
-  (:mod:`jax_mlpo.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a CRC-32C per
-  piece; host memory beyond ``host_cache``: two read-ahead blobs and at most 8 pieces in flight,
+  (:mod:`jax_mlpo.engine.snapshot`) and writes each array in pieces of 8 MiB, O_DIRECT, a CRC-32C
+  per piece; host memory beyond ``host_cache``: two read-ahead blobs and at most 8 pieces in flight,
   whatever the state's size.
 
 Subgroups, tiers, host cache and process count are not part of a checkpoint, so it restores
@@ -35,10 +35,10 @@ during such a save. :func:`save` checks the free space first (:mod:`~jax_mlpo.ch
 and saves synchronously where copy-on-write would not fit (``blocking=None``), or raises
 :class:`CheckpointSpaceError` naming the figures and the fix.
 
-Several processes (``jax.distributed``, see :mod:`jax_mlpo.distributed`): the params are written
-the way orbax writes sharded ``jax.Array``s (each process the zarr3 chunks of its shards), the
-offloaded state by each process into its own arrays (replicated leaves once, by
-process 0). On restore each process reads only the saved shards that overlap its own.
+Several processes (``jax.distributed``, see :mod:`jax_mlpo.sharding.processes`): the params are
+written the way orbax writes sharded ``jax.Array``s (each process the zarr3 chunks of its shards),
+the offloaded state by each process into its own arrays (replicated leaves once, by process 0). On
+restore each process reads only the saved shards that overlap its own.
 
 Each item also holds ``jax_mlpo_checksums.json``: a digest (CRC-32C,
 :mod:`~jax_mlpo.checkpoint.digest`; a sha256 before format 5) of every orbax leaf as saved (or of

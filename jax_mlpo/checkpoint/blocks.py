@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mlpo import distributed
-from jax_mlpo.opt_state import OffloadedState
-from jax_mlpo.registry import engine_of, mesh_plan_of
+from jax_mlpo.sharding import processes as distributed
+from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
 
@@ -141,7 +141,7 @@ def tiles(shape: list[int], indexes: list[Index]) -> bool:
 
 def shard_starts(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
     """Where this process's shard of each offloaded leaf starts in the flattened global leaf
-    (:mod:`jax_mlpo.distributed`'s rows), and the leaves it does not write (replicated ones:
+    (:mod:`jax_mlpo.sharding.processes`'s rows), and the leaves it does not write (replicated ones:
     process 0 writes those)."""
     n, k = jax.process_count(), jax.process_index()
     starts, skip = [], []
@@ -161,8 +161,8 @@ class Region:
 
     An engine leaf is a contiguous range of a block of the leaf, in the block's row-major
     order: the whole leaf (one device), a range of the flattened leaf (one device per process,
-    :mod:`jax_mlpo.distributed`), or a whole block split on any dimensions (params on a mesh,
-    :mod:`jax_mlpo.mesh_update`). Streamed checkpoint arrays record theirs the same way.
+    :mod:`jax_mlpo.sharding.processes`), or a whole block split on any dimensions (params on a mesh,
+    :mod:`jax_mlpo.sharding.mesh`). Streamed checkpoint arrays record theirs the same way.
 
     Attributes:
       leaf: the parameter leaf's index.

@@ -23,13 +23,13 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Index, Region, engine_regions, full, index_of
 from jax_mlpo.checkpoint.manifest import FORMAT, saved_shards
 from jax_mlpo.checkpoint.stream import quantities
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
-from jax_mlpo.opt_state import OffloadedState
-from jax_mlpo.registry import engine_of, mesh_plan_of
+from jax_mlpo.sharding import processes as distributed
+from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
 
 
 @dataclasses.dataclass(frozen=True)

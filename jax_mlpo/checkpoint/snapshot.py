@@ -4,11 +4,11 @@ A save takes the small part of the tree at the moment it is called (params, scal
 keys), so that the next update may run (and donate or overwrite the device buffers) while the
 checkpoint is written: small arrays are copied for orbax to write in the background, large
 host arrays (the params) are not, since they are written before the save returns
-(:mod:`~jax_mlpo.checkpoint.host_arrays`). Every
-:class:`~jax_mlpo.OffloadedState` becomes its ``count`` in that tree, and its AdamW state
-an :class:`OffloadedStream`: an engine snapshot (:mod:`jax_mlpo.snapshot`), read from the host
-cache and the tiers subgroup by subgroup while it is written (:mod:`~jax_mlpo.checkpoint.stream`),
-never held in host memory as a whole. Its arrays are the *logical* layout, independent of
+(:mod:`~jax_mlpo.checkpoint.host_arrays`). Every :class:`~jax_mlpo.OffloadedState` becomes its
+``count`` in that tree, and its AdamW state an :class:`OffloadedStream`: an engine snapshot
+(:mod:`jax_mlpo.engine.snapshot`), read from the host cache and the tiers subgroup by subgroup while
+it is written (:mod:`~jax_mlpo.checkpoint.stream`), never held in host memory as a whole. Its arrays
+are the *logical* layout, independent of
 subgroups, tiers, host cache and process count: ``mu``, ``nu`` and (bfloat16 leaves) ``master``
 of every parameter leaf, each process writing its shards.
 """
@@ -21,15 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_mlpo import distributed
 from jax_mlpo.checkpoint.blocks import Region, engine_regions
 from jax_mlpo.checkpoint.host_arrays import writes_directly
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name
+from jax_mlpo.engine.layout import Layout
+from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.errors import EngineFailedError, StaleStateError
-from jax_mlpo.layout import Layout
-from jax_mlpo.opt_state import OffloadedState, count_of
-from jax_mlpo.registry import engine_of, mesh_plan_of
-from jax_mlpo.snapshot import StateSnapshot
+from jax_mlpo.sharding import processes as distributed
+from jax_mlpo.transforms.opt_state import OffloadedState, count_of
+from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
 
 
 def check_savable(tree: Any) -> None:

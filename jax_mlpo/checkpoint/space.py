@@ -3,8 +3,8 @@
 A checkpoint holds this process's share of the offloaded state (12 B/param with bfloat16 params,
 8 with float32) and the rest of the tree. A save that runs while training goes on also needs,
 on each tier, room for the subgroups the next updates write while the checkpoint still has to
-read their old blobs (copy-on-write, :mod:`jax_mlpo.snapshot`): up to that tier's share of the
-state again. Where the checkpoint and a tier share a file system, the two add up. Object tiers
+read their old blobs (copy-on-write, :mod:`jax_mlpo.engine.snapshot`): up to that tier's share of
+the state again. Where the checkpoint and a tier share a file system, the two add up. Object tiers
 are not checked (their stores report no free space).
 """
 
@@ -18,7 +18,7 @@ import jax
 
 from jax_mlpo.checkpoint.tree import is_offloaded
 from jax_mlpo.errors import CheckpointSpaceError
-from jax_mlpo.registry import engine_of
+from jax_mlpo.transforms.registry import engine_of
 
 
 def _existing(path: str) -> str:

@@ -23,8 +23,8 @@ from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.pieces import Piece, segment_pieces
 from jax_mlpo.checkpoint.shard_file import ShardReader, check_array, whole_pages
 from jax_mlpo.checkpoint.stream import CHUNK_ELEMS, quantities, split_quantities
-from jax_mlpo.layout import Subgroup, is_signed, store_f32
-from jax_mlpo.quantize import Quantized
+from jax_mlpo.engine.layout import Subgroup, is_signed, store_f32
+from jax_mlpo.engine.quantize import Quantized
 from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
 

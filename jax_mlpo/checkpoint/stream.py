@@ -36,8 +36,8 @@ from jax_mlpo.checkpoint.shard_file import (
     sync_directories,
     whole_pages,
 )
-from jax_mlpo.layout import Layout, Moment, Segment, Subgroup, is_signed, moment_f32
-from jax_mlpo.quantize import moment_dtype_name
+from jax_mlpo.engine.layout import Layout, Moment, Segment, Subgroup, is_signed, moment_f32
+from jax_mlpo.engine.quantize import moment_dtype_name
 from jax_mlpo.tiers.submit import aligned_empty
 from jax_mlpo.types import F32
 

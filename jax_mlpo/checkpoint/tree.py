@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jax_mlpo.opt_state import is_offloaded, unwrap
+from jax_mlpo.transforms.opt_state import is_offloaded, unwrap
 
 __all__ = ["is_key", "is_offloaded", "is_sharded", "leaves", "path_name", "unwrap"]
 

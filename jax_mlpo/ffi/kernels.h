@@ -122,7 +122,7 @@ constexpr int LionIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf1
 }
 constexpr size_t kLionVariants = 128;
 
-// The 8-bit blockwise moment (q8, jax_mlpo/quantize.py has the reference and the reasons): blocks
+// The 8-bit blockwise moment (q8, jax_mlpo/engine/quantize.py has the reference and the reasons): blocks
 // of kQ8Block elements from the start of each call's range, a power-of-two float32 scale per
 // block (the smallest at or above the block's largest magnitude), and per element a float with 3
 // mantissa bits relative to that scale: m signed (sign bit and a 7-bit magnitude code, 2^-16..1),

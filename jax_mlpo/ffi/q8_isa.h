@@ -1,4 +1,4 @@
-// The 8-bit blockwise moment's code (q8; kernels.h has the format, jax_mlpo/quantize.py the
+// The 8-bit blockwise moment's code (q8; kernels.h has the format, jax_mlpo/engine/quantize.py the
 // reference and the reasons): encoding, decoding and the stochastic rounding's random bits.
 //
 // Not a header of its own: kernels_isa.cc includes it inside its instruction-set namespace, after

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mlpo.engine.quantize import Quantized
 from jax_mlpo.native.library import (
     I64,
     LIB,
@@ -38,7 +39,6 @@ from jax_mlpo.native.library import (
     declare,
 )
 from jax_mlpo.native.quantize import checked_quantized
-from jax_mlpo.quantize import Quantized
 from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
 
 __all__ = ["adamw_step", "adamw_update"]
@@ -93,7 +93,7 @@ def adamw_step(
       delta_base: bfloat16 params the caller will add the update to, or None.
       param_bf16_out: bfloat16 output for the new params (round to nearest even), or None.
       seed: q8 moments are rounded stochastically with this seed
-        (:func:`jax_mlpo.quantize.segment_seed`), or to nearest when None.
+        (:func:`jax_mlpo.engine.quantize.segment_seed`), or to nearest when None.
 
     Raises:
       ValueError: on a wrong dtype, a non-contiguous or read-only output, a size mismatch,

@@ -293,7 +293,7 @@ def cuda_host_unregister(buf: np.ndarray) -> None:
 
 class CudaCopier:
     """Copies between host arrays and device addresses with ``cudaMemcpyAsync`` on one stream
-    (XLA's, handed to the host update): the :class:`jax_mlpo.leaves.Copier` of a GPU.
+    (XLA's, handed to the host update): the :class:`jax_mlpo.engine.leaves.Copier` of a GPU.
 
     Args:
       stream: the ``cudaStream_t``, as an int.

@@ -17,7 +17,7 @@ Deferred updates: the handler is asynchronous on CPU. A runner may keep a call's
 return :data:`DEFERRED`; the call then stays pending in XLA (its thread free for other work)
 until the :class:`Completion` it was handed is called, from another thread. Params on a mesh
 use this: each device's call hands its buffers in, and the last one runs the engine over all
-of them (:mod:`jax_mlpo.mesh_update`).
+of them (:mod:`jax_mlpo.sharding.mesh`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The q8 moment code (:mod:`jax_mlpo.quantize`) in the native library: encode and decode.
+"""The q8 moment code (:mod:`jax_mlpo.engine.quantize`) in the native library: encode and decode.
 
 The fused AdamW kernel decodes and encodes q8 moments itself; these are for the paths that
 move a moment between its q8 blob and float32 (checkpoints, ``state_dict``), and for tests.
@@ -10,8 +10,8 @@ import ctypes
 
 import numpy as np
 
+from jax_mlpo.engine.quantize import Quantized, num_blocks
 from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
-from jax_mlpo.quantize import Quantized, num_blocks
 from jax_mlpo.types import F32
 
 __all__ = ["q8_decode", "q8_encode"]
@@ -30,7 +30,9 @@ declare(
 def checked_quantized(name: str, q: object, size: int | None, *, writable: bool) -> Quantized:
     """Checks a q8 argument (codes and their blocks' scales) before it crosses into C."""
     if not isinstance(q, Quantized):
-        raise ValueError(f"{name} must be a jax_mlpo.quantize.Quantized, got {type(q).__name__}")
+        raise ValueError(
+            f"{name} must be a jax_mlpo.engine.quantize.Quantized, got {type(q).__name__}"
+        )
     codes = checked_array(f"{name}.codes", q.codes, (U8,), size, writable=writable)
     scales = checked_array(f"{name}.scales", q.scales, (F32,), num_blocks(codes.size),
                            writable=writable)  # fmt: skip

@@ -2,7 +2,7 @@
 
 The engine makes a subgroup's state blob resident and hands it, with the update's leaves, to
 its optimizer's :meth:`HostOptimizer.update`, which advances the moments in place and writes
-the update where the leaves say (:mod:`jax_mlpo.leaves`). An optimizer names its moments (the
+the update where the leaves say (:mod:`jax_mlpo.engine.leaves`). An optimizer names its moments (the
 blob's parts after the fp32 master, and the arrays of ``state_dict`` and of checkpoints) and
 reads the step's scalars by name (:mod:`.scalars`). :mod:`.adamw`, :mod:`.lion` and
 :mod:`.muon` are the built-in ones; each has a numpy reference and a fused native kernel that
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jax_mlpo.layout import Moment, Segment, Subgroup
-from jax_mlpo.leaves import Leaves
+from jax_mlpo.engine.layout import Moment, Segment, Subgroup
+from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.types import BF16, F32
 
 

@@ -18,10 +18,10 @@ from typing import ClassVar
 import numpy as np
 
 from jax_mlpo import native
-from jax_mlpo.layout import Subgroup
-from jax_mlpo.leaves import Leaves
+from jax_mlpo.engine.layout import Subgroup
+from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.engine.quantize import Quantized, decode_reference, encode_reference, segment_seed
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
-from jax_mlpo.quantize import Quantized, decode_reference, encode_reference, segment_seed
 from jax_mlpo.types import F32, AdamWHyper, moment_decay
 
 __all__ = ["AdamW", "AdamWHyper", "adamw_step_reference", "adamw_subgroup"]
@@ -43,7 +43,7 @@ def adamw_step_reference(
     """One AdamW step over a segment, in numpy (the reference the native kernel must match).
 
     Args:
-      m: float32 or bfloat16 first moment, or its q8 code (:mod:`jax_mlpo.quantize`: decoded
+      m: float32 or bfloat16 first moment, or its q8 code (:mod:`jax_mlpo.engine.quantize`: decoded
         here, advanced in float32, encoded again), updated in place.
       v: the same for the second moment.
       grad: float32 or bfloat16 gradient; bfloat16 is converted to float32 here (delayed

@@ -23,8 +23,8 @@ from typing import ClassVar
 import numpy as np
 
 from jax_mlpo import native
-from jax_mlpo.layout import Subgroup
-from jax_mlpo.leaves import Leaves
+from jax_mlpo.engine.layout import Subgroup
+from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
 from jax_mlpo.types import F32, LionHyper, moment_decay
 

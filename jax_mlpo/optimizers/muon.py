@@ -2,7 +2,7 @@
 
 ``optax.contrib.muon`` (Jordan et al. 2024) keeps one momentum per matrix and orthogonalizes it
 by Newton-Schulz iterations: the orthogonalization needs whole matrices and runs on the device
-(:mod:`jax_mlpo.muon`), so the host does what is elementwise, in two passes around it:
+(:mod:`jax_mlpo.transforms.muon`), so the host does what is elementwise, in two passes around it:
 
 * the momentum pass (:class:`MuonMomentum`): ``m <- (1 - b) g + b m``, then the momentum the
   device orthogonalizes, ``m / bc``, or with nesterov ``b m / bc_next + (1 - b) g / bc``
@@ -26,8 +26,8 @@ from typing import ClassVar
 import numpy as np
 
 from jax_mlpo import native
-from jax_mlpo.layout import Subgroup
-from jax_mlpo.leaves import Leaves
+from jax_mlpo.engine.layout import Subgroup
+from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
 from jax_mlpo.types import F32, ApplyHyper, MomentumHyper, moment_decay
 

@@ -62,7 +62,7 @@ def _trace_name(direction: str, kind: str) -> str:
 
 class FileTierStore:
     """The open, locked blobs of one tier: a :class:`~jax_mlpo.config.FileTier` directory, or
-    an :class:`~jax_mlpo.object_tier.ObjectTier` prefix (``directory`` is then None).
+    an :class:`~jax_mlpo.tiers.object_tier.ObjectTier` prefix (``directory`` is then None).
 
     A tier holds blobs of several kinds: ``"state"`` (a subgroup's ``[p | m | v]``), ``"grad"``
     (fp32 gradients, only when gradient conversion is not delayed) and ``"probe"`` (bandwidth

@@ -37,7 +37,7 @@ LOCK_KEY = ".jax_mlpo-lock"
 
 
 def open_kvstore(tier: Any) -> ts.KvStore:
-    """The tier's kvstore (an :class:`~jax_mlpo.object_tier.ObjectTier`), opened."""
+    """The tier's kvstore (an :class:`~jax_mlpo.tiers.object_tier.ObjectTier`), opened."""
     return ts.KvStore.open(tier.spec(), context=ts.Context(tier.context())).result()
 
 
@@ -45,7 +45,7 @@ class KvstoreBlobs:
     """Blobs of several kinds as values ``<kind>-<slot>.blob`` under the tier's prefix.
 
     Args:
-      tier: the :class:`~jax_mlpo.object_tier.ObjectTier`.
+      tier: the :class:`~jax_mlpo.tiers.object_tier.ObjectTier`.
       kinds: for each kind, the float32 length of each slot's blob.
       kvstore: the opened kvstore.
     """

@@ -123,8 +123,8 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
 
     import jax_mlpo
     from experiments.job import metrics
-    from jax_mlpo import distributed
     from jax_mlpo.config import parse_size
+    from jax_mlpo.sharding import processes as distributed
 
     n = parse_size(cfg["state"], "--state") // 8 // nproc * nproc  # fp32 params: m, v
     mesh = distributed.data_parallel_mesh()

@@ -5,7 +5,7 @@ The same fp32 parameter vector, split into N shards along its only dimension, is
 fresh tier directories on the disk under ``--dir`` (the page cache dropped first when root):
 
 - ``mesh``: one process with ``JAX_NUM_CPU_DEVICES=N``, the vector on a ``(N,)`` mesh: one
-  engine over the N shards, the devices' calls meeting (:mod:`jax_mlpo.mesh_update`), with the
+  engine over the N shards, the devices' calls meeting (:mod:`jax_mlpo.sharding.mesh`), with the
   whole ``--cache``;
 - ``processes``: N processes (``jax.distributed``, one CPU device each), each an engine over
   its shard with ``--cache / N`` (the same host memory in all), tiers in ``<tier>/proc<k>``.
@@ -62,7 +62,7 @@ def worker(cfg: dict[str, Any], pid: int, variant: str, port: int) -> None:
 
     devices = cfg["devices"]
     n = parse_size(cfg["state"], "--state") // 8 // devices * devices  # fp32 params: m, v
-    mesh = Mesh(np.array(jax.devices()), ("data",))  # as jax_mlpo.distributed's
+    mesh = Mesh(np.array(jax.devices()), ("data",))  # as jax_mlpo.sharding.processes's
     sharding = NamedSharding(mesh, P("data"))
 
     def vector(scale: float, offset: int) -> jax.Array:  # deterministic, made per shard only

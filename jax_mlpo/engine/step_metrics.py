@@ -1,0 +1,127 @@
+"""Per-step measurements of the update pipeline: :class:`StepMetrics` of one engine's update,
+the tier I/O between updates that it takes in (:class:`TierIOWindow`), the steps of several
+engines of one optimizer combined (:func:`combine`).
+
+In a data-parallel run (:mod:`jax_mlpo.sharding.processes`) every process has its own engine and its
+own :class:`StepMetrics`, its tiers in ``proc<k>`` directories (:func:`shared_tier_path` gives
+the tier as configured); a job aggregates them across processes itself (the pre-training job's
+``experiments/job/metrics.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    """Where one update's time went and what it moved.
+
+    Attributes:
+      step: the optimizer step this update produced (1 for the first update).
+      total_s: wall time of the host update.
+      read_wait_s: time the update loop waited for subgroup reads (not hidden by compute).
+      compute_s: time in the optimizer's kernel.
+      write_wait_s: time the loop waited for write-backs (buffer reuse and the final drain).
+      grad_write_s: time spent writing fp32 gradients to the tiers before the update (only
+        without delayed conversion, the baseline; ZeRO-Infinity does it during backward).
+      cache_hits: subgroups that were resident in host memory (no read, no write).
+      reads_ahead: subgroups whose reads were issued before the update started, during the
+        forward and backward pass (``OffloadConfig.read_ahead``).
+      subgroups: subgroups updated.
+      bytes_read: bytes read per tier path.
+      bytes_written: bytes written per tier path.
+      tier_busy_s: wall time each tier had at least one request in flight.
+    """
+
+    step: int
+    total_s: float = 0.0
+    read_wait_s: float = 0.0
+    compute_s: float = 0.0
+    write_wait_s: float = 0.0
+    grad_write_s: float = 0.0
+    cache_hits: int = 0
+    reads_ahead: int = 0
+    subgroups: int = 0
+    bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_written: dict[str, int] = dataclasses.field(default_factory=dict)
+    tier_busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class TierIOWindow:
+    """Each tier's bytes and busy time since a mark, added to the figures of a step.
+
+    A step's figures hold the tiers' I/O from its start to the next update's start: its own,
+    the write-backs that finish after it returned (write-behind) and the next update's reads
+    issued ahead (read-ahead), so that each step's bytes and busy time add up to the
+    iteration's. The next update first closes the window into the last step's figures.
+
+    Args:
+      stores: the tiers (each with ``tier.path``, ``bytes_read``, ``bytes_written``, ``busy_s``).
+    """
+
+    def __init__(self, stores: Sequence[Any]) -> None:
+        self._stores = stores
+        self._mark: list[tuple[int, int, float]] | None = None
+
+    def _now(self) -> list[tuple[int, int, float]]:
+        return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self._stores]
+
+    def reset(self) -> None:
+        """Starts a new window: the I/O so far belongs to no step (a flush, a load)."""
+        self._mark = self._now()
+
+    def close_into(self, metrics: StepMetrics | None) -> None:
+        """Adds the window's I/O to ``metrics`` (if any) and starts a new window."""
+        now = self._now()
+        if metrics is not None and self._mark is not None:
+            for store, (r0, w0, b0), (r1, w1, b1) in zip(self._stores, self._mark, now,
+                                                          strict=True):  # fmt: skip
+                path = store.tier.path
+                metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + r1 - r0
+                metrics.bytes_written[path] = metrics.bytes_written.get(path, 0) + w1 - w0
+                metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + b1 - b0
+        self._mark = now
+
+
+# the figures of StepMetrics: scalars, and per-tier dicts keyed by the tier path
+# the figures of StepMetrics: scalars, and dicts by tier path
+SCALARS = ("total_s", "read_wait_s", "compute_s", "write_wait_s", "grad_write_s",
+            "cache_hits", "reads_ahead", "subgroups")  # fmt: skip
+PER_TIER = ("bytes_read", "bytes_written", "tier_busy_s")
+_PROC_DIR = re.compile(r"^proc\d+$")
+
+
+def shared_tier_path(path: str) -> str:
+    """A tier's path as configured: without the ``proc<k>`` directory of a multi-process run.
+
+    :func:`jax_mlpo.sharding.processes.process_config` moves each process's share of a tier to
+    ``<tier>/proc<k>``; figures of the same tier from different processes are compared and
+    summed under ``<tier>``.
+    """
+    head, tail = os.path.split(path.rstrip(os.sep))
+    if not _PROC_DIR.match(tail):
+        return path
+    # a prefix (``s3://bucket/run/proc0/``) keeps its trailing slash, as configured
+    return head + os.sep if path.endswith(os.sep) else head
+
+
+def combine(parts: Sequence[StepMetrics]) -> StepMetrics:
+    """One step's figures of several engines that update one after another (``jax_mlpo.muon``'s):
+    times, counts and bytes added, per tier path (each engine's tiers are its own)."""
+    out = StepMetrics(step=parts[0].step)
+    for m in parts:
+        for name in SCALARS:
+            setattr(out, name, getattr(out, name) + getattr(m, name))
+        for name in PER_TIER:
+            mine = getattr(out, name)
+            for path, value in getattr(m, name).items():
+                mine[path] = mine.get(path, 0) + value
+    return out

@@ -1,0 +1,320 @@
+"""An optax ``GradientTransformation`` around a host engine, whatever its optimizer.
+
+The transformation's state is two int32 scalars (the step count and a handle to the host engine
+that owns the fp32 master and the moments). ``init`` lays the params out in subgroups and makes
+the engine (for one device, a mesh of this process's devices, or this process's shards of
+several); ``update`` evaluates the step's scalars on the device, exactly as optax does, and one
+side-effecting XLA FFI call runs the engine on XLA's own buffers
+(:mod:`jax_mlpo.native.host_update`): it reads the gradients and params in place and writes the
+update over the gradients, once per executed update, eagerly and under ``jax.jit`` alike. The
+call returns the next step count, so each update's data depends on the previous one.
+:func:`offloaded` builds it; :mod:`jax_mlpo.transforms.elementwise` has the public optimizers.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_mlpo.config import OffloadConfig
+from jax_mlpo.engine.engine import Engine
+from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
+from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
+from jax_mlpo.native.host_update import DEFERRED, ensure_platform, host_update_call, set_host_update
+from jax_mlpo.optimizers import HostOptimizer
+from jax_mlpo.optimizers.scalars import ScalarNames
+from jax_mlpo.sharding import processes as distributed
+from jax_mlpo.sharding.mesh import MeshPlan, mesh_plan
+from jax_mlpo.transforms import registry
+from jax_mlpo.transforms.opt_state import OffloadedState
+
+
+def refuse_discarding_wrappers(name: str) -> None:
+    """Fails init inside optax.MultiSteps, which runs update on every micro-step and discards it."""
+    multi_steps_init = optax.MultiSteps.init.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is multi_steps_init:
+            raise ValueError(
+                f"jax_mlpo.{name} cannot be wrapped in optax.MultiSteps: MultiSteps runs the inner "
+                "update on every micro-step and discards all but the last, but jax_mlpo advances "
+                "its offloaded moments on every update it runs. Use jax_mlpo.MultiSteps(tx, "
+                "every_k_schedule=k) instead: optax.MultiSteps's signature and results, with the "
+                "inner update run only on the micro-step that applies it."
+            )
+        frame = frame.f_back
+
+
+_NO_GPU_MESH = (
+    "jax_mlpo takes params on a mesh of several devices per process on CPU only for now: on "
+    "GPUs start one process per GPU (jax.distributed; experiments/launch/single_node.sh with "
+    "NPROCS=<GPUs>), each with its shards"
+)
+
+
+def _run_update(handle, count, scalars, grads, params, updates, stream, completion):
+    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
+    XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
+    with params on a mesh, each device's call meets the others' and all but the last are
+    deferred (:mod:`jax_mlpo.sharding.mesh`)."""
+    try:
+        slot = registry.slot(handle)
+        if slot is not None:
+            if stream is not None:
+                raise NotImplementedError(_NO_GPU_MESH)
+            calls, k = slot
+            deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
+            return DEFERRED if deferred else None
+        _step(registry.engine(handle), count, scalars, grads, params, updates, stream)
+        return None
+    except BaseException as e:
+        registry.update_failed(e)
+        raise
+
+
+def run_on(engine: Engine):
+    """The runner of a mesh engine's update, once every device's call has arrived."""
+
+    def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
+        _step(engine, count, scalars, grads, params, updates, None)
+
+    return run
+
+
+# The configs already checked against the file systems and object stores, by id (with a weak
+# reference, so that a new config at a recycled id is checked again).
+_VALIDATED: dict[int, weakref.ref] = {}
+
+
+def validate_once(offload: OffloadConfig) -> None:
+    """Checks ``offload``'s tiers once per config object: optax.inject_hyperparams re-creates
+    the transformation inside every update, and a check writes to every tier."""
+    ref = _VALIDATED.get(id(offload))
+    if ref is not None and ref() is offload:
+        return
+    offload.validate()
+    _VALIDATED[id(offload)] = weakref.ref(offload)
+
+
+def _step(engine, count, scalars, grads, params, updates, stream) -> None:
+    """One update of ``engine`` on XLA's buffers: in place on CPU (``stream`` None), staged a
+    subgroup at a time through XLA's stream on a GPU."""
+    if stream is None:
+        leaves = HostLeaves(grads, params, updates)
+    else:
+        staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
+        leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
+    engine.step_leaves(count, engine.optimizer.hyper(engine.scalars.read(scalars)), leaves)
+
+
+set_host_update(_run_update)
+
+
+class EmptyGroup(NamedTuple):
+    """The params of a group of an optimizer's leaves that is empty (``jax_mlpo.muon``'s AdamW
+    group of a model of matrices only): ``init`` on it makes an engine over no leaves, which
+    holds nothing (and, at a place of its own, is replaced by the next init there), so the
+    optimizer's state has the same structure for any params. Other params with no leaves
+    (``optax.tree.map_params``'s placeholder) get a template, and no engine to leak."""
+
+
+def is_traced(params: Any) -> bool:
+    """Whether ``params`` are abstract: ``init`` called under ``jax.eval_shape`` or ``jit``."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+
+
+def template_state(params: Any) -> OffloadedState:
+    """The state's shapes and dtypes for abstract ``params``, with no engine behind it.
+
+    ``jax.eval_shape(tx.init, params)`` (and ``nnx.eval_shape`` of an ``nnx.Optimizer``) is how
+    Flax and orbax make restore targets' shapes: this writes nothing and allocates nothing. Its
+    handle is :data:`jax_mlpo.transforms.registry.TEMPLATE`, which every use of the state refuses,
+    naming the fix: a state to train or restore into comes from ``tx.init`` on concrete params.
+    """
+    shape: tuple[int, ...] = ()
+    if distributed.is_multiprocess():
+        shape = (jax.process_count(),)
+    for leaf in jax.tree.leaves(params):  # params on a mesh in their types (explicit sharding)
+        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            shape = tuple(mesh.axis_sizes)
+            break
+    template = jnp.full(shape, registry.TEMPLATE, jnp.int32)
+    return OffloadedState(count=jnp.zeros([], jnp.int32), handle=template)
+
+
+# (count_inc, hyperparams, lr, grads) -> {name: scalar}: what the device computes for a step
+DeviceScalars = Callable[[jax.Array, dict[str, Any], Any, Any], dict[str, Any]]
+
+
+def offloaded(
+    name: str,
+    optimizer: HostOptimizer,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
+    hyperparams: dict[str, Any],
+    device_scalars: DeviceScalars,
+    moment_dtypes: tuple[Any, ...],
+    mask: Any,
+    offload: OffloadConfig,
+    update_dtype: Any,
+    keeps_master: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """The transformation of an offloaded optimizer (its arguments already checked).
+
+    Args:
+      name: the public function's name (``"adamw"``), for messages.
+      optimizer: the engine's per-subgroup math.
+      learning_rate: a float or an optax schedule (evaluated on the device at the count).
+      hyperparams: the other hyper-parameters by name, as given: Python floats (kept in double
+        precision) or scalar arrays (inject_hyperparams: passed with every update).
+      device_scalars: ``(count_inc, hyperparams, lr, grads) -> {name: scalar}``: the scalars
+        ``optimizer.scalar_names`` names, computed on the device for the step (optax's own
+        expressions, so they match it bit for bit).
+      moment_dtypes: each moment's storage dtype, in ``optimizer.moment_names``' order.
+      mask: where weight decay applies (resolved at init).
+      offload: where the state lives.
+      update_dtype: None (the params' dtype) or float32.
+      keeps_master: whether the state holds the fp32 master of bfloat16 params (False: the
+        update is computed from the gradients alone, as Muon's momentum pass is).
+
+    Returns:
+      The ``GradientTransformationExtraArgs``; its ``update`` requires ``params`` and ignores
+      extra keyword arguments. ``init`` under a trace (``jax.eval_shape``) returns a template
+      of the state (:func:`template_state`) and makes nothing; otherwise it replaces the
+      engine of this process at the same place (:func:`jax_mlpo.transforms.registry.take_place`).
+    """
+    # The plans of the states this transformation initialised on a mesh, by what an update
+    # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
+    # not visible under jit. A transformation re-created inside update (inject_hyperparams)
+    # finds them in the registry.
+    mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
+
+    def plan_key(handle_shape: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
+        return (tuple(handle_shape), *(tuple(np.shape(p)) for p in param_leaves))
+
+    # The params' leaf shapes at each init, checked by every update this transformation traces:
+    # the host state is laid out by them, and the FFI call sees only flat buffers (it catches a
+    # changed leaf count or size, not a reshape that keeps the size). Shapes, not the tree: the
+    # same leaves come wrapped differently (nnx.Optimizer inits on variables, updates on arrays).
+    init_shapes: set[tuple[tuple[int, ...], ...]] = set()
+
+    def shapes_of(params: Any) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
+
+    moments = (moment_dtypes, optimizer.moment_names, keeps_master)
+    scalar_names = ScalarNames.of(optimizer.scalar_names, hyperparams)  # checked once, here
+
+    def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, registry.Place]:
+        # it replaces the engine of this process at its place (a second init)
+        place = registry.place_of(config)
+        registry.take_place(place)
+        return Engine(layout, config, optimizer, scalar_names), place
+
+    def init_fn(params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None):
+        # part_offload, part_mask: where an optimizer is made of several of these, each over a
+        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask
+        refuse_discarding_wrappers(name)
+        where = offload if part_offload is None else part_offload
+        decay = mask if part_mask is None else part_mask
+        init_shapes.add(shapes_of(params))
+        if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
+            return template_state(params)
+        ensure_platform(jax.default_backend())
+        plan = mesh_plan(params)
+        if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
+            plan = None  # jax_mlpo.sharding.processes's layout, which checkpoints can hold
+        if plan is not None:  # params on a mesh: one engine over this process's shards
+            if jax.default_backend() != "cpu":
+                raise NotImplementedError(_NO_GPU_MESH)
+            flags = plan.shard_flags(resolve_mask(decay, params))
+            layout = build_layout(plan.shard_structs(params), where.subgroup_size, flags, *moments)
+            config = where
+            if distributed.is_multiprocess():
+                config = distributed.process_config(where, jax.process_index())
+            engine, place = new_engine(layout, config)
+            key = plan_key(plan.mesh.devices.shape, jax.tree.leaves(params))
+            handles = registry.register_mesh(engine, plan, run_on(engine), key, place)
+            handle = plan.handle_array(handles)
+            mesh_plans[key] = plan
+            return OffloadedState(count=plan.replicated(np.int32(0)), handle=handle)
+        if distributed.is_multiprocess():
+            # Data parallel (see jax_mlpo/sharding/processes.py): this process's engine holds the
+            # state of its own shards, in per-process tier directories.
+            mesh = distributed.data_parallel_mesh()
+            local = distributed.local_params(params, jax.process_count())
+            layout = build_layout(local, where.subgroup_size, resolve_mask(decay, params), *moments)
+            config = distributed.process_config(where, jax.process_index())
+            engine, place = new_engine(layout, config)
+            return OffloadedState(
+                count=distributed.replicated(np.int32(0), mesh),
+                handle=distributed.global_handle(registry.register(engine, place), mesh),
+            )
+        layout = build_layout(params, where.subgroup_size, resolve_mask(decay, params), *moments)
+        engine, place = new_engine(layout, where)
+        return OffloadedState(
+            count=jnp.zeros([], jnp.int32),
+            handle=jnp.asarray(registry.register(engine, place), jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted and ignored, as optax's optimizers do (value=, ...)
+        if params is None:
+            raise ValueError(
+                f"jax_mlpo.{name} needs params in update (tx.update(grads, state, params)): they "
+                "are read for weight decay and for the bfloat16 master copy"
+            )
+        if init_shapes and shapes_of(params) not in init_shapes:
+            raise ValueError(
+                "the params handed to update are not those the optimizer was initialised "
+                f"with: leaf shapes {list(shapes_of(params))[:8]}, against "
+                f"{[list(s)[:8] for s in init_shapes]} at init. The offloaded state is laid out "
+                "by the params at init: init a new optimizer for other params (and restore its "
+                "state from a checkpoint)"
+            )
+        # Arrays among the hyper-parameters (inject_hyperparams's, maybe traced) are arguments
+        # of the jitted update; Python floats stay constants of it, in double precision.
+        lr = None if callable(learning_rate) else learning_rate
+        arrays = {k: v for k, v in hyperparams.items() if not isinstance(v, int | float)}
+        return jitted_update(updates, state, params, lr, arrays)
+
+    # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
+    @jax.jit
+    def jitted_update(updates, state, params, lr, arrays):
+        count_inc = optax.safe_increment(state.count)
+        if lr is None:
+            lr = learning_rate(state.count)
+        computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
+        scalars = scalar_names.vector(computed, arrays)
+        grads, treedef = jax.tree.flatten(updates)
+        param_leaves = treedef.flatten_up_to(params)
+        key = plan_key(np.shape(state.handle), param_leaves)
+        plan = mesh_plans.get(key) or registry.mesh_plan_for(key)
+        if plan is not None:  # each device's call with its shards, one engine per process
+            count_out, outs = distributed.sharded_update(
+                host_update, grads, param_leaves, state.handle, state.count, scalars,
+                mesh=plan.mesh, specs=plan.specs,
+            )  # fmt: skip
+        elif state.handle.ndim:  # multi-process: each process updates its own shards
+            count_out, outs = distributed.sharded_update(
+                host_update, grads, param_leaves, state.handle, state.count, scalars
+            )
+        else:
+            count_out, outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
+        return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
+
+    def host_update(grads, param_leaves, handle, count, scalars):
+        dtypes = [
+            jnp.float32 if update_dtype is not None else jnp.dtype(p.dtype) for p in param_leaves
+        ]
+        return host_update_call(handle, count, scalars, grads, param_leaves, dtypes)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
