@@ -17,7 +17,14 @@ from jax_mlpo.config import (
 )
 from jax_mlpo.engine.host_heap import return_freed_buffers
 from jax_mlpo.engine.step_metrics import StepMetrics
-from jax_mlpo.errors import EngineFailedError, JaxMlpoError, StaleStateError
+from jax_mlpo.errors import (
+    CheckpointInProgressError,
+    EngineFailedError,
+    JaxMlpoError,
+    NoEngineError,
+    StaleStateError,
+    TierFullError,
+)
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
 from jax_mlpo.transforms.accumulation import MultiSteps
@@ -30,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bandwidth",
+    "CheckpointInProgressError",
     "ConfigError",
     "CorruptBlobError",
     "CorruptCheckpointError",
@@ -37,6 +45,7 @@ __all__ = [
     "FileTier",
     "JaxMlpoError",
     "MultiSteps",
+    "NoEngineError",
     "ObjectTier",
     "OffloadConfig",
     "OffloadedAdamWState",
@@ -45,6 +54,7 @@ __all__ = [
     "StaleStateError",
     "StepMetrics",
     "TierLimits",
+    "TierFullError",
     "TierIOError",
     "TierInUseError",
     "adamw",

@@ -37,6 +37,17 @@ class EngineFailedError(JaxMlpoError, RuntimeError):
     """A previous update failed midway; the host state is not consistent any more."""
 
 
+class NoEngineError(JaxMlpoError, RuntimeError):
+    """An optimizer state names no engine of this process: a template (``tx.init`` under a
+    trace), one replaced by a later ``tx.init`` at its place, one closed, or another process's;
+    the message says which, and the fix."""
+
+
+class CheckpointInProgressError(JaxMlpoError, RuntimeError):
+    """An optimizer's state is being read out for a checkpoint, and what was asked (another
+    save, a load, an update during a synchronous snapshot) must wait for it to finish."""
+
+
 class TierIOError(JaxMlpoError, OSError):
     """A read or write on a tier failed; the message names the tier, the file and what to do."""
 
@@ -128,3 +139,21 @@ def typed() -> Iterator[None]:
         if found is None or found is e:
             raise
         raise found  # noqa: B904 - its __cause__ is its own; XLA's error becomes its context
+
+
+def wait_for_updates() -> None:
+    """Waits for the offloaded updates in flight (``jax.effects_barrier``).
+
+    JAX keeps the error of the last side-effecting call that failed and re-raises it at every
+    barrier until another such call runs; a failed update would so fail every later wait, even
+    for a new, healthy optimizer. An error that reports an update's own exception is therefore
+    passed here: that update's engine is failed, and refuses every use with the cause and the
+    fix. Other errors are raised.
+    """
+    import jax
+
+    try:
+        jax.effects_barrier()
+    except Exception as e:
+        if cause(e) is None:
+            raise

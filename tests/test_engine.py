@@ -71,13 +71,13 @@ def test_second_optimizer_on_same_tier(tmp_path, states):
     assert np.all(np.isfinite(np.asarray(updates["w"])))
     grads = jax.block_until_ready(grads_for(params, 1))
     with (
-        pytest.raises(RuntimeError, match="was replaced: a later tx.init in this process"),
+        pytest.raises(jax_mlpo.NoEngineError, match="was replaced: a later tx.init"),
         jax_mlpo.errors.typed(),
     ):
         jax.block_until_ready(first.update(grads, state, params))
     jax_mlpo.close(state2)
     with (
-        pytest.raises(RuntimeError, match=r"was closed \(jax_mlpo.close\)"),
+        pytest.raises(jax_mlpo.NoEngineError, match=r"was closed \(jax_mlpo.close\)"),
         jax_mlpo.errors.typed(),
     ):
         jax.block_until_ready(second.update(grads, state2, params))

@@ -72,3 +72,27 @@ def test_typed_passes_other_errors_through():
     with pytest.raises(ZeroDivisionError), jax_mlpo.errors.typed():
         _ = 1 / 0
     assert jax_mlpo.errors.cause(ValueError("no mark here")) is None
+
+
+def test_a_new_optimizer_checkpoints_after_another_ones_update_failed(tmp_path):
+    """JAX re-raises the last failed side-effecting call's error at every barrier: the barriers
+    before a save and in ``metrics`` pass an update's own failure, which its engine reports,
+    so a new optimizer after a failed one trains, reports and saves."""
+    failed = Training(file_config(tmp_path / "failed", write_behind=False, read_ahead=False))
+    failed.run(1)
+    with tier_faults(failed.state) as plan:
+        plan.fail("read", nth=1, errno=errno.EIO)
+        with pytest.raises(jax_mlpo.TierIOError), jax_mlpo.errors.typed():
+            failed.run(1)
+    with pytest.raises(jax_mlpo.EngineFailedError, match="failed midway"):
+        failed.save(tmp_path / "refused")
+    jax_mlpo.close(failed.state)
+    with pytest.raises(jax_mlpo.NoEngineError, match=r"was closed \(jax_mlpo.close\)"):
+        jax_mlpo.engine_of(failed.state)
+
+    fresh = Training(file_config(tmp_path / "fresh"))
+    fresh.run(2)
+    assert [m.step for m in jax_mlpo.metrics(fresh.state)] == [1, 2]
+    mngr = fresh.save(tmp_path / "ckpt")
+    assert mngr.latest_step() == 2
+    jax_mlpo.close(fresh.state)

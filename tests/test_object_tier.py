@@ -192,7 +192,7 @@ def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
     params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
     state = jax_mlpo.adamw(1e-3, offload=cfg).init(params)
     again = jax_mlpo.adamw(1e-3, offload=cfg).init(params)
-    with pytest.raises(RuntimeError, match="was replaced: a later tx.init in this process"):
+    with pytest.raises(jax_mlpo.NoEngineError, match="was replaced: a later tx.init"):
         jax_mlpo.engine_of(state)
     jax_mlpo.close(again)
     kv = ts.KvStore.open(cfg.tiers[0].spec()).result()

@@ -241,7 +241,7 @@ def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_
     template = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
     with (
         pytest.raises(
-            RuntimeError,
+            jax_mlpo.NoEngineError,
             match=r"made by tx.init under a JAX trace.*tx.init\(params\) on concrete params "
             "outside jit",
         ),
@@ -286,7 +286,7 @@ def test_a_jitted_init_is_refused_at_first_use(tmp_path):
     tx = jax_mlpo.adamw(LR, offload=file_config(tmp_path))
     state = jax.jit(tx.init)(make_params())
     assert list(Path(tmp_path / "t0").rglob("*")) == []
-    with pytest.raises(RuntimeError, match="under a JAX trace.*outside jit"):
+    with pytest.raises(jax_mlpo.NoEngineError, match="under a JAX trace.*outside jit"):
         jax_mlpo.engine_of(state)
 
 
@@ -307,7 +307,7 @@ def test_a_second_init_replaces_the_first_and_trains_as_optax(name, tmp_path):
     assert len(registry.open_handles()) == engines_before  # replaced, not added
     with (
         pytest.raises(
-            RuntimeError,
+            jax_mlpo.NoEngineError,
             match=re.escape("was replaced: a later tx.init in this process took its place (tiers"),
         ),
         jax_mlpo.errors.typed(),
@@ -331,7 +331,7 @@ def test_a_second_init_without_tiers_replaces_the_first(tmp_path):
     assert held > 0
     second = tx.init(make_params())
     assert jax_mlpo.engine_of(second).host_bytes == held
-    with pytest.raises(RuntimeError, match="was replaced.*the same OffloadConfig, with no tiers"):
+    with pytest.raises(jax_mlpo.NoEngineError, match="was replaced.*the same OffloadConfig"):
         jax_mlpo.engine_of(first)
     params, state = train(tx, state=second)
     assert_close(params, train(optax.adamw(LR, weight_decay=1e-4))[0])

@@ -26,7 +26,7 @@ from jax_mlpo.checkpoint.host_arrays import writes_directly
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, is_sharded, path_name
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.snapshot import StateSnapshot
-from jax_mlpo.errors import EngineFailedError, StaleStateError
+from jax_mlpo.errors import EngineFailedError, StaleStateError, wait_for_updates
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.transforms.opt_state import OffloadedState, count_of
 from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
@@ -53,7 +53,7 @@ def check_savable(tree: Any) -> None:
                 "updated and cannot be checkpointed. Restore from your last checkpoint (into a "
                 "new tx.init) and continue from there."
             )
-        jax.effects_barrier()
+        wait_for_updates()
     for state in states:
         engine = engine_of(state)
         count, step = int(np.asarray(count_of(state))), engine.step_count

@@ -35,7 +35,7 @@ from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.engine.state_io import StateIO
 from jax_mlpo.engine.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.engine.storage import host_storage, open_storage
-from jax_mlpo.errors import StaleStateError
+from jax_mlpo.errors import CheckpointInProgressError, StaleStateError
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.tiers.file import FileTierStore
@@ -218,7 +218,9 @@ class Engine:
         self.health.check_usable()
         snapshot = self.state.open_snapshot
         if snapshot is not None and not snapshot.concurrent:
-            raise RuntimeError("an update ran while a synchronous snapshot of its state was open")
+            raise CheckpointInProgressError(
+                "an update ran while a synchronous snapshot of its state was open"
+            )
         if count != self.step_count:
             raise StaleStateError(
                 f"update got an optimizer state at step {count}, but its offloaded state is at "

@@ -18,6 +18,7 @@ from jax_mlpo.engine.idle_io import EngineHealth, IdleIO
 from jax_mlpo.engine.layout import Subgroup, gather_state, scatter_state
 from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.engine.state_stream import spare_buffers, stream_blobs
+from jax_mlpo.errors import CheckpointInProgressError
 from jax_mlpo.types import F32
 
 if TYPE_CHECKING:
@@ -53,13 +54,14 @@ class StateIO:
 
         Raises:
           EngineFailedError: the engine failed or was closed.
-          RuntimeError: another snapshot of this engine is open (a checkpoint being written).
+          CheckpointInProgressError: another snapshot of this engine is open (a checkpoint
+            being written).
         """
         engine, idle = self._engine, self._idle
         with self._step_lock:
             self._health.check_usable()
             if self.open_snapshot is not None:
-                raise RuntimeError(
+                raise CheckpointInProgressError(
                     "a checkpoint of this optimizer is still being written: wait for it "
                     "(CheckpointManager.wait_until_finished()) before saving another"
                 )
@@ -141,7 +143,10 @@ class StateIO:
         with self._step_lock:
             self._health.check_usable()
             if self.open_snapshot is not None:
-                raise RuntimeError("a checkpoint of this optimizer is being written")
+                raise CheckpointInProgressError(
+                    "a checkpoint of this optimizer is being written: wait for it "
+                    "(CheckpointManager.wait_until_finished()) before loading a state"
+                )
             idle.pause(cancel=True)  # they hold the state being replaced
             idle.drain_writes()
             try:

@@ -38,6 +38,7 @@ import numpy as np
 from jax_mlpo.config import FileTier
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.step_metrics import StepMetrics, combine
+from jax_mlpo.errors import NoEngineError, wait_for_updates
 from jax_mlpo.sharding.mesh import DeviceCalls, MeshPlan
 from jax_mlpo.transforms.opt_state import find_offloaded, handle_of
 
@@ -175,15 +176,15 @@ def engine(key: int) -> Engine:
     """The engine of handle ``key``.
 
     Raises:
-      RuntimeError: no engine has it in this process (the message names the cause and fix).
+      NoEngineError: no engine has it in this process (the message names the cause and fix).
     """
     try:
         return _ENGINES[key]
     except KeyError:
         if key == TEMPLATE:
-            raise RuntimeError(_TEMPLATE) from None
+            raise NoEngineError(_TEMPLATE) from None
         if key in _REPLACED:
-            raise RuntimeError(
+            raise NoEngineError(
                 f"the jax_mlpo optimizer with handle {key} was replaced: a later tx.init in "
                 f"this process took its place ({_describe(_REPLACED[key])}) and closed it. "
                 "Use the state that init returned (after a restore, the restored state); to "
@@ -191,11 +192,11 @@ def engine(key: int) -> Engine:
                 "tiers, its own OffloadConfig)"
             ) from None
         if key in _CLOSED:
-            raise RuntimeError(
+            raise NoEngineError(
                 f"the jax_mlpo optimizer with handle {key} was closed (jax_mlpo.close): "
                 "init a new one (and restore its state from a checkpoint)"
             ) from None
-        raise RuntimeError(_NOT_FOUND.format(key=key)) from None
+        raise NoEngineError(_NOT_FOUND.format(key=key)) from None
 
 
 def _describe(place: Place) -> str:
@@ -264,7 +265,7 @@ def metrics(opt_state: Any) -> list[StepMetrics]:
       One :class:`~jax_mlpo.StepMetrics` per update, oldest first (times, cache hits, bytes
       each tier moved); the updates in flight are waited for first.
     """
-    jax.effects_barrier()
+    wait_for_updates()
     engines: list[Engine] = []
     for state in _states(opt_state):
         found = engine(key_of(handle_of(state)))
