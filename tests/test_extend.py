@@ -54,34 +54,28 @@ def test_the_page_has_its_three_blocks_and_its_loop_runs(tmp_path, monkeypatch):
     assert namespace["state"].count == 3
 
 
+CLASSES = {"numpy_lion": "NumpyLion", "native_lion": "NativeLion"}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["page", "mask"])
 @pytest.mark.parametrize("factory", ["numpy_lion", "native_lion"])
-def test_matches_optax_lion(factory, tmp_path):
-    make = _page()[factory]
+def test_matches_optax_lion(factory, masked, tmp_path):
+    """The page's factory, and ``offloaded_transformation`` with a ``mask`` (the vector not
+    decayed, as optax.lion's mask says)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tx = make(1e-2, weight_decay=0.1, offload=_config(tmp_path / "tier"))
-    want, _ = run_small(optax.lion(1e-2, weight_decay=0.1), 8)
+        if masked:
+            tx = extend.offloaded_transformation(
+                _page()[CLASSES[factory]](), learning_rate=1e-2,
+                offload=_config(tmp_path / "tier"), mask=_decay_matrices,
+                hyperparams={"b1": 0.9, "b2": 0.99, "weight_decay": 0.1},
+            )  # fmt: skip
+        else:
+            tx = _page()[factory](1e-2, weight_decay=0.1, offload=_config(tmp_path / "tier"))
+    mask = _decay_matrices if masked else None
+    want, _ = run_small(optax.lion(1e-2, weight_decay=0.1, mask=mask), 8)
     got, state = run_small(tx, 8)
     assert int(state.count) == 8
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=TOLERANCE[factory],
-                                   atol=TOLERANCE[factory], err_msg=k)  # fmt: skip
-    jax_mlpo.close(state)
-
-
-@pytest.mark.parametrize("factory", ["numpy_lion", "native_lion"])
-def test_a_weight_decay_mask_reaches_the_segments(factory, tmp_path):
-    """``offloaded_transformation``'s ``mask``: the vector is not decayed, as optax.lion's."""
-    cls = {"numpy_lion": "NumpyLion", "native_lion": "NativeLion"}[factory]
-    optimizer = _page()[cls]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tx = extend.offloaded_transformation(
-            optimizer, learning_rate=1e-2, offload=_config(tmp_path / "tier"),
-            hyperparams={"b1": 0.9, "b2": 0.99, "weight_decay": 0.1}, mask=_decay_matrices,
-        )  # fmt: skip
-    want, _ = run_small(optax.lion(1e-2, weight_decay=0.1, mask=_decay_matrices), 8)
-    got, state = run_small(tx, 8)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=TOLERANCE[factory],
                                    atol=TOLERANCE[factory], err_msg=k)  # fmt: skip
@@ -93,7 +87,7 @@ def test_bfloat16_params_keep_an_fp32_master(factory, tmp_path):
     """bfloat16 params: the state's fp32 master follows optax.lion on float32 params fed the
     same gradients, and the params are that master rounded (``update_dtype=float32`` makes
     ``apply_updates`` land on it exactly)."""
-    optimizer = _page()[{"numpy_lion": "NumpyLion", "native_lion": "NativeLion"}[factory]]()
+    optimizer = _page()[CLASSES[factory]]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tx = extend.offloaded_transformation(
