@@ -32,7 +32,8 @@ from jax_mlpo.native.host_update import DEFERRED, ensure_platform, host_update_c
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.sharding import processes as distributed
-from jax_mlpo.sharding.mesh import MeshPlan, mesh_plan
+from jax_mlpo.sharding.mesh import MeshPlan
+from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
 from jax_mlpo.transforms import registry
 from jax_mlpo.transforms.opt_state import OffloadedState
 
@@ -53,13 +54,6 @@ def refuse_discarding_wrappers(name: str) -> None:
         frame = frame.f_back
 
 
-_NO_GPU_MESH = (
-    "jax_mlpo takes params on a mesh of several devices per process on CPU only for now: on "
-    "GPUs start one process per GPU (jax.distributed; experiments/launch/single_node.sh with "
-    "NPROCS=<GPUs>), each with its shards"
-)
-
-
 def _run_update(handle, count, scalars, grads, params, updates, stream, completion):
     """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
     XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
@@ -69,7 +63,7 @@ def _run_update(handle, count, scalars, grads, params, updates, stream, completi
         slot = registry.slot(handle)
         if slot is not None:
             if stream is not None:
-                raise NotImplementedError(_NO_GPU_MESH)
+                raise NotImplementedError(NO_GPU_MESH)
             calls, k = slot
             deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
             return DEFERRED if deferred else None
@@ -198,9 +192,6 @@ def offloaded(
     # finds them in the registry.
     mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
 
-    def plan_key(handle_shape: Any, param_leaves: list[Any]) -> tuple[Any, ...]:
-        return (tuple(handle_shape), *(tuple(np.shape(p)) for p in param_leaves))
-
     # The params' leaf shapes at each init, checked by every update this transformation traces:
     # the host state is laid out by them, and the FFI call sees only flat buffers (it catches a
     # changed leaf count or size, not a reshape that keeps the size). Shapes, not the tree: the
@@ -229,41 +220,18 @@ def offloaded(
         if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
             return template_state(params)
         ensure_platform(jax.default_backend())
-        plan = mesh_plan(params)
-        if plan is not None and distributed.is_multiprocess() and plan.is_data_parallel():
-            plan = None  # jax_mlpo.sharding.processes's layout, which checkpoints can hold
-        if plan is not None:  # params on a mesh: one engine over this process's shards
-            if jax.default_backend() != "cpu":
-                raise NotImplementedError(_NO_GPU_MESH)
-            flags = plan.shard_flags(resolve_mask(decay, params))
-            layout = build_layout(plan.shard_structs(params), where.subgroup_size, flags, *moments)
-            config = where
-            if distributed.is_multiprocess():
-                config = distributed.process_config(where, jax.process_index())
-            engine, place = new_engine(layout, config)
-            key = plan_key(plan.mesh.devices.shape, jax.tree.leaves(params))
-            handles = registry.register_mesh(engine, plan, run_on(engine), key, place)
-            handle = plan.handle_array(handles)
-            mesh_plans[key] = plan
-            return OffloadedState(count=plan.replicated(np.int32(0)), handle=handle)
-        if distributed.is_multiprocess():
-            # Data parallel (see jax_mlpo/sharding/processes.py): this process's engine holds the
-            # state of its own shards, in per-process tier directories.
-            mesh = distributed.data_parallel_mesh()
-            local = distributed.local_params(params, jax.process_count())
-            layout = build_layout(local, where.subgroup_size, resolve_mask(decay, params), *moments)
-            config = distributed.process_config(where, jax.process_index())
-            engine, place = new_engine(layout, config)
-            return OffloadedState(
-                count=distributed.replicated(np.int32(0), mesh),
-                handle=distributed.global_handle(registry.register(engine, place), mesh),
-            )
-        layout = build_layout(params, where.subgroup_size, resolve_mask(decay, params), *moments)
-        engine, place = new_engine(layout, where)
-        return OffloadedState(
-            count=jnp.zeros([], jnp.int32),
-            handle=jnp.asarray(registry.register(engine, place), jnp.int32),
-        )
+        plan = shard_plan(params, backend=jax.default_backend())
+        flags = plan.engine_flags(resolve_mask(decay, params))
+        layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments)
+        engine, place = new_engine(layout, plan.engine_config(where))
+        if plan.mesh is not None:  # a handle per device, whose calls meet before the engine runs
+            key = plan.key(params)
+            handles = registry.register_mesh(engine, plan.mesh, run_on(engine), key, place)
+            mesh_plans[key] = plan.mesh
+        else:
+            handles = [registry.register(engine, place)]
+        count, handle = plan.arrays(handles)
+        return OffloadedState(count=count, handle=handle)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args  # accepted and ignored, as optax's optimizers do (value=, ...)
@@ -296,19 +264,11 @@ def offloaded(
         scalars = scalar_names.vector(computed, arrays)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        key = plan_key(np.shape(state.handle), param_leaves)
-        plan = mesh_plans.get(key) or registry.mesh_plan_for(key)
-        if plan is not None:  # each device's call with its shards, one engine per process
-            count_out, outs = distributed.sharded_update(
-                host_update, grads, param_leaves, state.handle, state.count, scalars,
-                mesh=plan.mesh, specs=plan.specs,
-            )  # fmt: skip
-        elif state.handle.ndim:  # multi-process: each process updates its own shards
-            count_out, outs = distributed.sharded_update(
-                host_update, grads, param_leaves, state.handle, state.count, scalars
-            )
-        else:
-            count_out, outs = host_update(grads, param_leaves, state.handle, state.count, scalars)
+        key = update_key(np.shape(state.handle), param_leaves)
+        plan = plan_of_update(state.handle, mesh_plans.get(key) or registry.mesh_plan_for(key))
+        count_out, outs = plan.update(
+            host_update, grads, param_leaves, state.handle, state.count, scalars
+        )
         return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
 
     def host_update(grads, param_leaves, handle, count, scalars):
