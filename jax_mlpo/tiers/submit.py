@@ -200,7 +200,8 @@ class ThreadSubmitter:
 
     def _in_place(self, chunk: Chunk) -> bool:
         """Whether the request can move the caller's buffer itself (no bounce buffer)."""
-        return chunk.moved == chunk.data.nbytes and chunk.data.ctypes.data % ALIGN == 0
+        address = chunk.data.__array_interface__["data"][0]
+        return chunk.moved == chunk.data.nbytes and address % ALIGN == 0
 
     def _read(self, fd: int, chunk: Chunk) -> int:
         buf = chunk.data if self._in_place(chunk) else self._bounce(chunk.moved)
