@@ -285,7 +285,7 @@ def test_results_do_not_depend_on_threads_or_isa():
 
 
 def test_concurrent_callers_and_fork():
-    # Python threads call in at once (ctypes releases the GIL; large calls share the pool).
+    # Python threads call in at once (the kernels release the GIL; large calls share the pool).
     n = (1 << 18) + 5
     want = _one_step(n)
     results = [None] * 4

@@ -17,13 +17,12 @@ calls :func:`return_freed_buffers` once, at the start (``experiments/pretrain.py
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+
+from jax_mlpo.native.library import NATIVE
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 # Blocks of 1 MiB and more are mmapped. Below that the heap's reuse is cheap and small, and
 # every XLA buffer that matters at the model's scale is larger.
 DEFAULT_THRESHOLD = 1 << 20
@@ -50,17 +49,8 @@ def return_freed_buffers(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """
     if not 4096 <= threshold <= 32 << 20:
         raise ValueError(f"threshold must be within [4096, 32 MiB] bytes, got {threshold}")
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        logger.info("jax_mlpo: no mallopt in the C library (%s): heap left as it is", name)
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
-        logger.info("jax_mlpo: mallopt(M_MMAP_THRESHOLD, %d) refused: heap left as it is",
-                    threshold)  # fmt: skip
+    if not NATIVE.set_mmap_threshold(int(threshold)):
+        logger.info("jax_mlpo: mallopt(M_MMAP_THRESHOLD, %d) not available or refused (not "
+                    "glibc?): heap left as it is", threshold)  # fmt: skip
         return False
     return True

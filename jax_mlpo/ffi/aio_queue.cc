@@ -2,7 +2,7 @@
 // uses, without a thread per request in flight.
 //
 // One queue per tier holds up to `depth` requests in the kernel at once. Callers hand in a
-// blob's chunk requests and block (ctypes has released the GIL) until all of them are done;
+// blob's chunk requests and block (module.cc has released the GIL) until all of them are done;
 // several callers share the queue, and queued requests go to the kernel reads first, then by
 // blob (oldest first), then in order, as the thread queue of tiers/posix.py orders them. One
 // reaper thread collects completions and tops the kernel queue up again. Each caller checksums
@@ -29,30 +29,12 @@
 #include <tuple>
 #include <vector>
 
-extern "C" uint32_t jax_mlpo_crc32c(const void* data, size_t n, uint32_t crc);
+#include "io.h"
 
+namespace jax_mlpo {
 namespace {
 
 constexpr uintptr_t kAlign = 4096;
-
-// One chunk request, as Python lays it out (native/aio.py).
-struct AioRequest {
-  int64_t fd;
-  void* data;      // the caller's bytes
-  int64_t nbytes;  // bytes of `data`
-  int64_t moved;   // bytes the request moves: nbytes, or nbytes padded to a page (zeros)
-  int64_t offset;
-  int32_t write;
-  int32_t unused;
-};
-
-// What became of it: `moved` bytes transferred (fewer: end of file or a full disk) or -errno,
-// and the crc32c of the bytes moved (padding included).
-struct AioResult {
-  int64_t moved;
-  uint32_t crc;
-  uint32_t unused;
-};
 
 struct Op {
   const AioRequest* request;
@@ -65,6 +47,8 @@ struct Op {
 
 // Queue order: reads (0) before writes (1), then by blob, then by arrival.
 using Key = std::tuple<int, uint64_t, uint64_t, Op*>;
+
+}  // namespace
 
 class AioQueue {
  public:
@@ -127,7 +111,7 @@ class AioQueue {
         std::memset(op->buffer + r.nbytes, 0, size_t(r.moved - r.nbytes));
       }
     }
-    if (r.write) op->result->crc = jax_mlpo_crc32c(op->buffer, size_t(r.moved), 0);
+    if (r.write) op->result->crc = Crc32c(op->buffer, size_t(r.moved), 0);
     std::memset(&op->cb, 0, sizeof(op->cb));
     op->cb.aio_data = reinterpret_cast<uint64_t>(op);
     op->cb.aio_lio_opcode = r.write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
@@ -142,7 +126,7 @@ class AioQueue {
   void Finish(Op* op) {
     const AioRequest& r = *op->request;
     if (!r.write && op->result->moved > 0) {
-      op->result->crc = jax_mlpo_crc32c(op->buffer, size_t(op->result->moved), 0);
+      op->result->crc = Crc32c(op->buffer, size_t(op->result->moved), 0);
       if (op->bounced) {
         std::memcpy(r.data, op->buffer, size_t(std::min(op->result->moved, r.nbytes)));
       }
@@ -232,13 +216,7 @@ class AioQueue {
   uint64_t next_seq_ = 0;
 };
 
-}  // namespace
-
-extern "C" {
-
-// A queue of `depth` requests in flight, or null with *error set to the errno of io_setup
-// (EAGAIN: the system's fs.aio-max-nr is used up).
-void* jax_mlpo_aio_open(int depth, int* error) {
+AioQueue* AioOpen(int depth, int* error) {
   auto* queue = new AioQueue(std::max(1, depth));
   *error = queue->Start();
   if (*error != 0) {
@@ -248,15 +226,11 @@ void* jax_mlpo_aio_open(int depth, int* error) {
   return queue;
 }
 
-// Moves n requests of blob number `blob` (smaller numbers first among queued requests of one
-// direction) and returns when all are done; each result says how.
-void jax_mlpo_aio_run(void* queue, int64_t n, const void* requests, void* results,
-                      uint64_t blob) {
-  static_cast<AioQueue*>(queue)->Run(n, static_cast<const AioRequest*>(requests),
-                                     static_cast<AioResult*>(results), blob);
+void AioRun(AioQueue* queue, size_t n, const AioRequest* requests, AioResult* results,
+            uint64_t blob) {
+  queue->Run(int64_t(n), requests, results, blob);
 }
 
-// Waits for what is in flight, then frees the queue.
-void jax_mlpo_aio_close(void* queue) { delete static_cast<AioQueue*>(queue); }
+void AioClose(AioQueue* queue) { delete queue; }
 
-}  // extern "C"
+}  // namespace jax_mlpo

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "io.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
 #include <nmmintrin.h>
@@ -75,26 +77,24 @@ bool HasSse42() {
 
 }  // namespace
 
-extern "C" {
+namespace jax_mlpo {
 
-// CRC-32C of n bytes, continuing from `crc` (0 for a fresh checksum).
-uint32_t jax_mlpo_crc32c(const void* data, size_t n, uint32_t crc) {
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
   const auto* p = static_cast<const uint8_t*>(data);
   crc = ~crc;
 #ifdef JAX_MLPO_CRC_HW
   static const bool hw = HasSse42();
-  if (hw) return ~Crc32cHardware(crc, p, n);
+  if (hw) return ~::Crc32cHardware(crc, p, n);
 #endif
   return ~Crc32cSoftware(crc, p, n);
 }
 
-// Whether jax_mlpo_crc32c uses the CPU's crc32 instruction.
-int jax_mlpo_crc32c_hardware(void) {
+bool Crc32cHardware() {
 #ifdef JAX_MLPO_CRC_HW
-  return HasSse42() ? 1 : 0;
+  return HasSse42();
 #else
-  return 0;
+  return false;
 #endif
 }
 
-}  // extern "C"
+}  // namespace jax_mlpo

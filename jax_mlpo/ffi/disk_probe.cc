@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "io.h"
+
 namespace {
 
 constexpr int64_t kAlign = 4096;  // O_DIRECT: offsets, sizes and buffers in whole pages
@@ -64,24 +66,25 @@ void Worker(int fd, int64_t slots, int64_t request, int mode, uint64_t seed, dou
 
 }  // namespace
 
-// Returns 0 with the bytes moved and the seconds taken, or -1 after writing a message of at
-// most error_capacity bytes (a file that cannot be opened, O_DIRECT refused, a failed request).
-// mode: 0 random reads, 1 random writes, 2 both at once.
-extern "C" int jax_mlpo_disk_probe(const char* path, int64_t file_bytes, int64_t request_bytes,
-                                   int32_t in_flight, int32_t mode, double seconds,
-                                   int64_t* read_bytes, int64_t* written_bytes,
-                                   double* elapsed_s, char* error, int64_t error_capacity) {
+namespace jax_mlpo {
+
+ProbeResult DiskProbe(const char* path, int64_t file_bytes, int64_t request_bytes,
+                      int32_t in_flight, int32_t mode, double seconds) {
+  ProbeResult result;
+  char message[1024];
   auto fail = [&](const char* what, int err) {
-    std::snprintf(error, size_t(error_capacity), "%s %s: %s", what, path, std::strerror(err));
-    return -1;
+    std::snprintf(message, sizeof(message), "%s %s: %s", what, path, std::strerror(err));
+    result.error = message;
+    return result;
   };
   if (request_bytes <= 0 || request_bytes % kAlign || file_bytes < request_bytes ||
       in_flight <= 0 || mode < 0 || mode > 2 || !(seconds > 0)) {
-    std::snprintf(error, size_t(error_capacity),
+    std::snprintf(message, sizeof(message),
                   "bad probe arguments: request %lld bytes (a positive multiple of 4096, at "
                   "most the file's %lld), %d in flight, mode %d, %g s",
                   (long long)request_bytes, (long long)file_bytes, in_flight, mode, seconds);
-    return -1;
+    result.error = message;
+    return result;
   }
   const int fd = open(path, (mode == 0 ? O_RDONLY : O_RDWR) | O_DIRECT);
   if (fd < 0) {
@@ -95,10 +98,13 @@ extern "C" int jax_mlpo_disk_probe(const char* path, int64_t file_bytes, int64_t
                          uint64_t(k + 1), seconds, &totals);
   }
   for (auto& t : threads) t.join();
-  *elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   close(fd);
   if (const int err = totals.error.load()) return fail("a request failed on", err);
-  *read_bytes = totals.read.load();
-  *written_bytes = totals.written.load();
-  return 0;
+  result.read_bytes = totals.read.load();
+  result.written_bytes = totals.written.load();
+  return result;
 }
+
+}  // namespace jax_mlpo

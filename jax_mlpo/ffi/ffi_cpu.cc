@@ -1,18 +1,28 @@
-// XLA FFI handlers for the CPU platform: fused AdamW in place (through input_output_aliases) and
-// copies between XLA buffers and host buffers owned by jax_mlpo. The host buffer is named by a
+// Test-only XLA FFI handlers for the CPU platform (jax_mlpo._native_testing): fused AdamW in place
+// (through input_output_aliases) and copies between XLA buffers and host buffers owned by
+// jax_mlpo. The kernels are jax_mlpo._native's (native_api.h), so they run on its instruction set
+// and thread pool. The host buffer is named by a
 // runtime u32[4] descriptor (address lo/hi, capacity in bytes lo/hi), never by an attribute, so a
 // new buffer does not recompile. Handlers return ffi::Error and never throw.
 #include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "host_descriptor.h"
 #include "kernels.h"
+#include "native_api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_mlpo {
+
+// Set when jax_mlpo._native_testing is imported (testing_module.cc), before any handler runs.
+const NativeApi* g_api = nullptr;
+
 namespace {
+
+void HostCopy(void* dst, const void* src, size_t nbytes) { g_api->copy(dst, src, nbytes); }
 
 using F32Buffer = ffi::Buffer<ffi::F32>;
 using F32Scalar = ffi::BufferR0<ffi::F32>;
@@ -22,7 +32,7 @@ using U32Result = ffi::ResultBuffer<ffi::U32>;
 
 // Makes `out` hold `in` (XLA aliases them when the input is donated; otherwise copy once).
 void Alias(const float* in, float* out, size_t n) {
-  if (in != out) Copy(out, in, n * sizeof(float));
+  if (in != out) HostCopy(out, in, n * sizeof(float));
 }
 
 // Inputs m, v, grad, param, lr, bc1, bc2 [, update buffer]; results m, v, update [, param].
@@ -91,49 +101,30 @@ ffi::Error AdamWImpl(F32Buffer m, F32Buffer v, ffi::AnyBuffer grad, F32Buffer pa
   a.grad_bf16 = gtype == ffi::DataType::BF16;
   a.has_wd = has_wd;
   a.update_param = update_param;
-  AdamW(a, n);
+  g_api->adamw(a, n);
   return ffi::Error::Success();
 }
 
-struct HostSpan {
-  char* data;
-  uint64_t capacity;
-};
-
-ffi::ErrorOr<HostSpan> DecodeDescriptor(const U32Buffer& desc, size_t nbytes, const char* who) {
-  if (desc.element_count() != 4) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string(who) + ": the host descriptor must be u32[4] (addr lo, hi, bytes lo, hi)"));
-  }
-  const uint32_t* d = desc.typed_data();
-  HostSpan span{reinterpret_cast<char*>(uint64_t(d[0]) | uint64_t(d[1]) << 32),
-                uint64_t(d[2]) | uint64_t(d[3]) << 32};
-  if (nbytes > span.capacity) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string(who) + ": the XLA buffer has " + std::to_string(nbytes) +
-        " bytes but the host buffer only " + std::to_string(span.capacity)));
-  }
-  if (span.data == nullptr && nbytes > 0) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(who) + ": null host address"));
-  }
-  return span;
+ffi::ErrorOr<HostSpan> Decode(const U32Buffer& desc, size_t nbytes, const char* who) {
+  if (auto err = CheckDescriptor(desc, who); !err.success()) return ffi::Unexpected(err);
+  return DecodeDescriptor(desc.typed_data(), nbytes, who);
 }
 
 ffi::Error ToHostImpl(ffi::AnyBuffer src, U32Buffer desc, U32Result desc_out) {
-  auto span = DecodeDescriptor(desc, src.size_bytes(), "jax_mlpo_to_host");
+  auto span = Decode(desc, src.size_bytes(), "jax_mlpo_to_host");
   if (span.has_error()) return span.error();
   if (desc_out->element_count() != 4) {
     return ffi::Error::InvalidArgument("jax_mlpo_to_host: the result must be u32[4]");
   }
-  Copy(span->data, src.untyped_data(), src.size_bytes());
+  HostCopy(span->data, src.untyped_data(), src.size_bytes());
   std::memcpy(desc_out->typed_data(), desc.typed_data(), 4 * sizeof(uint32_t));
   return ffi::Error::Success();
 }
 
 ffi::Error FromHostImpl(U32Buffer desc, ffi::Result<ffi::AnyBuffer> dst) {
-  auto span = DecodeDescriptor(desc, dst->size_bytes(), "jax_mlpo_from_host");
+  auto span = Decode(desc, dst->size_bytes(), "jax_mlpo_from_host");
   if (span.has_error()) return span.error();
-  Copy(dst->untyped_data(), span->data, dst->size_bytes());
+  HostCopy(dst->untyped_data(), span->data, dst->size_bytes());
   return ffi::Error::Success();
 }
 

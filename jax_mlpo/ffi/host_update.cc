@@ -3,19 +3,16 @@
 // One side-effecting custom call per optimizer update: operands handle, count, scalars
 // (f32[kNumScalars], host_update.h), then every gradient leaf and every param leaf; results the next
 // count and one update per leaf, usually aliased onto the gradients (input_output_aliases).
-// The handler passes the buffers' addresses to a callback the Python engine registered through
-// ctypes (which takes the GIL), so the engine reads gradients and params and writes the update
-// where XLA keeps them: no staging copy, no buffer of the model's size of its own.
+// The handler hands the buffers to the Python engine's callback (host_update_bindings.cc, which
+// takes the GIL), so the engine reads gradients and params and writes the update where XLA keeps
+// them: no staging copy, no buffer of the model's size of its own.
 //
 // The handler is asynchronous (it returns an ffi::Future). A call of params on a mesh of
 // several devices hands its buffers in and returns at once, pending; the last device's call
-// runs the engine over all of them and completes the others through
-// jax_mlpo_host_update_complete. So no XLA thread ever waits for another device's call: a
+// runs the engine over all of them and completes the others (their PendingUpdate). So no XLA thread ever waits for another device's call: a
 // wait there would hold a thread of XLA's pool, which XLA sizes to just the devices a
 // collective needs, and could starve a collective that another device is waiting in.
 // Never throws.
-#include <atomic>
-
 #include "host_update.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,13 +20,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_mlpo {
 namespace {
-
-std::atomic<HostUpdateFn> g_host_update{nullptr};
-
-// A deferred update: owned by the Python side from kUpdatePending until it completes it.
-struct PendingUpdate {
-  ffi::Promise promise;
-};
 
 ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S32> count,
                            ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs leaves,
@@ -43,11 +33,10 @@ ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S3
   }
   auto* pending = new PendingUpdate{promise};
   bool deferred = false;
-  ffi::Error error = RunHostUpdate(g_host_update.load(std::memory_order_acquire),
-                                   handle.typed_data()[0], count.typed_data()[0],
+  ffi::Error error = RunHostUpdate(handle.typed_data()[0], count.typed_data()[0],
                                    scalars.typed_data(), leaves, updates, /*stream=*/nullptr,
                                    count_out->typed_data(), pending, &deferred);
-  if (deferred) return future;  // jax_mlpo_host_update_complete sets it and frees pending
+  if (deferred) return future;  // the engine completes it, and frees pending
   delete pending;
   if (error.success()) {
     promise.SetAvailable();
@@ -59,23 +48,6 @@ ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S3
 
 }  // namespace
 }  // namespace jax_mlpo
-
-extern "C" void jax_mlpo_set_host_update(jax_mlpo::HostUpdateFn fn) {
-  jax_mlpo::g_host_update.store(fn, std::memory_order_release);
-}
-
-// Completes a deferred update: with error null it succeeded, otherwise the call fails with
-// that message. XLA may run the device's next work on the calling thread before returning.
-extern "C" void jax_mlpo_host_update_complete(void* pending, const char* error) {
-  auto* update = static_cast<jax_mlpo::PendingUpdate*>(pending);
-  ffi::Promise promise = std::move(update->promise);
-  delete update;
-  if (error == nullptr) {
-    promise.SetAvailable();
-  } else {
-    promise.SetError(ffi::Error::Internal(error));
-  }
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoHostUpdate, jax_mlpo::HostUpdateImpl,
                               ffi::Ffi::Bind()

@@ -3,8 +3,7 @@
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
 // x86-64, AVX2, AVX-512); kernels.cc picks one table at load time with cpuid, splits large calls
-// over the thread pool (thread_pool.cc) and exports the C entry points that Python loads with
-// ctypes.
+// over the thread pool (thread_pool.cc); kernel_bindings.cc binds them to Python.
 #ifndef JAX_MLPO_FFI_KERNELS_H_
 #define JAX_MLPO_FFI_KERNELS_H_
 
@@ -162,11 +161,15 @@ namespace isa_base { const KernelTable& Table(); }
 namespace isa_avx2 { const KernelTable& Table(); }
 namespace isa_avx512 { const KernelTable& Table(); }
 
-// The table in use: the best this CPU runs, unless JAX_MLPO_ISA=base|avx2 or jax_mlpo_set_isa
-// chose another.
+// The table in use: the best this CPU runs, unless JAX_MLPO_ISA=base|avx2 or SetIsa chose
+// another.
 const KernelTable& Kernels();
+const char* Isa();
+// Switches to "base", "avx2" or "avx512" ("" or null: the best available) for tests and
+// benchmarks; false if this CPU or build lacks it. Not meant to race with running kernels.
+bool SetIsa(const char* name);
 
-// Multi-threaded drivers used by both the ctypes API and the XLA FFI handlers. They run with
+// Multi-threaded drivers used by both the Python bindings and the XLA FFI handlers. They run with
 // IEEE floating point (no flush-to-zero), whatever the calling thread's MXCSR says.
 void AdamW(const AdamWArgs& args, size_t n);
 void Lion(const LionArgs& args, size_t n);

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import NamedTuple
@@ -22,25 +21,9 @@ from typing import NamedTuple
 import numpy as np
 
 from jax_mlpo.errors import AioUnavailableError
-from jax_mlpo.native.library import LIB, P, address, declare
+from jax_mlpo.native.library import NATIVE
 
 __all__ = ["AioQueue", "AioRequest", "AioUnavailableError"]
-
-declare(
-    LIB,
-    [
-        ("jax_mlpo_aio_open", [ctypes.c_int, ctypes.POINTER(ctypes.c_int)], P),
-        ("jax_mlpo_aio_run", [P, ctypes.c_int64, P, P, ctypes.c_uint64], None),
-        ("jax_mlpo_aio_close", [P], None),
-    ],
-)
-
-# The C structs AioRequest and AioResult of aio_queue.cc.
-_REQUEST = np.dtype(
-    [("fd", "<i8"), ("data", "<u8"), ("nbytes", "<i8"), ("moved", "<i8"), ("offset", "<i8"),
-     ("write", "<i4"), ("unused", "<i4")]
-)  # fmt: skip
-_RESULT = np.dtype([("moved", "<i8"), ("crc", "<u4"), ("unused", "<u4")])
 
 
 class AioRequest(NamedTuple):
@@ -73,14 +56,14 @@ class AioQueue:
     """
 
     def __init__(self, depth: int) -> None:
-        error = ctypes.c_int(0)
-        self._handle = LIB.jax_mlpo_aio_open(int(depth), ctypes.byref(error))
-        if not self._handle:
+        try:
+            self._handle = NATIVE.AioContext(int(depth))
+        except OSError as e:
             raise AioUnavailableError(
-                error.value,
-                f"kernel AIO is not available ({os.strerror(error.value)}); raise "
+                e.errno,
+                f"kernel AIO is not available ({os.strerror(e.errno)}); raise "
                 "fs.aio-max-nr (sysctl) if it is used up, or use FileTier(io_submit='threads')",
-            )
+            ) from None
         self._users = 0  # run() calls under way: close() must not free the queue under them
         self._lock = threading.Condition()
 
@@ -95,34 +78,28 @@ class AioQueue:
           Per request, ``(bytes moved or -errno, crc32c of the bytes moved)``; fewer bytes than
           ``moved`` means the end of the file or a full disk.
         """
-        table = np.zeros(len(requests), _REQUEST)
-        for i, r in enumerate(requests):
+        for r in requests:
             if r.data.dtype != np.uint8 or not r.data.flags.c_contiguous:
                 raise ValueError("an AIO request's data must be C-contiguous uint8")
             if r.moved < r.data.nbytes:
                 raise ValueError(f"a request moves {r.moved} bytes of {r.data.nbytes}")
             if not r.write and not r.data.flags.writeable:
                 raise ValueError("a read request's data is read-only")
-            table[i] = (r.fd, address(r.data), r.data.nbytes, r.moved, r.offset, int(r.write), 0)
-        results = np.zeros(len(requests), _RESULT)
         with self._lock:
-            if not self._handle:
+            if self._handle is None:
                 raise ValueError("the AIO queue is closed")
             self._users += 1
         try:
-            LIB.jax_mlpo_aio_run(
-                self._handle, len(requests), address(table), address(results), blob
-            )
+            return self._handle.run(requests, int(blob))
         finally:
             with self._lock:
                 self._users -= 1
                 self._lock.notify_all()
-        return [(int(m), int(c)) for m, c in zip(results["moved"], results["crc"], strict=True)]
 
     def close(self) -> None:
         """Waits for running calls, then frees the context."""
         with self._lock:
             self._lock.wait_for(lambda: self._users == 0)
             handle, self._handle = self._handle, None
-        if handle:
-            LIB.jax_mlpo_aio_close(handle)
+        if handle is not None:
+            handle.close()

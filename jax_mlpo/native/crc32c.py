@@ -8,21 +8,11 @@ threads checksums the chunk it moved while the others move theirs.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from jax_mlpo.native.library import LIB, P, address, declare
+from jax_mlpo.native.library import NATIVE
 
-__all__ = ["crc32c", "crc32c_hardware"]
-
-declare(
-    LIB,
-    [
-        ("jax_mlpo_crc32c", [P, ctypes.c_size_t, ctypes.c_uint32], ctypes.c_uint32),
-        ("jax_mlpo_crc32c_hardware", [], ctypes.c_int),
-    ],
-)
+__all__ = ["crc32c"]
 
 
 def crc32c(data: np.ndarray | memoryview | bytes, crc: int = 0) -> int:
@@ -44,10 +34,5 @@ def crc32c(data: np.ndarray | memoryview | bytes, crc: int = 0) -> int:
     else:
         if not data.flags.c_contiguous:
             raise ValueError("crc32c needs a C-contiguous array")
-        arr = data
-    return LIB.jax_mlpo_crc32c(address(arr) if arr.size else None, arr.nbytes, crc)
-
-
-def crc32c_hardware() -> bool:
-    """Whether :func:`crc32c` runs on the CPU's crc32 instruction (else a table)."""
-    return bool(LIB.jax_mlpo_crc32c_hardware())
+        arr = data.reshape(-1).view(np.uint8)
+    return NATIVE.crc32c(arr, int(crc))

@@ -2,32 +2,20 @@
 
 One point of the request size x requests in flight x direction sweep: O_DIRECT requests at
 random aligned offsets of a file, each of ``in_flight`` threads keeping one outstanding, for a
-fixed time, as fio's ``randread``/``randwrite``/``randrw`` jobs with ``--direct=1`` do.
+fixed time, as fio's ``randread``/``randwrite``/``randrw`` jobs with ``--direct=1`` do. It lives in
+the test-only module (``jax_mlpo._native_testing``): only the disk benchmark runs it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import NamedTuple
 
-from jax_mlpo.native.library import LIB, declare
+from jax_mlpo.native.library import load
 
 __all__ = ["MODES", "ProbePoint", "lay_out", "probe"]
 
 MODES = {"read": 0, "write": 1, "mixed": 2}
-_ERROR_CAPACITY = 1024
-
-declare(
-    LIB,
-    [(
-        "jax_mlpo_disk_probe",
-        [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-         ctypes.c_double, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
-         ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int64],
-        ctypes.c_int,
-    )],
-)  # fmt: skip
 
 
 class ProbePoint(NamedTuple):
@@ -77,14 +65,13 @@ def probe(path: str | os.PathLike, file_bytes: int, request_bytes: int, in_fligh
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    read, written, elapsed = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_double()
-    error = ctypes.create_string_buffer(_ERROR_CAPACITY)
-    rc = LIB.jax_mlpo_disk_probe(
-        os.fsencode(path), file_bytes, request_bytes, in_flight, MODES[mode], seconds,
-        ctypes.byref(read), ctypes.byref(written), ctypes.byref(elapsed), error, _ERROR_CAPACITY,
-    )  # fmt: skip
-    if rc != 0:
-        message = error.value.decode(errors="replace")
-        raise (ValueError if message.startswith("bad probe") else OSError)(message)
-    t = max(elapsed.value, 1e-9)
-    return ProbePoint(read.value / t / 1e9, written.value / t / 1e9, elapsed.value)
+    read, written, elapsed = load("jax_mlpo._native_testing").disk_probe(
+        os.fsdecode(path),
+        int(file_bytes),
+        int(request_bytes),
+        int(in_flight),
+        MODES[mode],
+        float(seconds),
+    )
+    t = max(elapsed, 1e-9)
+    return ProbePoint(read / t / 1e9, written / t / 1e9, elapsed)

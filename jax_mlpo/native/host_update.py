@@ -1,8 +1,8 @@
 """The update transport: one XLA FFI call that runs the host engine on XLA's own buffers.
 
 :func:`host_update_call` emits a side-effecting custom call, ``jax_mlpo_host_update``, whose
-C++ handler (``jax_mlpo/ffi/host_update.cc``) hands the addresses of every gradient, param and
-update buffer to the function given to :func:`set_host_update`, as numpy views: the engine reads
+C++ handler (``jax_mlpo/ffi/host_update.cc``) hands every gradient, param and update buffer to
+the function given to :func:`set_host_update`, as numpy views: the engine reads
 the gradients and params and writes the update in place, with no staging copy. The update
 results are aliased onto the gradients wherever dtype and shape allow (inside a jitted train
 step the gradients are intermediates, so XLA reuses their buffers), so an update costs no
@@ -22,7 +22,6 @@ of them (:mod:`jax_mlpo.sharding.mesh`).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -34,8 +33,8 @@ import ml_dtypes
 import numpy as np
 
 from jax_mlpo import errors
-from jax_mlpo.native.copies import cuda_lib
-from jax_mlpo.native.library import LIB
+from jax_mlpo.native.copies import cuda_module
+from jax_mlpo.native.library import NATIVE
 
 __all__ = [
     "DEFERRED", "Completion", "DeviceBuffer", "ensure_platform", "host_update_call",
@@ -44,40 +43,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-class _BufferView(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("bytes", ctypes.c_int64),
-        ("dtype", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
-    ]
-
-
-# XLA's PrimitiveType numbers of the dtypes a leaf may have.
-_DTYPES = {
-    1: np.dtype(np.bool_), 2: np.dtype(np.int8), 4: np.dtype(np.int32), 5: np.dtype(np.int64),
-    10: np.dtype(np.float16), 11: np.dtype(np.float32), 12: np.dtype(np.float64),
-    16: np.dtype(ml_dtypes.bfloat16),
-}  # fmt: skip
-
-_Views = ctypes.POINTER(_BufferView)
-_CALLBACK = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int64,
-    _Views, _Views, _Views, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-)  # fmt: skip
-LIB.jax_mlpo_set_host_update.argtypes = [_CALLBACK]
-LIB.jax_mlpo_set_host_update.restype = None
-LIB.jax_mlpo_host_update_complete.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-LIB.jax_mlpo_host_update_complete.restype = None
-# The scalars operand's length (kNumScalars, host_update.h): the optimizer's scalars for the step
-# (each optimizer's hyper() in jax_mlpo.optimizers reads its own), padded with NaN.
-NUM_SCALARS = 12
-# The handler's return codes (host_update.h).
-_DONE, _FAILED, _PENDING = 0, 1, 2
-jax.ffi.register_ffi_target(
-    "jax_mlpo_host_update", jax.ffi.pycapsule(LIB.JaxMlpoHostUpdate), platform="cpu"
-)
+# The scalars operand's length (kNumScalars, ffi/host_update.h): the optimizer's scalars for the
+# step (each optimizer's hyper() in jax_mlpo.optimizers reads its own), padded with NaN.
+NUM_SCALARS = NATIVE.NUM_SCALARS
+for _name, _target in NATIVE.registrations().items():
+    jax.ffi.register_ffi_target(_name, _target, platform="cpu")
 
 
 class DeviceBuffer(NamedTuple):
@@ -97,15 +67,15 @@ class Completion:
     fails it with the error's message. Call it once, from a thread that may go on to run the
     device's next work (XLA continues the device's program on the completing thread)."""
 
-    def __init__(self, pending: int) -> None:
-        self._pending: int | None = pending
+    def __init__(self, pending: object) -> None:
+        self._pending = pending  # the call's Deferral (ffi/host_update_bindings.cc)
 
     def __call__(self, error: BaseException | None) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("a deferred jax_mlpo update was completed twice")
-        message = None if error is None else _message(error).encode(errors="replace")
-        LIB.jax_mlpo_host_update_complete(pending, message)  # ctypes releases the GIL
+        # complete() releases the GIL: XLA may run the device's next work on this thread
+        pending.complete(None if error is None else _message(error))
 
 
 # What a runner returns when it keeps the call's buffers and completes it later.
@@ -126,58 +96,50 @@ def _message(error: BaseException) -> str:
     return f"{errors.tag(error)} {type(error).__name__}: {error}"
 
 
-def _dtype(view: _BufferView) -> np.dtype:
-    dtype = _DTYPES.get(view.dtype)
-    if dtype is None:
-        raise TypeError(f"XLA buffer of unsupported element type {view.dtype}")
-    return dtype
+def _dtype(view) -> np.dtype:
+    name = view.dtype  # raises TypeError for an element type no leaf may have
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def _array(view: _BufferView, *, writable: bool) -> np.ndarray:
+def _array(view, *, writable: bool) -> np.ndarray:
     """A numpy view of one XLA buffer in host memory, valid only while the handler runs."""
     dtype = _dtype(view)
-    if view.bytes == 0 or not view.data:
+    if view.nbytes == 0 or not view.address:
         return np.empty(0, dtype)
-    raw = (ctypes.c_char * view.bytes).from_address(view.data)
-    arr = np.frombuffer(raw, dtype)
-    arr.flags.writeable = writable
-    return arr
+    return view.host(writable).view(dtype)
 
 
-def _device(view: _BufferView, *, writable: bool) -> DeviceBuffer:
+def _device(view, *, writable: bool) -> DeviceBuffer:
     del writable
-    return DeviceBuffer(int(view.data or 0), int(view.bytes), _dtype(view))
+    return DeviceBuffer(view.address, view.nbytes, _dtype(view))
 
 
-def _handler(handle, count, scalars, leaves, grads, params, updates, stream, error,
-             capacity, pending) -> int:  # fmt: skip
-    # Runs on an XLA thread, with the GIL (ctypes takes it). Every exception becomes the
-    # message of the ffi::Error the custom call fails with: none may escape into C.
+def _handler(handle, count, scalars, grads, params, updates, stream, pending) -> bool:
+    # Runs on an XLA thread, with the GIL (the C++ handler takes it); returns whether the runner
+    # deferred the call. Every exception becomes the message of the ffi::Error the custom call
+    # fails with: its str() is _message's text, the exception's mark ahead of the rest.
     try:
         if _runner is None:
             raise RuntimeError("no jax_mlpo host update runner is registered")
-        n = int(leaves)
         leaf = _array if stream is None else _device
-        completion = Completion(pending) if pending else None
+        completion = Completion(pending) if pending is not None else None
         outcome = _runner(
-            int(handle), int(count), np.ctypeslib.as_array(scalars, (NUM_SCALARS,)).copy(),
-            [leaf(grads[k], writable=False) for k in range(n)],
-            [leaf(params[k], writable=False) for k in range(n)],
-            [leaf(updates[k], writable=True) for k in range(n)], stream, completion,
+            handle, count, scalars,
+            [leaf(v, writable=False) for v in grads],
+            [leaf(v, writable=False) for v in params],
+            [leaf(v, writable=True) for v in updates], stream, completion,
         )  # fmt: skip
         if outcome == DEFERRED:
             if completion is None:
                 raise RuntimeError("a jax_mlpo update on a GPU cannot be deferred")
-            return _PENDING
-        return _DONE
+            return True
+        return False
     except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
-        message = _message(e).encode(errors="replace")[: int(capacity) - 1]
-        ctypes.memmove(error, message + b"\0", len(message) + 1)
-        return _FAILED
+        # the C++ handler takes str() of what escapes as the failed call's message
+        raise RuntimeError(_message(e)) from None
 
 
-_CALLBACK_REF = _CALLBACK(_handler)  # kept alive: C holds its address for the process's life
-LIB.jax_mlpo_set_host_update(_CALLBACK_REF)
+NATIVE.set_host_update(_handler)
 
 
 def set_host_update(runner: HostUpdate) -> None:
@@ -220,18 +182,15 @@ def ensure_platform(platform: str) -> None:
         if _cuda_ready:
             return
         try:
-            lib = cuda_lib()
+            cuda = cuda_module()
         except ImportError as e:
             raise ImportError(
                 f"{e}. On a GPU jax_mlpo needs its CUDA handlers: rebuild with "
                 "JAX_MLPO_ENABLE_CUDA=ON (pip install --no-build-isolation -e . with nvcc on PATH)"
             ) from None
-        lib.jax_mlpo_cuda_set_host_update.argtypes = [_CALLBACK]
-        lib.jax_mlpo_cuda_set_host_update.restype = None
-        lib.jax_mlpo_cuda_set_host_update(_CALLBACK_REF)
-        jax.ffi.register_ffi_target(
-            "jax_mlpo_host_update", jax.ffi.pycapsule(lib.JaxMlpoCudaHostUpdate), platform="CUDA"
-        )
+        cuda.set_host_update(_handler)
+        for name, target in cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, target, platform="CUDA")
         _cuda_ready = True
 
 

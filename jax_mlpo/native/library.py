@@ -1,97 +1,56 @@
 """The compiled library ``jax_mlpo._native``: loading it, its loop dispatch and its threads.
 
-The library is a Python extension module only so that the import system (editable installs
-included) finds it; its entry points are plain C symbols called through ctypes, which releases
-the GIL for the duration of each call. It holds one copy of its loops per instruction set
-(AVX-512, AVX2, baseline x86-64) and picks one at load time with cpuid (:func:`isa`); calls over
-more than 64K elements are split over a thread pool (:func:`num_threads`).
+A nanobind extension module: its kernels take typed numpy arrays and a struct of their scalars,
+and release the GIL while they run; its FFI handlers come out of ``registrations()``, and its
+stub (``jax_mlpo/_native.pyi``) is generated at build time. It holds one copy of its loops per
+instruction set (AVX-512, AVX2, baseline x86-64) and picks one at load time with cpuid
+(:func:`isa`); calls over more than 64K elements are split over a thread pool
+(:func:`num_threads`). What only tests and benchmarks use is in ``jax_mlpo._native_testing``
+(:mod:`jax_mlpo.native.testing`), which the wheel does not ship.
 
-The helpers below the settings check numpy arrays before their addresses cross into C: the C
-side trusts dtypes, sizes and contiguity, so a wrong argument is a ``ValueError`` here rather
-than memory corruption there.
+The helpers below the settings check numpy arrays before they cross into C++, with messages
+that name the argument: the C++ side only rejects what would corrupt memory.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
 from jax_mlpo.types import BF16, F32
 
-__all__ = ["isa", "num_threads", "set_isa", "set_num_threads"]
-
-P = ctypes.c_void_p
-I64 = ctypes.c_int64
+__all__ = ["isa", "num_threads", "set_num_threads"]
 
 
-def load(module: str) -> ctypes.CDLL:
-    """Opens the shared library of the extension module ``module`` with ctypes.
-
-    Args:
-      module: the module's full name, e.g. ``"jax_mlpo._native"``.
-
-    Returns:
-      The library; declare its functions with :func:`declare` before calling them.
+def load(module: str) -> ModuleType:
+    """Imports the extension module ``module`` (e.g. ``"jax_mlpo._native"``).
 
     Raises:
-      ImportError: if the module was not built.
+      ImportError: if the module was not built, with how to build it.
     """
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
         raise ImportError(
             f"{module} is not built; build the package with "
-            "`pip install --no-build-isolation -e .` (needs cmake and a C++17 compiler)"
-        )
-    return ctypes.CDLL(spec.origin)
+            "`pip install --no-build-isolation -e .` (needs cmake, nanobind and a C++17 compiler; "
+            "an editable install builds the test-only _native_testing too, a wheel only with "
+            "JAX_MLPO_TESTING=ON)"
+        ) from None
 
 
-def declare(lib: ctypes.CDLL, signatures: Sequence[tuple[str, list, object]]) -> None:
-    """Sets ``argtypes`` and ``restype`` of each ``(symbol, argtypes, restype)`` of ``lib``.
-
-    Without them ctypes would pass Python ints as C ints, truncating addresses and sizes.
-    """
-    for name, args, ret in signatures:
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ret
-
-
-LIB = load("jax_mlpo._native")
-declare(
-    LIB,
-    [
-        ("jax_mlpo_isa", [], ctypes.c_char_p),
-        ("jax_mlpo_set_isa", [ctypes.c_char_p], ctypes.c_int),
-        ("jax_mlpo_num_threads", [], ctypes.c_int),
-        ("jax_mlpo_set_num_threads", [ctypes.c_int], ctypes.c_int),
-    ],
-)
+NATIVE = load("jax_mlpo._native")
 
 
 def isa() -> str:
     """The instruction set the kernels were dispatched to: ``avx512``, ``avx2`` or ``base``."""
-    return LIB.jax_mlpo_isa().decode()
-
-
-def set_isa(name: str | None) -> str:
-    """Switches the loops to ``base``, ``avx2`` or ``avx512`` (``None``: the best available).
-
-    For tests and benchmarks; do not call while kernels run.
-
-    Args:
-      name: the instruction set, or None for the best this CPU and build offer.
-
-    Returns:
-      The instruction set now in use.
-
-    Raises:
-      ValueError: if this CPU or build lacks ``name``.
-    """
-    if LIB.jax_mlpo_set_isa((name or "").encode()) != 0:
-        raise ValueError(f"instruction set {name!r} is not available on this CPU or build")
-    return isa()
+    return NATIVE.isa()
 
 
 def num_threads() -> int:
@@ -100,7 +59,7 @@ def num_threads() -> int:
     The default is ``JAX_MLPO_NUM_THREADS`` if set, else the CPUs this process may use (its
     affinity mask, so taskset and cgroup cpusets are respected).
     """
-    return LIB.jax_mlpo_num_threads()
+    return NATIVE.num_threads()
 
 
 def set_num_threads(n: int | None) -> int:
@@ -112,7 +71,7 @@ def set_num_threads(n: int | None) -> int:
     Returns:
       The count now in use.
     """
-    return LIB.jax_mlpo_set_num_threads(0 if n is None else max(1, int(n)))
+    return NATIVE.set_num_threads(0 if n is None else max(1, int(n)))
 
 
 # ---- arrays crossing into C -------------------------------------------------------------------
@@ -120,7 +79,13 @@ def set_num_threads(n: int | None) -> int:
 
 def address(arr: np.ndarray) -> int:
     """The address of ``arr``'s first byte."""
-    return arr.ctypes.data
+    return arr.__array_interface__["data"][0]
+
+
+def bits(arr: np.ndarray | None) -> np.ndarray | None:
+    """``arr`` as C++ takes it: a bfloat16 array as its uint16 bits (numpy exports bfloat16
+    through neither DLPack nor the buffer protocol), any other as it is."""
+    return arr.view(np.uint16) if arr is not None and arr.dtype == BF16 else arr
 
 
 def checked_array(
@@ -168,8 +133,8 @@ def checked_outputs(
     update_out: np.ndarray | None,
     delta_base: np.ndarray | None,
     param_bf16_out: np.ndarray | None,
-) -> dict[str, int | None]:
-    """Checks the outputs every optimizer kernel shares and returns their addresses.
+) -> dict[str, np.ndarray | None]:
+    """Checks the outputs every optimizer kernel shares and returns them as C++ takes them.
 
     Args:
       n: the element count.
@@ -178,12 +143,12 @@ def checked_outputs(
       param_bf16_out: bfloat16 new params, or None.
 
     Returns:
-      ``{name: address or None}`` for the three.
+      ``{name: array (bfloat16 as its bits) or None}`` for the three.
 
     Raises:
       ValueError: as :func:`checked_array`, or for ``delta_base`` without ``update_out``.
     """
-    ptr = {}
+    out = {}
     update_dtypes = (F32, BF16) if delta_base is not None else (F32,)
     for name, arr, dtypes, writable in [
         ("update_out", update_out, update_dtypes, True),
@@ -192,35 +157,10 @@ def checked_outputs(
     ]:
         if arr is not None:
             arr = checked_array(name, arr, dtypes, n, writable=writable)
-        ptr[name] = None if arr is None else address(arr)
+        out[name] = bits(arr)
     if delta_base is not None and update_out is None:
         raise ValueError("delta_base needs update_out (the update is new_param - delta_base)")
-    return ptr
-
-
-def check_kernel_rc(kernel: str, rc: int, moments: str) -> None:
-    """Raises for an optimizer kernel's C return code (``kernels.cc``'s ``kErr*``); 0 is success.
-
-    Args:
-      kernel: the Python function's name, for the message.
-      rc: the code.
-      moments: the kernel's written moments (``"m, v"``), named in the overlap message.
-
-    Raises:
-      ValueError: naming the cause, for any code but 0.
-    """
-    if rc == 0:
-        return
-    causes = {
-        1: "a required array is missing",
-        2: f"the written arrays ({moments}, update_out, param_bf16_out, and param when "
-        "update_param) must not overlap each other or the inputs",
-        3: "delta_base needs update_out",
-        4: "negative size",
-        5: "a bfloat16 update_out needs delta_base",
-        6: "nesterov is not supported with q8 moments",
-    }
-    raise ValueError(f"{kernel}: {causes.get(rc, f'error {rc}')}")
+    return out
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> bool:

@@ -9,34 +9,12 @@ released while it runs, and large segments are split over the library's threads.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from jax_mlpo.native.library import (
-    I64,
-    LIB,
-    P,
-    address,
-    check_kernel_rc,
-    checked_array,
-    checked_outputs,
-    declare,
-)
+from jax_mlpo.native.library import NATIVE, bits, checked_array, checked_outputs
 from jax_mlpo.types import BF16, F32, LionHyper, moment_decay
 
 __all__ = ["lion_step"]
-
-# c1, b1, c2, b2, weight_decay, -lr (jax_mlpo_lion_step's order).
-_SCALARS = ctypes.c_float * 6
-
-declare(
-    LIB,
-    [
-        ("jax_mlpo_lion_step", [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P,
-                                ctypes.c_int, P, P, I64, _SCALARS, ctypes.c_int], ctypes.c_int),
-    ],
-)  # fmt: skip
 
 
 def lion_step(
@@ -76,16 +54,20 @@ def lion_step(
     n = m.size
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     param = checked_array("param", param, (F32,), n, writable=update_param)
-    ptr = checked_outputs(n, update_out, delta_base, param_bf16_out)
+    out = checked_outputs(n, update_out, delta_base, param_bf16_out)
     # the scalars as the reference computes them, each rounded once to float32
-    scalars = _SCALARS(
-        float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype), float(1.0 - hyper.b2),
-        moment_decay(hyper.b2, m.dtype), float(hyper.weight_decay), float(-hyper.lr),
-    )  # fmt: skip
-    rc = LIB.jax_mlpo_lion_step(
-        address(m), int(m.dtype == BF16), address(grad), int(grad.dtype == BF16),
-        address(param), int(update_param), ptr["update_out"],
-        int(update_out is not None and update_out.dtype == BF16), ptr["delta_base"],
-        ptr["param_bf16_out"], n, scalars, int(hyper.weight_decay != 0.0),
-    )  # fmt: skip
-    check_kernel_rc("lion_step", rc, "m")
+    scalars = NATIVE.LionScalars()
+    scalars.c1, scalars.b1 = float(1.0 - hyper.b1), moment_decay(hyper.b1, m.dtype)
+    scalars.c2, scalars.b2 = float(1.0 - hyper.b2), moment_decay(hyper.b2, m.dtype)
+    scalars.weight_decay, scalars.neg_lr = float(hyper.weight_decay), float(-hyper.lr)
+    scalars.has_wd = hyper.weight_decay != 0.0
+    NATIVE.lion_step(
+        bits(m),
+        bits(grad),
+        param,
+        out["update_out"],
+        out["delta_base"],
+        out["param_bf16_out"],
+        scalars,
+        update_param=bool(update_param),
+    )

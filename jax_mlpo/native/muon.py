@@ -7,38 +7,12 @@ segments are split over the library's threads.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from jax_mlpo.native.library import (
-    I64,
-    LIB,
-    P,
-    address,
-    check_kernel_rc,
-    checked_array,
-    checked_outputs,
-    declare,
-)
+from jax_mlpo.native.library import NATIVE, bits, checked_array, checked_outputs
 from jax_mlpo.types import BF16, F32, ApplyHyper, MomentumHyper, moment_decay
 
 __all__ = ["apply_step", "momentum_step"]
-
-# c, b (as applied to m), f32(beta), bc, bc_next (jax_mlpo_momentum_step's order).
-_MOMENTUM_SCALARS = ctypes.c_float * 5
-# weight_decay, -lr (jax_mlpo_apply_step's order).
-_APPLY_SCALARS = ctypes.c_float * 2
-
-declare(
-    LIB,
-    [
-        ("jax_mlpo_momentum_step", [P, ctypes.c_int, P, ctypes.c_int, P, I64, _MOMENTUM_SCALARS,
-                                    ctypes.c_int], ctypes.c_int),
-        ("jax_mlpo_apply_step", [P, P, ctypes.c_int, P, ctypes.c_int, P, P, I64, _APPLY_SCALARS,
-                                 ctypes.c_int], ctypes.c_int),
-    ],
-)  # fmt: skip
 
 
 def momentum_step(m: np.ndarray, grad: np.ndarray, out: np.ndarray, hyper: MomentumHyper) -> None:
@@ -60,15 +34,12 @@ def momentum_step(m: np.ndarray, grad: np.ndarray, out: np.ndarray, hyper: Momen
     n = m.size
     grad = checked_array("grad", grad, (F32, BF16), n, writable=False)
     out = checked_array("out", out, (F32,), n, writable=True)
-    scalars = _MOMENTUM_SCALARS(
-        float(1.0 - hyper.beta), moment_decay(hyper.beta, m.dtype), float(hyper.beta),
-        float(hyper.bc), float(hyper.bc_next),
-    )  # fmt: skip
-    rc = LIB.jax_mlpo_momentum_step(
-        address(m), int(m.dtype == BF16), address(grad), int(grad.dtype == BF16), address(out),
-        n, scalars, int(hyper.nesterov),
-    )  # fmt: skip
-    check_kernel_rc("momentum_step", rc, "m")
+    scalars = NATIVE.MomentumScalars()
+    scalars.c, scalars.b = float(1.0 - hyper.beta), moment_decay(hyper.beta, m.dtype)
+    scalars.beta, scalars.bc = float(hyper.beta), float(hyper.bc)
+    scalars.bc_next = float(hyper.bc_next)
+    scalars.nesterov = bool(hyper.nesterov)
+    NATIVE.momentum_step(bits(m), bits(grad), out, scalars)
 
 
 def apply_step(
@@ -101,11 +72,16 @@ def apply_step(
     direction = checked_array("direction", direction, (F32,), None, writable=False)
     n = direction.size
     param = checked_array("param", param, (F32,), n, writable=update_param)
-    ptr = checked_outputs(n, update_out, delta_base, param_bf16_out)
-    scalars = _APPLY_SCALARS(float(hyper.weight_decay), float(-hyper.lr))
-    rc = LIB.jax_mlpo_apply_step(
-        address(direction), address(param), int(update_param), ptr["update_out"],
-        int(update_out is not None and update_out.dtype == BF16), ptr["delta_base"],
-        ptr["param_bf16_out"], n, scalars, int(hyper.weight_decay != 0.0),
-    )  # fmt: skip
-    check_kernel_rc("apply_step", rc, "param")
+    out = checked_outputs(n, update_out, delta_base, param_bf16_out)
+    scalars = NATIVE.ApplyScalars()
+    scalars.weight_decay, scalars.neg_lr = float(hyper.weight_decay), float(-hyper.lr)
+    scalars.has_wd = hyper.weight_decay != 0.0
+    NATIVE.apply_step(
+        direction,
+        param,
+        out["update_out"],
+        out["delta_base"],
+        out["param_bf16_out"],
+        scalars,
+        update_param=bool(update_param),
+    )

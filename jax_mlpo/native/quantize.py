@@ -6,25 +6,15 @@ move a moment between its q8 blob and float32 (checkpoints, ``state_dict``), and
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from jax_mlpo.engine.quantize import Quantized, num_blocks
-from jax_mlpo.native.library import I64, LIB, P, address, checked_array, declare
+from jax_mlpo.native.library import NATIVE, checked_array
 from jax_mlpo.types import F32
 
 __all__ = ["q8_decode", "q8_encode"]
 
 U8 = np.dtype(np.uint8)
-
-declare(
-    LIB,
-    [
-        ("jax_mlpo_q8_encode", [P, I64, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_uint32], None),
-        ("jax_mlpo_q8_decode", [P, P, I64, P, ctypes.c_int], None),
-    ],
-)
 
 
 def checked_quantized(name: str, q: object, size: int | None, *, writable: bool) -> Quantized:
@@ -53,8 +43,9 @@ def q8_encode(x: np.ndarray, out: Quantized, *, signed: bool, seed: int | None =
     """
     x = checked_array("x", x, (F32,), None, writable=False)
     out = checked_quantized("out", out, x.size, writable=True)
-    LIB.jax_mlpo_q8_encode(address(x), x.size, address(out.codes), address(out.scales),
-                           int(signed), int(seed is not None), int(seed or 0))  # fmt: skip
+    NATIVE.q8_encode(
+        x, out.codes, out.scales, signed=bool(signed), seed=None if seed is None else int(seed)
+    )
 
 
 def q8_decode(q: Quantized, *, signed: bool, out: np.ndarray | None = None) -> np.ndarray:
@@ -72,6 +63,5 @@ def q8_decode(q: Quantized, *, signed: bool, out: np.ndarray | None = None) -> n
     if out is None:
         out = np.empty(q.size, F32)
     out = checked_array("out", out, (F32,), q.size, writable=True)
-    LIB.jax_mlpo_q8_decode(address(q.codes), address(q.scales), q.size, address(out),
-                           int(signed))  # fmt: skip
+    NATIVE.q8_decode(q.codes, q.scales, out, signed=bool(signed))
     return out

@@ -17,7 +17,6 @@ Prints a report; exits non-zero if a check fails.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import logging
 import pathlib
@@ -53,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.bench.harness import median_time  # noqa: E402
-from jax_mlpo.native import copies  # noqa: E402
+from jax_mlpo.native import testing  # noqa: E402
 from jax_mlpo.types import BF16, F32, AdamWHyper  # noqa: E402
 
 _compiles: list[str] = []
@@ -77,11 +76,8 @@ def same_bits(a, b) -> bool:
 
 
 def raw_memcpy_seconds(dst: int, src: int, nbytes: int, kind: int, repeats: int) -> float:
-    times = (ctypes.c_double * (repeats + 1))()
-    rc = copies.cuda_lib().jax_mlpo_cuda_memcpy_bench(dst, src, nbytes, kind, repeats + 1, times)
-    if rc != 0:
-        raise RuntimeError(copies.cuda_lib().jax_mlpo_cuda_error_string(rc).decode())
-    return statistics.median(list(times)[1:])  # the first copy is a warm-up
+    times = testing.cuda_memcpy_bench(dst, src, nbytes, to_device=kind == 1, iters=repeats + 1)
+    return statistics.median(times[1:])  # the first copy is a warm-up
 
 
 def bandwidth(gpu, nbytes: int, repeats: int) -> None:
@@ -107,7 +103,8 @@ def bandwidth(gpu, nbytes: int, repeats: int) -> None:
         check(len(_compiles) == before, "a new host buffer does not recompile")
         check(same_bits(host[1], x), "copy into the second host buffer is exact")
 
-        xp, yp, hp = x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer(), host[0].ctypes.data
+        xp, yp = x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer()
+        hp = host[0].__array_interface__["data"][0]
         t_raw_d2h = raw_memcpy_seconds(hp, xp, nbytes, 2, repeats)
         t_raw_h2d = raw_memcpy_seconds(yp, hp, nbytes, 1, repeats)
         for name, t_ffi, t_raw in (("D2H", t_ffi_d2h, t_raw_d2h), ("H2D", t_ffi_h2d, t_raw_h2d)):
@@ -239,8 +236,8 @@ def main() -> int:
     if not gpus:
         print("FAIL: no GPU backend")
         return 2
-    copies._ensure_cuda_targets()
-    print(f"CUDA devices seen by _native_cuda: {copies.cuda_lib().jax_mlpo_cuda_device_count()}")
+    testing._ensure_cuda_targets()
+    print(f"CUDA devices seen by _native_cuda: {testing.cuda_device_count()}")
     cpu = jax.devices("cpu")[0]
     checks = [lambda: step_parity(gpus[0], cpu, (1 << 20) + 3, args.steps)]
     checks += [lambda: transport_parity(gpus[0], cpu, args.steps)]
