@@ -50,6 +50,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import time
 
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("RESULT " + json.dumps(result), flush=True)
         return result
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    if shutil.which("fio") is None:  # every figure is a fraction of what fio moves
+        raise SystemExit("the checkpoint benchmark measures the disk with fio: install it first")
     rounds = []
     for r in range(args.rounds):
         # 4x the state on disk: deleted after each round, whatever happens
