@@ -92,6 +92,10 @@ void CheckOverlap(const Range (&r)[N], int grad, int update, const char* kernel,
 template <typename Args>
 void SetOutputs(Args& a, const OptOut& update_out, const OptIn& delta_base,
                 const OptOut& param_bf16_out, size_t n, const char* kernel) {
+  a.update_out = nullptr;
+  a.update_bf16 = nullptr;
+  a.delta_base = nullptr;
+  a.param_bf16_out = nullptr;
   if (delta_base && !update_out) {
     throw nb::value_error(
         (std::string(kernel) + ": delta_base needs update_out (the update is new_param - "
@@ -175,10 +179,6 @@ void AdamWStep(Out m, Out v, In grad, In param, OptOut update_out, OptIn delta_b
   a.grad_bf16 = Kind(grad, "grad", true, true) == Elem::kBf16;
   a.param = ParamData(param, n);
   a.update_param = update_param;
-  a.update_out = nullptr;
-  a.update_bf16 = nullptr;
-  a.delta_base = nullptr;
-  a.param_bf16_out = nullptr;
   SetOutputs(a, update_out, delta_base, param_bf16_out, n, "adamw_step");
   if (a.nesterov && (a.mu_q8 || a.nu_q8)) {
     throw nb::value_error("adamw_step: nesterov is not supported with q8 moments");
@@ -204,10 +204,6 @@ void LionStep(Out m, In grad, In param, OptOut update_out, OptIn delta_base,
   a.grad_bf16 = Kind(grad, "grad", true, true) == Elem::kBf16;
   a.param = ParamData(param, n);
   a.update_param = update_param;
-  a.update_out = nullptr;
-  a.update_bf16 = nullptr;
-  a.delta_base = nullptr;
-  a.param_bf16_out = nullptr;
   SetOutputs(a, update_out, delta_base, param_bf16_out, n, "lion_step");
   const Range ranges[] = {RangeOf(m, true),          RangeOf(grad, false),
                           RangeOf(param, update_param), RangeOf(update_out, true),
@@ -244,10 +240,6 @@ void ApplyStep(In direction, In param, OptOut update_out, OptIn delta_base,
   a.direction = static_cast<const float*>(direction.data());
   a.param = ParamData(param, n);
   a.update_param = update_param;
-  a.update_out = nullptr;
-  a.update_bf16 = nullptr;
-  a.delta_base = nullptr;
-  a.param_bf16_out = nullptr;
   SetOutputs(a, update_out, delta_base, param_bf16_out, n, "apply_step");
   const Range ranges[] = {RangeOf(direction, false), RangeOf(param, update_param),
                           RangeOf(update_out, true), RangeOf(delta_base, false),
