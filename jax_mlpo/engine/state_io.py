@@ -60,11 +60,7 @@ class StateIO:
         engine, idle = self._engine, self._idle
         with self._step_lock:
             self._health.check_usable()
-            if self.open_snapshot is not None:
-                raise CheckpointInProgressError(
-                    "a checkpoint of this optimizer is still being written: wait for it "
-                    "(CheckpointManager.wait_until_finished()) before saving another"
-                )
+            self._refuse_while_snapshot_open("saving another")
             # Between steps the snapshot reads through the free buffers: the reads issued
             # ahead give theirs back. A concurrent one has buffers of its own.
             idle.pause(cancel=not concurrent)
@@ -79,6 +75,13 @@ class StateIO:
             if concurrent:
                 idle.resume()
             return self.open_snapshot
+
+    def _refuse_while_snapshot_open(self, action: str) -> None:
+        if self.open_snapshot is not None:
+            raise CheckpointInProgressError(
+                "a checkpoint of this optimizer is still being written: wait for it "
+                f"(CheckpointManager.wait_until_finished()) before {action}"
+            )
 
     def _snapshot_closed(self) -> None:
         # Between steps the snapshot's I/O belongs to no update. A concurrent one closes on the
@@ -142,11 +145,7 @@ class StateIO:
         engine, idle = self._engine, self._idle
         with self._step_lock:
             self._health.check_usable()
-            if self.open_snapshot is not None:
-                raise CheckpointInProgressError(
-                    "a checkpoint of this optimizer is being written: wait for it "
-                    "(CheckpointManager.wait_until_finished()) before loading a state"
-                )
+            self._refuse_while_snapshot_open("loading a state")
             idle.pause(cancel=True)  # they hold the state being replaced
             idle.drain_writes()
             try:

@@ -131,6 +131,5 @@ def shard_plan(params: Any, *, backend: str) -> ShardPlan:
 def plan_of_update(handle: jax.Array, mesh: MeshPlan | None) -> ShardPlan:
     """The plan of a traced update whose state has ``handle``: on ``mesh`` (found by the
     update's key), else by the handle's shape (one element per process, or a scalar)."""
-    if mesh is not None:
-        return ShardPlan(mesh=mesh, processes=processes.is_multiprocess())
-    return ShardPlan(processes=bool(np.ndim(handle)))
+    # an update needs only where the calls go: the mesh's devices, or one call per process
+    return ShardPlan(mesh=mesh, processes=mesh is None and bool(np.ndim(handle)))
