@@ -31,6 +31,7 @@ from jax_mlpo.transforms.accumulation import MultiSteps
 from jax_mlpo.transforms.elementwise import adamw, lion
 from jax_mlpo.transforms.muon import OffloadedMuonState, muon
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
+from jax_mlpo.transforms.overlap import overlapped_step
 from jax_mlpo.transforms.registry import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
@@ -67,6 +68,7 @@ __all__ = [
     "closing",
     "engine_of",
     "metrics",
+    "overlapped_step",
     "parse_size",
     "return_freed_buffers",
 ]

@@ -94,10 +94,10 @@ class Engine:
         read_ahead = None
         if not self.host_only and config.read_ahead and config.delayed_conversion:
             read_ahead = ReadAhead(self.pipeline)
+        self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
-            lambda: retention.step_order(len(layout.subgroups), self.step_count, config.order),
-            self.host_only,
+            lambda: self.order.of_step(self.step_count), self.host_only,
         )  # fmt: skip
         self.state = StateIO(self, self.idle, self.health, self._step_lock)
         self.idle.resume()
@@ -198,10 +198,20 @@ class Engine:
         self.step_leaves(count, hyper, HostLeaves(grads, params, updates))
         return list(updates)
 
-    def step_leaves(self, count: int, hyper: Any, leaves: Leaves) -> None:
-        """:meth:`step` on leaves wherever they are (:mod:`jax_mlpo.engine.leaves`)."""
+    def step_leaves(
+        self, count: int, hyper: Any, leaves: Leaves, forward: list[int] | None = None
+    ) -> None:
+        """:meth:`step` on leaves wherever they are (:mod:`jax_mlpo.engine.leaves`).
+
+        Args:
+          forward: the subgroups in the order the program's forward pass needs them (an update
+            beside the forward pass): this and every later update follow it
+            (:class:`~jax_mlpo.engine.retention.UpdateOrder`). None: the order so far.
+        """
         # the lock: XLA may run two programs' calls at once (a discarded update)
         with self._step_lock, TraceAnnotation("jax_mlpo.update", step=count + 1):
+            if forward is not None:
+                self.order.follow(forward)
             self._step(count, hyper, leaves)
 
     def subgroup_staging(
@@ -234,10 +244,11 @@ class Engine:
         metrics = StepMetrics(step=count + 1)
         window = self.idle.window
         window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
-        order = retention.step_order(len(self.layout.subgroups), count, self.config.order)
+        order = self.order.of_step(count)
         keep = (
             set(order) if self.host_only
-            else retention.retain_set(order, self.tier_of, self.split.retained)
+            else self.order.keep(order, self.tier_of, self.split.retained,
+                                 self.plan.buffers - self.plan.minimum)
         )  # fmt: skip
         io, sgs = self.pipeline, self.layout.subgroups
         t_start = time.monotonic()

@@ -5,7 +5,9 @@ subgroups of each tier k (in that step's order) are not written back but kept in
 the next step, running the other way, starts with exactly those: no write and no read for them.
 This module decides all of it: how many subgroups are retained (:func:`retained_count`), how
 many of each tier (:func:`retained_per_tier`), in which order a step runs (:func:`step_order`)
-and which subgroups it keeps (:func:`retain_set`).
+and which subgroups it keeps (:func:`retain_set`), and :class:`UpdateOrder` holds the order
+an engine's updates run in: the configured one, or the forward pass's once an update beside the
+forward pass (:mod:`jax_mlpo.transforms.overlap`) gave it.
 """
 
 from __future__ import annotations
@@ -75,3 +77,59 @@ def retain_set(order: Sequence[int], tier_of: Sequence[int], per_tier: Sequence[
             left[tier_of[i]] -= 1
             keep.add(i)
     return keep
+
+
+def at_most(per_tier: Sequence[int], total: int) -> list[int]:
+    """``per_tier`` counts lowered, last tiers first, until they add up to at most ``total``."""
+    counts = list(per_tier)
+    excess = sum(counts) - max(0, total)
+    for k in reversed(range(len(counts))):
+        cut = min(counts[k], max(0, excess))
+        counts[k] -= cut
+        excess -= cut
+    return counts
+
+
+class UpdateOrder:
+    """The order an engine's updates run in, and what each keeps in host memory for the next.
+
+    The configured policy (:func:`step_order`, :func:`retain_set`) until an update beside the
+    forward pass gives the order the forward pass needs the subgroups in: from then on every
+    update, and the reads issued ahead of it, follow that order, and each keeps the *first*
+    subgroups of it (the next update needs those first: Belady's choice across steps), as many
+    as leave the pipeline's buffers free to stream the rest through.
+
+    Args:
+      subgroups: how many subgroups the engine has.
+      policy: ``OffloadConfig.order``.
+    """
+
+    def __init__(self, subgroups: int, policy: str) -> None:
+        self._subgroups, self._policy = subgroups, policy
+        self.forward: list[int] | None = None
+
+    def follow(self, forward: Sequence[int]) -> None:
+        """Runs every update from now on in ``forward`` (a permutation of the subgroups)."""
+        if sorted(forward) != list(range(self._subgroups)):
+            raise ValueError(f"not an order of the {self._subgroups} subgroups: {list(forward)}")
+        self.forward = list(forward)
+
+    def of_step(self, step: int) -> list[int]:
+        """The order update ``step`` (0-based) runs in."""
+        if self.forward is not None:
+            return list(self.forward)
+        return step_order(self._subgroups, step, self._policy)
+
+    def keep(self, order: Sequence[int], tier_of: Sequence[int], per_tier: Sequence[int],
+             spare_buffers: int) -> set[int]:  # fmt: skip
+        """The subgroups an update in ``order`` keeps in host memory.
+
+        Args:
+          order: the update's order.
+          tier_of: each subgroup's tier.
+          per_tier: how many the configured policy keeps of each tier.
+          spare_buffers: the host buffers beyond those the pipeline needs.
+        """
+        if self.forward is None:
+            return retain_set(order, tier_of, per_tier)
+        return retain_set(order[::-1], tier_of, at_most(per_tier, spare_buffers))

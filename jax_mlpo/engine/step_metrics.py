@@ -36,6 +36,9 @@ class StepMetrics:
       bytes_read: bytes read per tier path.
       bytes_written: bytes written per tier path.
       tier_busy_s: wall time each tier had at least one request in flight.
+      beside_s: in an update beside the forward pass (:mod:`jax_mlpo.transforms.overlap`), its
+        time after its first group of layers was handed back to the program: what the forward
+        pass can run beside (0 for an update in one call).
     """
 
     step: int
@@ -50,6 +53,7 @@ class StepMetrics:
     bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_written: dict[str, int] = dataclasses.field(default_factory=dict)
     tier_busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    beside_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,9 +96,8 @@ class TierIOWindow:
 
 
 # the figures of StepMetrics: scalars, and per-tier dicts keyed by the tier path
-# the figures of StepMetrics: scalars, and dicts by tier path
 SCALARS = ("total_s", "read_wait_s", "compute_s", "write_wait_s", "grad_write_s",
-            "cache_hits", "reads_ahead", "subgroups")  # fmt: skip
+           "cache_hits", "reads_ahead", "subgroups", "beside_s")  # fmt: skip
 PER_TIER = ("bytes_read", "bytes_written", "tier_busy_s")
 _PROC_DIR = re.compile(r"^proc\d+$")
 

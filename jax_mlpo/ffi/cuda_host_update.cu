@@ -31,7 +31,8 @@ struct Scalars {
 ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handle,
                               ffi::BufferR0<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
                               ffi::RemainingArgs leaves, ffi::ResultBufferR0<ffi::S32> count_out,
-                              ffi::RemainingRets updates) {
+                              ffi::RemainingRets updates, int32_t group, int32_t groups,
+                              ffi::Span<const int32_t> leaf_ids) {
   if (scalars.element_count() != kNumScalars) {
     return ffi::Error::InvalidArgument(
         "jax_mlpo_host_update: scalars must be f32[" + std::to_string(kNumScalars) + "]");
@@ -53,8 +54,8 @@ ffi::Error CudaHostUpdateImpl(cudaStream_t stream, ffi::BufferR0<ffi::S32> handl
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) return CudaError(who + ": reading the scalars", err);
   int32_t next = 0;
-  if (auto e = RunHostUpdate(pinned->handle, pinned->count, pinned->values, leaves, updates,
-                             stream, &next);
+  if (auto e = RunHostUpdate(pinned->handle, pinned->count, pinned->values,
+                             CallGroup{group, groups, leaf_ids}, leaves, updates, stream, &next);
       !e.success()) {
     return e;
   }
@@ -78,4 +79,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoCudaHostUpdate, jax_mlpo::CudaHostUpdateImp
                                   .Arg<ffi::Buffer<ffi::F32>>()    // lr, bc1, bc2, grad scale
                                   .RemainingArgs()                 // grads..., params...
                                   .Ret<ffi::BufferR0<ffi::S32>>()  // count + 1
-                                  .RemainingRets());               // updates...
+                                  .RemainingRets()                 // updates...
+                                  .Attr<int32_t>("group")          // host_update.h: CallGroup
+                                  .Attr<int32_t>("groups")
+                                  .Attr<ffi::Span<const int32_t>>("leaf_ids"));

@@ -1,6 +1,7 @@
 // The XLA FFI handler that runs jax_mlpo's host engine on XLA's own buffers (CPU platform).
 //
-// One side-effecting custom call per optimizer update: operands handle, count, scalars
+// One side-effecting custom call per optimizer update, or per group of its leaves (an update
+// beside the next forward pass: attributes group, groups and leaf_ids, host_update.h): operands handle, count, scalars
 // (f32[kNumScalars], host_update.h), then every gradient leaf and every param leaf; results the next
 // count and one update per leaf, usually aliased onto the gradients (input_output_aliases).
 // The handler hands the buffers to the Python engine's callback (host_update_bindings.cc, which
@@ -23,7 +24,8 @@ namespace {
 
 ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S32> count,
                            ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs leaves,
-                           ffi::ResultBufferR0<ffi::S32> count_out, ffi::RemainingRets updates) {
+                           ffi::ResultBufferR0<ffi::S32> count_out, ffi::RemainingRets updates,
+                           int32_t group, int32_t groups, ffi::Span<const int32_t> leaf_ids) {
   ffi::Promise promise;
   ffi::Future future(promise);  // before any copy of the promise: a promise has one future
   if (scalars.element_count() != kNumScalars) {
@@ -34,7 +36,8 @@ ffi::Future HostUpdateImpl(ffi::BufferR0<ffi::S32> handle, ffi::BufferR0<ffi::S3
   auto* pending = new PendingUpdate{promise};
   bool deferred = false;
   ffi::Error error = RunHostUpdate(handle.typed_data()[0], count.typed_data()[0],
-                                   scalars.typed_data(), leaves, updates, /*stream=*/nullptr,
+                                   scalars.typed_data(), CallGroup{group, groups, leaf_ids},
+                                   leaves, updates, /*stream=*/nullptr,
                                    count_out->typed_data(), pending, &deferred);
   if (deferred) return future;  // the engine completes it, and frees pending
   delete pending;
@@ -56,4 +59,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlpoHostUpdate, jax_mlpo::HostUpdateImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // lr, bc1, bc2, grad scale
                                   .RemainingArgs()                 // grads..., params...
                                   .Ret<ffi::BufferR0<ffi::S32>>()  // count + 1
-                                  .RemainingRets());               // updates...
+                                  .RemainingRets()                 // updates...
+                                  .Attr<int32_t>("group")          // host_update.h: CallGroup
+                                  .Attr<int32_t>("groups")
+                                  .Attr<ffi::Span<const int32_t>>("leaf_ids"));

@@ -25,6 +25,16 @@ struct PendingUpdate {
   xla::ffi::Promise promise;
 };
 
+// Which of the engine's leaves one call carries (the handlers' attributes): group `group` of
+// `groups` (an update split into one call per group of layers, numbered in the order the program's
+// forward pass consumes them: jax_mlpo/overlap.py), and the engine's index of each of its leaves.
+// An update in one call is group 0 of 1 with every leaf.
+struct CallGroup {
+  int32_t group;
+  int32_t groups;
+  xla::ffi::Span<const int32_t> leaf_ids;
+};
+
 // The scalars operand, f32[kNumScalars]: the optimizer's, padded with NaN (AdamW's: lr, bc1, bc2,
 // grad scale, bc1_next, then b1, b2, eps and weight decay where the update passes them, NaN where
 // the engine's own values apply; jax_mlpo/optimizers has each optimizer's).
@@ -37,7 +47,8 @@ constexpr int64_t kNumScalars = 12;
 // Takes the GIL; never throws. Defined in host_update_bindings.cc (a module of its own per
 // platform, each with its own callback).
 xla::ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
-                           const std::vector<BufferView>& views, void* stream,
+                           const CallGroup& group, const std::vector<BufferView>& views,
+                           void* stream,
                            PendingUpdate* pending, bool* deferred);
 
 // The views of a call's 2n leaf operands (gradients, then params) and n update results, in
@@ -72,14 +83,20 @@ inline xla::ffi::Error CollectViews(xla::ffi::RemainingArgs leaves,
 // this update (optax.safe_increment's: it stops at the largest int32), written even when the
 // engine defers (the result is XLA's to read once the update completes).
 inline xla::ffi::Error RunHostUpdate(int32_t handle, int32_t count, const float* scalars,
-                                     xla::ffi::RemainingArgs leaves,
+                                     const CallGroup& group, xla::ffi::RemainingArgs leaves,
                                      xla::ffi::RemainingRets updates, void* stream,
                                      int32_t* next, PendingUpdate* pending = nullptr,
                                      bool* deferred = nullptr) {
   std::vector<BufferView> views;
   if (auto err = CollectViews(leaves, updates, &views); !err.success()) return err;
+  if (group.leaf_ids.size() != updates.size() || group.groups < 1 || group.group < 0 ||
+      group.group >= group.groups) {
+    return xla::ffi::Error::InvalidArgument(
+        "jax_mlpo_host_update: leaf_ids must name each update result's leaf, and group be in "
+        "[0, groups)");
+  }
   *next = count == INT32_MAX ? count : count + 1;
-  return CallEngine(handle, count, scalars, views, stream, pending, deferred);
+  return CallEngine(handle, count, scalars, group, views, stream, pending, deferred);
 }
 
 }  // namespace jax_mlpo

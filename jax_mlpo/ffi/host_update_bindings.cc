@@ -3,8 +3,9 @@
 // module and the CUDA module, each holding the callback its handler calls.
 //
 // The callback is set once from Python and called with the GIL as
-//   engine(handle, count, scalars, grads, params, updates, stream, pending) -> bool
-// scalars a float32 copy of the call's f32[kNumScalars]; grads, params and updates lists of
+//   engine(handle, count, scalars, group, grads, params, updates, stream, pending) -> bool
+// scalars a float32 copy of the call's f32[kNumScalars]; group (group, groups, leaf_ids) the
+// call's CallGroup, leaf_ids a tuple of ints; grads, params and updates lists of
 // BufferView; stream XLA's cudaStream_t as an int (GPU) or None (CPU); pending a Deferral (CPU)
 // or None. It returns True when it keeps the buffers and completes the call later through
 // pending.complete(), False when the update is done, and raises to fail the call: the
@@ -79,8 +80,8 @@ nb::object HostBytes(const BufferView& v, bool writable) {
 }  // namespace
 
 ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
-                      const std::vector<BufferView>& views, void* stream, PendingUpdate* pending,
-                      bool* deferred) {
+                      const CallGroup& group, const std::vector<BufferView>& views, void* stream,
+                      PendingUpdate* pending, bool* deferred) {
   nb::gil_scoped_acquire gil;
   if (g_engine == nullptr || g_engine->is_none()) {
     return ffi::Error::Internal(
@@ -95,11 +96,14 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
         nb::ndarray<nb::numpy, const float, nb::ndim<1>>(scalars, {size_t(kNumScalars)},
                                                          nb::handle()),
         nb::rv_policy::copy);
+    nb::list ids;
+    for (int32_t id : group.leaf_ids) ids.append(id);
+    nb::object call = nb::make_tuple(group.group, group.groups, nb::tuple(ids));
     deferral = pending ? nb::cast(new Deferral{pending}, nb::rv_policy::take_ownership)
                        : nb::none();
     nb::object s = stream ? nb::object(nb::int_(reinterpret_cast<uintptr_t>(stream))) : nb::none();
     const bool defers = nb::cast<bool>(
-        (*g_engine)(handle, count, values, lists[0], lists[1], lists[2], s, deferral));
+        (*g_engine)(handle, count, values, call, lists[0], lists[1], lists[2], s, deferral));
     if (defers) {
       if (pending == nullptr) {
         return ffi::Error::Internal("a jax_mlpo update on a GPU cannot be deferred");

@@ -37,8 +37,8 @@ from jax_mlpo.native.copies import cuda_module
 from jax_mlpo.native.library import NATIVE
 
 __all__ = [
-    "DEFERRED", "Completion", "DeviceBuffer", "ensure_platform", "host_update_call",
-    "set_host_update",
+    "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "ensure_platform",
+    "host_update_call", "set_host_update",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,21 @@ class DeviceBuffer(NamedTuple):
         return self.nbytes // self.dtype.itemsize
 
 
+class CallGroup(NamedTuple):
+    """Which of the engine's leaves one call carries: group ``group`` of ``groups`` (an update
+    split into one call per group of layers, numbered in the order the forward pass consumes
+    them: :mod:`jax_mlpo.overlap`), and the engine's index of each of the call's leaves."""
+
+    group: int
+    groups: int
+    leaf_ids: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        """Whether this one call carries the whole update."""
+        return self.groups == 1
+
+
 class Completion:
     """Completes one deferred call: ``completion(None)`` succeeds it, ``completion(error)``
     fails it with the error's message. Call it once, from a thread that may go on to run the
@@ -83,9 +98,10 @@ DEFERRED = "deferred"
 
 Leaf = np.ndarray | DeviceBuffer
 HostUpdate = Callable[
-    [int, int, np.ndarray, list[Leaf], list[Leaf], list[Leaf], int | None, Completion | None],
+    [int, int, np.ndarray, CallGroup, list[Leaf], list[Leaf], list[Leaf], int | None,
+     Completion | None],
     str | None,
-]
+]  # fmt: skip
 _runner: HostUpdate | None = None
 
 
@@ -114,7 +130,7 @@ def _device(view, *, writable: bool) -> DeviceBuffer:
     return DeviceBuffer(view.address, view.nbytes, _dtype(view))
 
 
-def _handler(handle, count, scalars, grads, params, updates, stream, pending) -> bool:
+def _handler(handle, count, scalars, group, grads, params, updates, stream, pending) -> bool:
     # Runs on an XLA thread, with the GIL (the C++ handler takes it); returns whether the runner
     # deferred the call. Every exception becomes the message of the ffi::Error the custom call
     # fails with: its str() is _message's text, the exception's mark ahead of the rest.
@@ -124,7 +140,7 @@ def _handler(handle, count, scalars, grads, params, updates, stream, pending) ->
         leaf = _array if stream is None else _device
         completion = Completion(pending) if pending is not None else None
         outcome = _runner(
-            handle, count, scalars,
+            handle, count, scalars, CallGroup(*group),
             [leaf(v, writable=False) for v in grads],
             [leaf(v, writable=False) for v in params],
             [leaf(v, writable=True) for v in updates], stream, completion,
@@ -146,9 +162,10 @@ def set_host_update(runner: HostUpdate) -> None:
     """Sets the function every ``jax_mlpo_host_update`` call runs.
 
     Args:
-      runner: ``runner(handle, count, scalars, grads, params, updates, stream, completion)``:
-        ``scalars`` is ``float32[NUM_SCALARS]``, the optimizer's (its
-        :meth:`~jax_mlpo.optimizers.HostOptimizer.hyper` reads them); the three
+      runner: ``runner(handle, count, scalars, group, grads, params, updates, stream,
+        completion)``: ``scalars`` is ``float32[NUM_SCALARS]``, the optimizer's (its
+        :meth:`~jax_mlpo.optimizers.HostOptimizer.hyper` reads them); ``group`` a
+        :class:`CallGroup`, which of the engine's leaves the call carries; the three
         lists hold XLA's buffers per leaf, valid until the call completes (``updates[k]`` may share
         ``grads[k]``'s memory): flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer`
         s on a GPU (``stream`` is XLA's ``cudaStream_t``; copy through it and synchronize before
@@ -201,6 +218,7 @@ def host_update_call(
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array],
     update_dtypes: Sequence[jnp.dtype],
+    group: CallGroup | None = None,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """Emits the host update's FFI call (inside ``jax.jit``; CPU).
 
@@ -212,6 +230,8 @@ def host_update_call(
       params: the param leaves (same shapes).
       update_dtypes: each update's dtype; where it is the gradient's, the update takes over the
         gradient's buffer.
+      group: which of the engine's leaves these are (one group of an update split into several
+        calls); None: all of them, in the engine's order.
 
     Returns:
       ``(count + 1, updates)``: the next count (its data orders later updates after this one)
@@ -231,6 +251,11 @@ def host_update_call(
         has_side_effect=True,
         input_output_aliases=aliases,
     )
-    results = call(handle, count, scalars, *grads, *params)
+    if group is None:
+        group = CallGroup(0, 1, tuple(range(n)))
+    results = call(
+        handle, count, scalars, *grads, *params, group=np.int32(group.group),
+        groups=np.int32(group.groups), leaf_ids=np.asarray(group.leaf_ids, np.int32),
+    )  # fmt: skip
     assert len(results) == n + 1
     return results[0], list(results[1:])

@@ -13,7 +13,9 @@ call returns the next step count, so each update's data depends on the previous 
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,16 +27,23 @@ import optax
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
+from jax_mlpo.engine.grouped import GroupCalls, GroupedLeaves
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
-from jax_mlpo.native.host_update import DEFERRED, ensure_platform, host_update_call, set_host_update
+from jax_mlpo.native.host_update import (
+    DEFERRED,
+    CallGroup,
+    ensure_platform,
+    host_update_call,
+    set_host_update,
+)
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.mesh import MeshPlan
 from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
-from jax_mlpo.transforms import registry
+from jax_mlpo.transforms import overlap, registry
 from jax_mlpo.transforms.opt_state import OffloadedState
 
 
@@ -54,12 +63,19 @@ def refuse_discarding_wrappers(name: str) -> None:
         frame = frame.f_back
 
 
-def _run_update(handle, count, scalars, grads, params, updates, stream, completion):
+def _run_update(handle, count, scalars, group, grads, params, updates, stream, completion):
     """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
     XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
     with params on a mesh, each device's call meets the others' and all but the last are
-    deferred (:mod:`jax_mlpo.sharding.mesh`)."""
+    deferred (:mod:`jax_mlpo.sharding.mesh`); an update in one call per group of layers defers
+    every call and completes each as its subgroups are done (:mod:`jax_mlpo.engine.grouped`)."""
     try:
+        if not group.whole:
+            if completion is None:  # the update splits into groups on CPU only (update_fn)
+                raise RuntimeError("a jax_mlpo update in groups reached a GPU handler")
+            engine = registry.engine(handle)
+            _group_calls(engine).arrive(count, scalars, group, grads, params, updates, completion)
+            return DEFERRED
         slot = registry.slot(handle)
         if slot is not None:
             if stream is not None:
@@ -72,6 +88,28 @@ def _run_update(handle, count, scalars, grads, params, updates, stream, completi
     except BaseException as e:
         registry.update_failed(e)
         raise
+
+
+# Where each engine's grouped calls meet (made at its first grouped update).
+_GROUP_CALLS: weakref.WeakKeyDictionary[Engine, GroupCalls] = weakref.WeakKeyDictionary()
+
+
+def _group_calls(engine: Engine) -> GroupCalls:
+    found = _GROUP_CALLS.get(engine)
+    if found is None:
+
+        def run(count: int, scalars: np.ndarray, leaves: GroupedLeaves, order: list[int]) -> None:
+            try:
+                hyper = engine.optimizer.hyper(engine.scalars.read(scalars))
+                engine.step_leaves(count, hyper, leaves, forward=order)
+            except BaseException as e:
+                registry.update_failed(e)
+                raise
+            if leaves.first_done is not None and engine.metrics:
+                engine.metrics[-1].beside_s = time.monotonic() - leaves.first_done
+
+        found = _GROUP_CALLS.setdefault(engine, GroupCalls(engine.layout, run))
+    return found
 
 
 def run_on(engine: Engine):
@@ -252,11 +290,21 @@ def offloaded(
         # of the jitted update; Python floats stay constants of it, in double precision.
         lr = None if callable(learning_rate) else learning_rate
         arrays = {k: v for k, v in hyperparams.items() if not isinstance(v, int | float)}
-        return jitted_update(updates, state, params, lr, arrays)
+        groups = groups_of(params, state)
+        if groups is not None:  # traced by overlapped_step, into its program (overlap.hold)
+            return update_body(updates, state, params, lr, arrays, groups)
+        return jitted_update(updates, state, params, lr, arrays, None)
 
-    # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
-    @jax.jit
-    def jitted_update(updates, state, params, lr, arrays):
+    def groups_of(params: Any, state: OffloadedState) -> tuple[int, ...] | None:
+        """Each param leaf's group inside jax_mlpo.overlap_with (None: one call). One device
+        of a CPU only: the mesh's calls meet per device, and a GPU's handler is synchronous."""
+        groups = tuple(overlap.group_of_leaf(p) for p in jax.tree.leaves(params))
+        if (not groups or None in groups or len(set(groups)) == 1 or np.ndim(state.handle)
+                or jax.default_backend() != "cpu"):  # fmt: skip
+            return None
+        return groups
+
+    def update_body(updates, state, params, lr, arrays, groups):
         count_inc = optax.safe_increment(state.count)
         if lr is None:
             lr = learning_rate(state.count)
@@ -264,6 +312,11 @@ def offloaded(
         scalars = scalar_names.vector(computed, arrays)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
+        if groups is not None:
+            count_out, outs = grouped_update(
+                grads, param_leaves, state.handle, state.count, scalars, groups
+            )
+            return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
         key = update_key(np.shape(state.handle), param_leaves)
         plan = plan_of_update(state.handle, mesh_plans.get(key) or registry.mesh_plan_for(key))
         count_out, outs = plan.update(
@@ -271,10 +324,38 @@ def offloaded(
         )
         return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
 
-    def host_update(grads, param_leaves, handle, count, scalars):
-        dtypes = [
+    # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
+    jitted_update = jax.jit(update_body, static_argnums=5)
+
+    def update_dtypes(param_leaves):
+        return [
             jnp.float32 if update_dtype is not None else jnp.dtype(p.dtype) for p in param_leaves
         ]
-        return host_update_call(handle, count, scalars, grads, param_leaves, dtypes)
+
+    def host_update(grads, param_leaves, handle, count, scalars):
+        return host_update_call(
+            handle, count, scalars, grads, param_leaves, update_dtypes(param_leaves)
+        )
+
+    def grouped_update(grads, param_leaves, handle, count, scalars, groups):
+        # One call per group present, renumbered 0.. in forward order; each call's operands are
+        # its own leaves. Every call's next count is a value the program uses (their maximum):
+        # an unused result's buffer is one slice that all the calls would write, and XLA would
+        # run them one after another. The scalars and the counts are held to the step's end.
+        present = sorted(set(groups))
+        dtypes = update_dtypes(param_leaves)
+        outs: list[Any] = [None] * len(grads)
+        counts = []
+        for rank, g in enumerate(present):
+            ids = [k for k, gk in enumerate(groups) if gk == g]
+            count_out, group_outs = host_update_call(
+                handle, count, scalars, [grads[k] for k in ids], [param_leaves[k] for k in ids],
+                [dtypes[k] for k in ids], CallGroup(rank, len(present), tuple(ids)),
+            )  # fmt: skip
+            counts.append(count_out)
+            for k, out in zip(ids, group_outs, strict=True):
+                outs[k] = out
+        overlap.hold(scalars, *counts)
+        return functools.reduce(jnp.maximum, counts), outs
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

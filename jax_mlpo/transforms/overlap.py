@@ -1,0 +1,300 @@
+"""The update of step t beside the forward pass of step t + 1, exactly.
+
+A plain step runs forward and backward, then the update, and the model waits while the update
+waits for the optimizer state's reads. :func:`overlapped_step` takes step t's gradients into
+the next step's program, which first updates the params with them and then runs the forward
+and backward pass on the new params: the plain loop's math, step for step. Every gradient
+exists before the update starts, so ``optax.clip_by_global_norm`` sees the global norm as
+before.
+
+Inside it an offloaded update is split into one host call per group of param leaves, the
+groups in the order the forward pass first uses the params (found from the loss function's
+program, not from the pytree's key order). XLA starts every call at once; the engine updates
+the groups in that order and completes each group's call as soon as its subgroups are done
+(:mod:`jax_mlpo.engine.grouped`). Each group's update is added to its params where the forward
+pass first reaches them (:func:`loss_at_first_use`), so the forward pass of the first layers
+runs while the host still updates the last ones.
+
+The step, beside the plain one::
+
+    @jax.jit                                                    # plain
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))      # overlapped
+    def step(params, opt_state, pending, batch):
+        return jax_mlpo.overlapped_step(loss_fn, tx, params, opt_state, pending, batch)
+        # -> (params, opt_state, grads, loss): the grads are the next step's pending
+
+The first step has no gradients to apply: it only computes them (an update of zero gradients
+would still decay the weights). Before a checkpoint, an evaluation or the end, apply the
+pending gradients with a plain update (the flush); the saved params and state are then exactly
+the plain loop's, and the next step starts again with no pending gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend import core as jex_core
+
+__all__ = ["forward_ranks", "group_of_leaf", "leaf_groups", "loss_at_first_use", "overlapped_step"]
+
+# How many calls an update is split into by default: enough that the first group is a small
+# part of the update, few enough that each call's fixed cost (a host callback, ~100 us) is
+# nothing beside its subgroups' work.
+GROUPS = 8
+
+_ACTIVE = threading.local()
+
+
+@dataclasses.dataclass
+class Grouping:
+    """What an update traced inside :func:`overlapped_step` reads and leaves behind.
+
+    Attributes:
+      groups: each param leaf's group, by ``id`` of the traced leaf.
+      held: the values the grouped calls read or wrote besides their leaves (the scalars, each
+        call's next count): the loss depends on them (:func:`negative_zero`), so that XLA gives
+        none of their buffers to the forward pass while a call may still use it (which would
+        make the forward pass wait for every call).
+    """
+
+    groups: dict[int, int]
+    held: list[Any] = dataclasses.field(default_factory=list)
+
+
+def overlapped_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    pending: Any,
+    *args: Any,
+    has_aux: bool = False,
+    groups: int = GROUPS,
+) -> tuple[Any, Any, Any, Any]:
+    """Applies ``pending`` (the last step's gradients) with ``tx``, then the forward and
+    backward pass of ``loss_fn(new_params, *args)``, in one program (module doc).
+
+    Call it inside the jitted step. Updates it does not split (inside ``lax.cond``, as
+    ``jax_mlpo.MultiSteps`` runs its inner update; params on a mesh or of several processes; a
+    GPU) run in one call, as in the plain loop: exact, not overlapped.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      tx: the optimizer; its offloaded parts run beside the forward pass.
+      params: the params before the update.
+      opt_state: ``tx``'s state.
+      pending: the gradients of the last step (``params``' structure).
+      *args: the rest of ``loss_fn``'s arguments (the batch).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      groups: how many calls the offloaded update is split into.
+
+    Returns:
+      ``(params, opt_state, grads, value)``: the updated params and state, the gradients at
+      the updated params (the next step's ``pending``), and ``loss_fn``'s value there.
+
+    Raises:
+      ValueError: if ``groups`` < 1.
+    """
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    leaves, treedef = jax.tree.flatten(params)
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
+    ranks = forward_ranks(closed.jaxpr)[: len(leaves)]
+    group = leaf_groups(ranks, [int(np.size(x)) for x in leaves], groups)
+    grouping = Grouping({id(x): g for x, g in zip(leaves, group, strict=True)})
+    with _grouping(grouping):
+        updates, opt_state = tx.update(pending, opt_state, params)
+    out_tree = jax.tree.structure(out_shape)
+    arg_leaves = jax.tree.leaves(args)
+
+    def loss_of_updates(update_leaves: list[Any]) -> tuple[Any, Any]:
+        # The loss at params + updates, each group's update added where the forward pass
+        # reaches it: the gradient with respect to the updates is the gradient with respect to
+        # the new params. The new params come from those same additions: a second addition
+        # (optax.apply_updates after the step) would be merged with them by XLA and scheduled
+        # at the program's start, and the forward pass would wait for every update.
+        outs, new_params = loss_at_first_use(closed, leaves, update_leaves, arg_leaves,
+                                             _apply_update)  # fmt: skip
+        out = jax.tree.unflatten(out_tree, outs)
+        if has_aux:
+            return out[0], (out[1], new_params)
+        return out, new_params
+
+    (value, aux), grads = jax.value_and_grad(loss_of_updates, has_aux=True)(
+        treedef.flatten_up_to(updates)
+    )
+    aux, new_params = aux if has_aux else (None, aux)
+    grads = [g.astype(jnp.result_type(p)) for g, p in zip(grads, leaves, strict=True)]
+    # the values the grouped calls read and wrote besides their leaves live until the loss
+    value = value + negative_zero(*grouping.held).astype(jnp.result_type(value))
+    value = (value, aux) if has_aux else value
+    params = jax.tree.unflatten(treedef, new_params)
+    return params, opt_state, jax.tree.unflatten(treedef, grads), value
+
+
+@contextlib.contextmanager
+def _grouping(grouping: Grouping) -> Iterator[Grouping]:
+    previous = getattr(_ACTIVE, "grouping", None)
+    _ACTIVE.grouping = grouping
+    try:
+        yield grouping
+    finally:
+        _ACTIVE.grouping = previous
+
+
+def group_of_leaf(leaf: Any) -> int | None:
+    """The group of a param leaf traced inside :func:`overlapped_step`; None outside it, or for
+    a leaf it does not know (one of a ``lax.cond`` branch's own tracers)."""
+    grouping = getattr(_ACTIVE, "grouping", None)
+    return None if grouping is None else grouping.groups.get(id(leaf))
+
+
+def hold(*values: Any) -> None:
+    """Keeps ``values`` alive to the end of the :func:`overlapped_step` being traced."""
+    grouping = getattr(_ACTIVE, "grouping", None)
+    if grouping is not None:
+        grouping.held.extend(values)
+
+
+def forward_ranks(jaxpr: jex_core.Jaxpr) -> list[int]:
+    """Each input's first use in ``jaxpr`` (its equation order, the order the forward pass runs
+    in); an input the program does not use ranks last."""
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    first = [len(jaxpr.eqns)] * len(jaxpr.invars)
+    for e, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            k = position.get(v) if isinstance(v, jex_core.Var) else None
+            if k is not None and first[k] > e:
+                first[k] = e
+    return first
+
+
+def leaf_groups(ranks: Sequence[int], sizes: Sequence[int], groups: int) -> list[int]:
+    """Each leaf's group: the leaves in forward order, cut into ``groups`` runs of about equal
+    elements (a leaf is never split; each goes to the run its middle falls in)."""
+    order = sorted(range(len(ranks)), key=lambda k: (ranks[k], k))
+    total = max(1, sum(sizes))
+    out = [0] * len(ranks)
+    done = 0
+    for k in order:
+        out[k] = min(groups - 1, (2 * done + sizes[k]) * groups // (2 * total))
+        done += sizes[k]
+    return out
+
+
+def negative_zero(*values: Any) -> jax.Array:
+    """-0.0, computed from ``values``: adding it changes no number (``x + -0.0 == x`` for every
+    ``x``, bit for bit, -0.0 and NaN included), but what it is added to now depends on
+    ``values``, a dependency XLA keeps. (An ``optimization_barrier`` does not order anything on
+    XLA:CPU: it is expanded before scheduling.)"""
+    bits = jnp.uint32(0)
+    for x in values:
+        first = jax.lax.stop_gradient(jnp.ravel(x)[:1])
+        if first.size == 0:
+            continue
+        if jnp.dtype(first.dtype).itemsize != 4:
+            first = first.astype(jnp.float32)
+        bits = bits | jax.lax.bitcast_convert_type(first[0], jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    return jax.lax.bitcast_convert_type(((bits >> 31) << 31) | sign, jnp.float32)
+
+
+def _apply_update(param: Any, update: Any) -> Any:
+    """optax.apply_updates's rule for one leaf."""
+    return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
+
+
+def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def loss_at_first_use(
+    closed: jex_core.ClosedJaxpr,
+    params: Sequence[Any],
+    updates: Sequence[Any],
+    args: Sequence[Any],
+    apply: Callable[[Any, Any], Any],
+) -> list[Any]:
+    """``closed``'s outputs on ``apply(params, updates)`` leaf by leaf and ``args``, each
+    param's update applied where the program first combines it with an activation.
+
+    Args:
+      closed: the loss function's jaxpr over ``(params leaves..., args leaves...)``.
+      params: the param leaves (before the update).
+      updates: their updates (each group's comes from its own host call).
+      args: the other inputs' leaves (the batch).
+      apply: ``apply(param, update) -> new param`` (optax.apply_updates's rule).
+
+    Returns:
+      ``(outputs, new_params)``: the jaxpr's outputs, and every param leaf with its update
+      applied (where the forward pass applied it; a leaf it never uses, at the end).
+    """
+    jaxpr = closed.jaxpr
+    n = len(params)
+    env: dict[Any, Any] = {}  # evaluated vars: activations and constants
+    lazy: dict[Any, tuple[Any, frozenset[int]]] = {}  # param-derived vars: (eqn, params)
+    new: dict[int, Any] = {}  # the new params applied so far
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = c
+    for k, v in enumerate(jaxpr.invars[:n]):
+        lazy[v] = (None, frozenset([k]))
+    for v, a in zip(jaxpr.invars[n:], args, strict=True):
+        env[v] = a
+
+    def force(v: Any) -> Any:
+        """The value of a param-derived var, its params' new values applied already."""
+        if v in env:
+            return env[v]
+        eqn, _ = lazy[v]
+        if eqn is None:  # a param itself (applied here if no activation ever met it)
+            k = jaxpr.invars.index(v)
+            if k not in new:
+                new[k] = apply(params[k], updates[k])
+            return new[k]
+        outs = _bind(eqn, [read(x) for x in eqn.invars])
+        for out_var, out in zip(eqn.outvars, outs, strict=True):
+            env[out_var] = out
+        return env[v]
+
+    def read(v: Any) -> Any:
+        if isinstance(v, jex_core.Literal):
+            return v.val
+        return force(v) if v in lazy else env[v]
+
+    for eqn in jaxpr.eqns:
+        vars_in = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+        derived = [v for v in vars_in if v in lazy and v not in env]
+        active = [v for v in vars_in if v in env and v not in lazy]
+        if derived and not active:  # computed from params alone: when an activation needs it
+            touched = frozenset().union(*(lazy[v][1] for v in derived))
+            for out_var in eqn.outvars:
+                lazy[out_var] = (eqn, touched)
+            continue
+        if derived:
+            pending = sorted(frozenset().union(*(lazy[v][1] for v in derived)) - set(new))
+            if pending:  # the forward pass reaches these params: their new values, now
+                zero = negative_zero(*(env[v] for v in active))
+                for k in pending:
+                    new[k] = apply(params[k], updates[k] + zero.astype(updates[k].dtype))
+        outs = _bind(eqn, [read(v) for v in eqn.invars])
+        for out_var, out in zip(eqn.outvars, outs, strict=True):
+            env[out_var] = out
+    outs = [read(v) for v in jaxpr.outvars]
+    return outs, [new[k] if k in new else apply(params[k], updates[k]) for k in range(n)]
