@@ -54,11 +54,16 @@ def _main(run_dir: Path, cache: Path, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> dict[str, dict]:
-    """The tiny config for STEPS steps, with jax_mlpo (and its plot) and with optax.adamw."""
+    """The tiny config for STEPS steps, with jax_mlpo (and its plot), with optax.adamw, and
+    with jax_mlpo's plain step (``overlap=false``: forward and backward, then the update)."""
     run_dir = tmp_path_factory.mktemp("tiny")
+    plain_dir = tmp_path_factory.mktemp("tiny-plain")
     return {
         "offload": _main(run_dir, data_cache),
         "optax": _main(run_dir, data_cache, "--optimizer", "optax", "--set", "report.plot=false"),
+        "plain": _main(
+            plain_dir, data_cache, "--set", "overlap=false", "--set", "report.plot=false"
+        ),  # fmt: skip
     }
 
 
@@ -70,18 +75,27 @@ def test_tiny_config_runs_end_to_end(runs):
     assert all(math.isfinite(r["loss"]) for r in records)
     assert np.mean(result["losses"][-3:]) < result["losses"][0] - 0.2  # it learns
     for r in records:
-        assert r["step_s"] >= r["fwd_bwd_s"] > 0 and r["update_s"] > 0 and r["tokens_per_s"] > 0
-        assert r["subgroups"] == 10 and 0 <= r["cache_hit_rate"] <= 1
-        assert len(r["tiers"]) == 2
-        assert r["read_wait_s"] >= 0 and r["compute_s"] > 0 and r["write_wait_s"] >= 0
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0
         assert 0 < r["rss_bytes"] <= r["peak_rss_bytes"]
+    # each update beside the next forward pass: the first step only computes gradients, each
+    # later one applies the last step's (the last step also the flush of its own)
+    assert "subgroups" not in records[0] and records[0]["fwd_bwd_s"] == records[0]["step_s"]
+    for r in records[1:]:
+        assert r["subgroups"] == 10 * (2 if r["step"] == STEPS else 1)
+        assert 0 <= r["cache_hit_rate"] <= 1 and len(r["tiers"]) == 2
+        assert r["read_wait_s"] >= 0 and r["compute_s"] > 0 and r["write_wait_s"] >= 0
+        assert r["beside_s"] > 0  # the first groups were handed back before the update's end
+    for r in records[2:]:  # forward + backward alone, timed apart once the program is compiled
+        assert r["fwd_bwd_s"] > 0 and r["update_exposed_s"] >= 0
     assert [r["peak_rss_bytes"] for r in records] == sorted(r["peak_rss_bytes"] for r in records)
     # From step 2 on, subgroups not retained in host memory are read from and written to tiers.
     moved = sum(t["read_bytes"] + t["write_bytes"] for t in records[-1]["tiers"].values())
-    assert moved > 0 and records[-1]["cache_hits"] < 10
+    assert moved > 0 and records[-1]["cache_hits"] < records[-1]["subgroups"]
     summary = json.loads((run_dir / "summary-offload.json").read_text())
-    assert summary["median_s"]["step"] > 0 and set(summary["tiers"]) == set(records[0]["tiers"])
-    assert "| forward + backward |" in (run_dir / "summary-offload.md").read_text()
+    assert summary["median_s"]["step"] > 0 and set(summary["tiers"]) == set(records[1]["tiers"])
+    table = (run_dir / "summary-offload.md").read_text()
+    assert "| update not hidden by the forward pass |" in table
+    assert 0 < summary["beside_share"] <= 1
     assert summary["peak_rss_bytes"] == records[-1]["peak_rss_bytes"]
     assert (run_dir / "pretrain-offload.png").stat().st_size > 10_000
     resolved = run_config.load_config(str(run_dir / "config.yaml"))
@@ -94,7 +108,19 @@ def test_offload_equals_optax_per_step(runs):
     # fp32 params: jax_mlpo follows optax.adamw operation by operation.
     np.testing.assert_allclose(offload, optax, rtol=0, atol=1e-5)
     records = report.load_metrics(runs["optax"]["metrics"])
-    assert "tiers" not in records[0] and records[0]["update_s"] > 0
+    assert all("tiers" not in r for r in records)
+
+
+def test_the_overlapped_step_is_the_plain_step_bit_for_bit(runs):
+    """``overlap=true`` (the default) and ``overlap=false`` train the same params, bit for bit,
+    with clipping on (the config's clip_norm)."""
+    over, plain = runs["offload"], runs["plain"]
+    assert over["losses"] == plain["losses"]
+    assert over["summary"]["params_sha256"] == plain["summary"]["params_sha256"]
+    records = report.load_metrics(plain["metrics"])
+    for r in records:  # the plain step: forward and backward, then the update
+        assert r["step_s"] >= r["fwd_bwd_s"] > 0 and r["update_s"] > 0
+        assert r["subgroups"] == 10 and r["beside_s"] == 0
 
 
 # The multi-process runs: NPROCS=2 processes of batch_size 4 on the tiny config; each process
@@ -183,6 +209,11 @@ def test_two_processes_match_one_process(runs, two_processes):
         assert r["step_s"] == max(r["per_process"]["step_s"])  # the slowest process's
         assert r["step_s"] == r["per_process"]["step_s"][r["slowest_process"]]
         assert r["tokens_per_s"] == pytest.approx(8 * 128 / r["step_s"])  # the global batch
+    # overlap (the default): the first step, and the first after the checkpoint's flush, apply
+    # no update
+    updated = [r for r in records if "subgroups" in r]
+    assert [r["step"] for r in records if r not in updated] == [1, CHECKPOINT_EVERY + 1]
+    for r in updated:
         assert set(r["tiers"]) == {str(nvme / "jax_mlpo" / "dp2" / "tier"),
                                    str(run_dir / "tier")}  # fmt: skip
     moved = sum(t["read_bytes"] + t["write_bytes"] for t in records[-1]["tiers"].values())
@@ -257,30 +288,24 @@ def test_two_process_checkpoint_resumes_exactly_on_two_and_on_one(two_processes,
 
 _FAILING_PYTHON = """#!{python}
 # An interpreter for rank.sh ($PYTHON experiments/pretrain.py ...): pretrain.py as the command
-# runs it (pretrain.cli), its update step failing in process 1 at step 3.
+# runs it (pretrain.cli), its step failing in process 1 at step 3.
 import sys
 
 import jax
 from experiments import pretrain
 from experiments.job import train
 
-make_steps = train.make_steps
+class FailingSteps(train.OverlappedSteps):
+    calls = 0
 
-
-def failing_steps(graphdef, tx):
-    grad_step, update_step = make_steps(graphdef, tx)
-    calls = []
-
-    def update(*args):
-        calls.append(None)
-        if jax.process_index() == 1 and len(calls) == 3:
+    def run(self, *args):
+        FailingSteps.calls += 1
+        if jax.process_index() == 1 and FailingSteps.calls == 3:
             raise RuntimeError("injected failure of process 1 at step 3")
-        return update_step(*args)
-
-    return grad_step, update
+        return super().run(*args)
 
 
-train.make_steps = failing_steps
+train.OverlappedSteps = FailingSteps
 pretrain.cli(sys.argv[2:])
 """
 

@@ -14,6 +14,10 @@ optax's state) donated:
 * ``jax_mlpo_accum4``: ``jax_mlpo.MultiSteps(jax_mlpo.adamw(...), every_k_schedule=4)``, four
   micro-steps per step: the bf16 accumulator on top of params + gradients (its floor is
   6 B/param), the host update on every fourth micro-step.
+* ``jax_mlpo_overlap``: ``jax_mlpo.adamw`` in ``jax_mlpo.overlapped_step``: the update of the
+  gradients carried from the last step beside this step's forward pass; params, state and the
+  carried gradients donated (the update is written over the carried gradients, and the new
+  gradients take their buffer).
 
 Then a least-squares line per system over the sizes: its slope (bytes per param) and intercept.
 The targets: jax_mlpo's slope <= 4.5 B/param (params + gradients and nothing else of the
@@ -44,7 +48,7 @@ from experiments.job.host_memory import peak_rss_bytes, process_memory
 logger = logging.getLogger("bench.memory")
 
 LEAF = 16 * 2**20  # elements per param leaf
-SYSTEMS = ("none", "optax", "jax_mlpo", "jax_mlpo_q8", "jax_mlpo_accum4")
+SYSTEMS = ("none", "optax", "jax_mlpo", "jax_mlpo_q8", "jax_mlpo_accum4", "jax_mlpo_overlap")
 MICRO_STEPS = {"jax_mlpo_accum4": 4}  # micro-steps per step, per system (1 where absent)
 
 
@@ -98,6 +102,24 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
             master = optax.apply_updates(master, updates)
             return jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), (master, opt_state)
 
+    elif system == "jax_mlpo_overlap":
+        config = jax_mlpo.OffloadConfig(host_cache=cache, tiers=[tier], subgroup_size=LEAF // 4)
+        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+
+        def scaled_loss(p, i):  # grads_of's gradient
+            total = sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in jax.tree.leaves(p))
+            return total * (1.0 + 1e-3 * i)
+
+        state = (tx.init(params), jax.jit(grads_of)(params, 0))
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(p, state, i):
+            opt_state, pending = state
+            p, opt_state, pending, _ = jax_mlpo.overlapped_step(
+                scaled_loss, tx, p, opt_state, pending, i
+            )
+            return p, (opt_state, pending)
+
     else:
         config = jax_mlpo.OffloadConfig(host_cache=cache, tiers=[tier], subgroup_size=LEAF // 4)
         moments = dict(mu_dtype="q8", nu_dtype="q8") if system == "jax_mlpo_q8" else {}
@@ -122,9 +144,9 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
         times.append(time.perf_counter() - t0)
     engine_host = None
     if system.startswith("jax_mlpo"):
-        engine = jax_mlpo.engine_of(state)
+        engine = jax_mlpo.engine_of(state[0] if system == "jax_mlpo_overlap" else state)
         engine_host = engine.host_bytes
-        jax_mlpo.close(state)
+        jax_mlpo.close(state[0] if system == "jax_mlpo_overlap" else state)
     _, traced_peak = tracemalloc.get_traced_memory()
     return {
         "system": system, "params": n, "rss_start": rss_start, "peak_rss": peak_rss_bytes(),
@@ -203,7 +225,7 @@ def main() -> None:
         print(f"{s:<11} " + " ".join(f"{p:6.2f}G" for p in peaks)
               + f"   {slope:13.2f}  {icpt / 2**30:13.2f}")  # fmt: skip
     verdict = {}
-    for system, target in (("jax_mlpo", 4.5), ("jax_mlpo_accum4", 6.5)):
+    for system, target in (("jax_mlpo", 4.5), ("jax_mlpo_accum4", 6.5), ("jax_mlpo_overlap", 4.5)):
         if system not in lines or "none" not in lines:
             continue
         slope, icpt = lines[system]

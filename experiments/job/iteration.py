@@ -59,8 +59,8 @@ def iterations(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     for before, r in zip(records, records[1:], strict=False):
-        if "tier_totals" not in before or "tier_totals" not in r:
-            continue
+        if "tier_totals" not in before or "tier_totals" not in r or "fwd_bwd_s" not in r:
+            continue  # (an overlapped run's first steps: forward + backward not timed apart)
         if any(t["read_Bps"] is None for t in r["tier_totals"].values()):
             continue  # no bandwidth model: no limit
         tiers, io_s = {}, 0.0

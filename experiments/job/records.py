@@ -106,6 +106,7 @@ def update_record(m: jax_mlpo.StepMetrics) -> dict[str, Any]:
         "read_wait_s": m.read_wait_s,
         "compute_s": m.compute_s,
         "write_wait_s": m.write_wait_s,
+        "beside_s": m.beside_s,
         "cache_hits": m.cache_hits,
         "reads_ahead": m.reads_ahead,
         "subgroups": m.subgroups,
@@ -119,9 +120,12 @@ def progress(r: dict[str, Any]) -> dict[str, str]:
     out = {
         "loss": f"{r['loss']:.4f}",
         "tok/s": f"{r['tokens_per_s']:,.0f}",
-        "fwd+bwd": f"{1e3 * r['fwd_bwd_s']:.0f}ms",
-        "update": f"{1e3 * r['update_s']:.0f}ms",
     }
+    if "update_s" in r:  # a plain step's two halves; an overlapped step is one program
+        out["fwd+bwd"] = f"{1e3 * r['fwd_bwd_s']:.0f}ms"
+        out["update"] = f"{1e3 * r['update_s']:.0f}ms"
+    else:
+        out["step"] = f"{1e3 * r['step_s']:.0f}ms"
     if "peak_rss_bytes" in r:
         out["RSS"] = f"{r.get('rss_bytes', 0) / 2**30:.1f}/{r['peak_rss_bytes'] / 2**30:.1f}G"
     if "read_wait_s" in r:
@@ -199,19 +203,25 @@ def finish(
         # (of the steps run on this process count: a resumed run may have changed it).
         window = records[min(cfg.report.skip_steps, len(records) - 1) :]
         window = [r for r in window if r.get("processes") == nproc]  # holds records[-1]
+        # the figures every step of the window has (an overlapped step has no update apart)
+        keys = set.intersection(*(set(r["per_process"]) for r in window))
         per = {
             key: [statistics.median(r["per_process"][key][k] for r in window)
                   for k in range(nproc)]
-            for key in window[0]["per_process"]
+            for key in window[0]["per_process"] if key in keys
         }  # fmt: skip
+
+        def ms(key: str, k: int) -> str:
+            return f"{1e3 * per[key][k]:.2f}" if key in per else "-"
+
         slowest = [sum(r["slowest_process"] == k for r in window) for k in range(nproc)]
         summary["per_process_median_s"] = per
         summary["slowest_process_steps"] = slowest
         table += "\n\n| process | step (ms) | forward + backward (ms) | update (ms) | slowest |\n"
         table += "|---:|---:|---:|---:|---:|\n"
         table += "\n".join(
-            f"| {k} | {1e3 * per['step_s'][k]:.2f} | {1e3 * per['fwd_bwd_s'][k]:.2f} | "
-            f"{1e3 * per['update_s'][k]:.2f} | in {slowest[k]} of {len(window)} steps |"
+            f"| {k} | {ms('step_s', k)} | {ms('fwd_bwd_s', k)} | {ms('update_s', k)} | "
+            f"in {slowest[k]} of {len(window)} steps |"
             for k in range(nproc)
         )
     logger.info(

@@ -35,6 +35,8 @@ _PHASES = (
     "read_wait_s",
     "compute_s",
     "write_wait_s",
+    "beside_s",
+    "update_exposed_s",
     "data_s",
 )
 
@@ -75,9 +77,10 @@ def summarize(records: Sequence[dict[str, Any]], skip: int) -> dict[str, Any]:
         if all(k in r for r in window)
     }
     tiers: dict[str, dict[str, float]] = {}
-    for path in window[0].get("tiers", {}):
-        keys = [k for k in window[0]["tiers"][path] if k != "busy_s"]
-        tiers[path] = {k: statistics.median(r["tiers"][path][k] for r in window) for k in keys}
+    moving = [r for r in window if "tiers" in r]  # the steps that ran an update
+    for path in moving[0]["tiers"] if moving else {}:
+        keys = [k for k in moving[0]["tiers"][path] if k != "busy_s"]
+        tiers[path] = {k: statistics.median(r["tiers"][path][k] for r in moving) for k in keys}
     losses = [r["loss"] for r in records]
     out = {
         "first_step": window[0]["step"],
@@ -88,8 +91,13 @@ def summarize(records: Sequence[dict[str, Any]], skip: int) -> dict[str, Any]:
         "loss_first10": float(np.mean(losses[:10])),
         "loss_last10": float(np.mean(losses[-10:])),
     }
-    if "cache_hit_rate" in window[0]:
-        out["cache_hit_rate"] = float(np.mean([r["cache_hit_rate"] for r in window]))
+    if "beside" in median_s and median_s.get("host_update"):
+        # an overlapped run: the share of the host update after its first group of layers was
+        # handed back, which the forward pass could run beside
+        out["beside_share"] = median_s["beside"] / median_s["host_update"]
+    rates = [r["cache_hit_rate"] for r in window if "cache_hit_rate" in r]
+    if rates:  # (a step with nothing pending, after an overlapped run's flush, has no update)
+        out["cache_hit_rate"] = float(np.mean(rates))
     limit = iteration.summarize_limit(records, window[0]["step"] - 1)
     if limit is not None:
         out["limit"] = limit
@@ -103,11 +111,14 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     """The summary as markdown tables: time per phase, then per tier."""
     med = summary["median_s"]
     it = med["step"]
-    rows = [
-        ("iteration", med["step"]),
-        ("forward + backward", med["fwd_bwd"]),
-        ("update", med["update"]),
-    ]
+    rows = [("iteration", med["step"])]
+    if "update" in med:  # a plain step: forward and backward, then the update
+        rows += [("forward + backward", med["fwd_bwd"]), ("update", med["update"])]
+    elif "update_exposed" in med:  # overlapped: the update beside the next forward pass
+        rows += [
+            ("forward + backward (alone, timed apart)", med["fwd_bwd"]),
+            ("update not hidden by the forward pass", med["update_exposed"]),
+        ]
     if "host_update" in med:
         rows += [
             ("  host update (engine)", med["host_update"]),
@@ -115,6 +126,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
             ("    compute (optimizer kernel)", med["compute"]),
             ("    write wait", med["write_wait"]),
         ]
+        if med.get("beside"):
+            rows.append(("    after the first group was handed back", med["beside"]))
     lines = []
     if title:
         lines.append(f"{title}: medians of steps {summary['first_step']}..{summary['last_step']}")
@@ -195,7 +208,9 @@ def plot_run(
     ws = np.array([r["step"] for r in window])
 
     def series(key: str, rs: Sequence[dict] = window) -> np.ndarray:
-        return _rolling_median(np.array([1e3 * r[key] for r in rs]), smooth)
+        # a step without the figure (an overlapped step has no separate update; a step with
+        # nothing pending, no update at all) counts 0
+        return _rolling_median(np.array([1e3 * r.get(key, 0.0) for r in rs]), smooth)
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     ax = axes[0, 0]
@@ -227,8 +242,12 @@ def plot_run(
         mem.legend(loc="upper right")
 
     ax = axes[0, 1]
-    fb, up = series("fwd_bwd_s"), series("update_s")
-    ax.stackplot(ws, fb, up, labels=["forward + backward", "update"], alpha=0.8)
+    if all("update_s" in r for r in window):
+        fb, up = series("fwd_bwd_s"), series("update_s")
+        ax.stackplot(ws, fb, up, labels=["forward + backward", "update"], alpha=0.8)
+    else:  # overlapped: one program
+        fb, up = series("step_s"), np.zeros(len(window))
+        ax.stackplot(ws, fb, labels=["forward + backward, update beside it"], alpha=0.8)
     ax.plot(
         ws,
         [1e3 * r["step_s"] for r in window],
@@ -251,14 +270,15 @@ def plot_run(
         parts = [series(k) for k in ("read_wait_s", "compute_s", "write_wait_s")]
         host = series("host_update_s")
         parts.append(np.maximum(host - sum(parts), 0.0))
-        parts.append(np.maximum(series("update_s") - host, 0.0))
+        if all("update_s" in r for r in window):
+            parts.append(np.maximum(series("update_s") - host, 0.0))
         names = [
             "read wait",
             "compute (optimizer kernel)",
             "write wait",
             "engine other (I/O issue, copies)",
             "outside the engine (XLA ops in the update)",
-        ]
+        ][: len(parts)]
         ax.stackplot(ws, *parts, alpha=0.8, labels=names)
         ax.set_ylim(0, 1.5 * float(np.percentile(sum(parts), 95)))
         ax.legend(loc="upper right")
@@ -272,10 +292,12 @@ def plot_run(
     for i, path in enumerate(tiers):
         name = f"tier {i} ({Path(path).name})"
         for key, style in (("read_GBps", "-"), ("write_GBps", "--")):
-            vals = _rolling_median(np.array([r["tiers"][path][key] for r in window]), smooth)
+            vals = _rolling_median(
+                np.array([r["tiers"][path][key] if "tiers" in r else 0.0 for r in window]), smooth
+            )
             ax.plot(ws, vals, style, color=f"C{i}", label=f"{name} {key.split('_')[0]}")
     if tiers:
-        hit = 100 * float(np.mean([r["cache_hit_rate"] for r in window]))
+        hit = 100 * float(np.mean([r.get("cache_hit_rate", 0.0) for r in window]))
         ax.set_title(f"tier throughput during the update (cache hit rate {hit:.0f}%)")
         ax.legend(loc="lower right")
         ax.set_ylim(bottom=0)

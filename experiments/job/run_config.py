@@ -128,6 +128,11 @@ class RunConfig:
     seed: int = 0
     log_every: int = 10
     """Log a line (loss, times, tiers) every this many steps."""
+    overlap: bool = True
+    """Run each update beside the next step's forward pass (jax_mlpo.overlapped_step): the same
+    params bit for bit; false runs forward + backward, then the update."""
+    overlap_groups: int = 8
+    """How many host calls an overlapped update is split into (groups of layers)."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     offload: jax_mlpo.OffloadConfig = dataclasses.field(default_factory=jax_mlpo.OffloadConfig)
     """jax_mlpo's offload config; :func:`load_config` defaults its tiers to <run_dir>/tiers/t0
@@ -317,6 +322,7 @@ def _check(cfg: RunConfig) -> None:
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
         "log_every": cfg.log_every,
+        "overlap_groups": cfg.overlap_groups,
         "optimizer.peak_lr": cfg.optimizer.peak_lr,
         "optimizer.eps": cfg.optimizer.eps,
         "optimizer.clip_norm": cfg.optimizer.clip_norm,

@@ -1,6 +1,9 @@
-"""The training step's two jitted halves, and what XLA says the first one needs.
+"""The training step, plain or overlapped, and what XLA says its forward and backward pass needs.
 
 :func:`grad_step` is the forward and backward pass, one jitted function per model graph.
+:class:`PlainSteps` runs it, then the update (:func:`make_steps`); :class:`OverlappedSteps`
+runs each update beside the next step's forward pass (``jax_mlpo.overlapped_step``), carrying
+the gradients from one step to the next: the same params, bit for bit.
 :func:`grad_step_temp_bytes` compiles it for the config's shapes without allocating anything
 (``jax.ShapeDtypeStruct`` params from ``nnx.eval_shape``) and returns XLA's own figure for its
 temporaries (activations kept for the backward pass, the backward pass's intermediates, the
@@ -12,6 +15,7 @@ already compiled.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Any
 
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import jax_mlpo
 from experiments.job.run_config import RunConfig, resolve_model
 from models import Llama, LlamaConfig, loss_fn
 
@@ -74,6 +79,119 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tupl
             return jitted(grads, opt_state, params)
 
     return grad_step(graphdef), update_step
+
+
+class PlainSteps:
+    """Forward and backward, then the update: two jitted programs, timed apart."""
+
+    def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> None:
+        self._grad_step, self._update_step = make_steps(graphdef, tx)
+
+    def run(self, params: nnx.State, rest: nnx.State, opt_state: Any,
+            tokens: jax.Array) -> tuple[Any, Any, jax.Array, dict[str, float], int]:  # fmt: skip
+        """One training step.
+
+        Returns:
+          ``(params, opt_state, loss, timings, updates)``: ``updates`` is how many optimizer
+          updates ran in this step (always 1 here).
+        """
+        t0 = time.perf_counter()
+        loss, grads = jax.block_until_ready(self._grad_step(params, rest, tokens))
+        t1 = time.perf_counter()
+        params, opt_state = jax.block_until_ready(self._update_step(grads, opt_state, params))
+        t2 = time.perf_counter()
+        return params, opt_state, loss, {"step_s": t2 - t0, "fwd_bwd_s": t1 - t0,
+                                         "update_s": t2 - t1}, 1  # fmt: skip
+
+    def flush(self, params: nnx.State, opt_state: Any) -> tuple[Any, Any, float]:
+        """Nothing is pending after a plain step: ``(params, opt_state, 0.0)``."""
+        return params, opt_state, 0.0
+
+
+class OverlappedSteps:
+    """Each update beside the next step's forward pass, in one jitted program.
+
+    A step applies the gradients the last step left pending, then runs its own forward and
+    backward pass on the updated params, whose gradients it leaves pending. The first step (and
+    the first after a :meth:`flush`) has nothing to apply: it is the forward and backward pass
+    alone. :meth:`flush` applies what is pending (before a checkpoint and at the end), so that
+    the params and the optimizer state are the plain loop's at that step.
+
+    One program hides how long its forward and backward pass alone would take: the second
+    step that applies an update (the first compiles the program) first times the forward and
+    backward pass alone, a median of ``REFERENCE_ROUNDS`` (their results discarded), and every
+    overlapped step reports it as ``fwd_bwd_s`` and the rest of its time as
+    ``update_exposed_s``, the part of the update the forward pass did not hide.
+
+    Args:
+      graphdef: the model's graph (``nnx.split``).
+      tx: the optimizer.
+      groups: how many host calls an offloaded update is split into.
+    """
+
+    REFERENCE_ROUNDS = 3
+
+    def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                 groups: int) -> None:  # fmt: skip
+        self._grad_step, self._update_step = make_steps(graphdef, tx)
+        self._pending: Any = None
+        self._overlapped = 0  # steps that applied an update
+        self._fwd_bwd_s: float | None = None
+
+        def loss_of(params: nnx.State, rest: nnx.State, tokens: jax.Array) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, params, rest), tokens)
+
+        def step(params, rest, opt_state, pending, tokens):
+            return jax_mlpo.overlapped_step(
+                loss_of, tx, params, opt_state, pending, rest, tokens, groups=groups
+            )
+
+        # the params, the state and the pending gradients are donated: the update is written
+        # over the pending gradients, and the next ones take their buffers
+        self._step = jax.jit(step, donate_argnums=(0, 2, 3))
+
+    def run(self, params: nnx.State, rest: nnx.State, opt_state: Any,
+            tokens: jax.Array) -> tuple[Any, Any, jax.Array, dict[str, float], int]:  # fmt: skip
+        """One training step (:meth:`PlainSteps.run`'s results); no update runs in a step with
+        nothing pending."""
+        t0 = time.perf_counter()
+        if self._pending is None:
+            loss, self._pending = jax.block_until_ready(self._grad_step(params, rest, tokens))
+            t = time.perf_counter() - t0
+            return params, opt_state, loss, {"step_s": t, "fwd_bwd_s": t}, 0
+        self._overlapped += 1
+        if self._overlapped == 2 and self._fwd_bwd_s is None:
+            self._fwd_bwd_s = self._time_fwd_bwd(params, rest, tokens)
+            t0 = time.perf_counter()
+        params, opt_state, self._pending, loss = jax.block_until_ready(
+            self._step(params, rest, opt_state, self._pending, tokens)
+        )
+        timings = {"step_s": time.perf_counter() - t0}
+        if self._fwd_bwd_s is not None:
+            timings["fwd_bwd_s"] = self._fwd_bwd_s
+            timings["update_exposed_s"] = max(0.0, timings["step_s"] - self._fwd_bwd_s)
+        return params, opt_state, loss, timings, 1
+
+    def _time_fwd_bwd(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> float:
+        times = []
+        for _ in range(self.REFERENCE_ROUNDS):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._grad_step(params, rest, tokens))
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def flush(self, params: nnx.State, opt_state: Any) -> tuple[Any, Any, float]:
+        """Applies the pending gradients, if any.
+
+        Returns:
+          ``(params, opt_state, seconds)``.
+        """
+        if self._pending is None:
+            return params, opt_state, 0.0
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        params, opt_state = jax.block_until_ready(self._update_step(pending, opt_state, params))
+        return params, opt_state, time.perf_counter() - t0
 
 
 def abstract_model(model: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

@@ -39,7 +39,7 @@ from experiments.job.mesh import batch_sharding, build_mesh, shard
 from experiments.job.optimizer import build_optimizer
 from experiments.job.records import earlier_records, finish, progress, step_record
 from experiments.job.run_config import ConfigError, RunConfig, resolve_model
-from experiments.job.steps import make_steps
+from experiments.job.steps import OverlappedSteps, PlainSteps
 from jax_mlpo import checkpoint
 from jax_mlpo.sharding import processes as distributed
 from models import Llama, param_count
@@ -281,7 +281,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     # another; an engine over no leaves (an empty group of muon's) runs no update
     found = [] if use_optax else jax_mlpo.transforms.opt_state.find_offloaded(opt_state)
     engines = [e for e in map(jax_mlpo.engine_of, found) if e.layout.num_params]
-    grad_step, update_step = make_steps(graphdef, tx)
+    steps = (OverlappedSteps(graphdef, tx, cfg.overlap_groups) if cfg.overlap
+             else PlainSteps(graphdef, tx))  # fmt: skip
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"
     lead = pid == 0  # writes the metrics, summary and plot
@@ -311,21 +312,30 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
                 else:
                     tokens = jnp.asarray(batch)
                 t0 = time.perf_counter()
-                loss, grads = jax.block_until_ready(grad_step(params, rest, tokens))
-                t1 = time.perf_counter()
-                params, opt_state = jax.block_until_ready(update_step(grads, opt_state, params))
-                t2 = time.perf_counter()
-                timings = {"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "update_s": t2 - t1,
-                           "data_s": t0 - t_data}  # fmt: skip
+                params, opt_state, loss, timings, updated = steps.run(params, rest, opt_state,
+                                                                      tokens)  # fmt: skip
+                timings["data_s"] = t0 - t_data
                 every = cfg.checkpoint.every
                 last = cfg.checkpoint.final and step + 1 == cfg.steps
-                if every and ((step + 1) % every == 0 or last):
+                saving = every and ((step + 1) % every == 0 or last)
+                if saving or step + 1 == cfg.steps:
+                    # an overlapped step leaves its gradients pending: applied here, so that
+                    # the checkpoint and the final params are the plain loop's
+                    params, opt_state, flush_s = steps.flush(params, opt_state)
+                    if flush_s:
+                        timings["step_s"] += flush_s
+                        timings["flush_s"] = flush_s
+                        updated += 1
+                if saving:
+                    t2 = time.perf_counter()
                     extra = {"data_step": step + 1, "seed": cfg.seed, "processes": nproc,
                              "global_batch": cfg.batch_size * nproc}  # fmt: skip
                     checkpoint.save(mngr, step + 1, params, opt_state, extra)
                     timings["checkpoint_s"] = time.perf_counter() - t2  # the snapshot only
+                # the step's updates (an overlapped step's and a flush's) are each engine's last
                 step_metrics = jax_mlpo.engine.step_metrics.combine(
-                    [e.metrics[-1] for e in engines]) if engines else None  # fmt: skip
+                    [m for e in engines for m in list(e.metrics)[-updated:]]
+                ) if engines and updated else None  # fmt: skip
                 # A collective: every process's figures reach every process; the job moves at
                 # the pace of its slowest process, whose figures the record holds.
                 job = metrics.aggregate(step_metrics, timings, time_key="step_s")

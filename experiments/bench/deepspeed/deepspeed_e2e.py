@@ -11,9 +11,13 @@ with the same optimizer settings, subgroup size, pinned host memory budget and d
   forward + backward (with the fp32 gradient swap-out) + ``engine.step`` (swap in, Adam, swap
   out).
 - ``jax_mlpo``: ``experiments/pretrain.py`` as it is, with the config (its one file tier in the
-  same directory as DeepSpeed's ``nvme_path``, ``host_cache`` = DeepSpeed's pinned buffers).
-  Iteration = pretrain.py's ``step_s``: the jitted forward + backward plus the jitted update
-  (``tx.update`` with the offloaded AdamW, and ``apply_updates``).
+  same directory as DeepSpeed's ``nvme_path``, ``host_cache`` = DeepSpeed's pinned buffers):
+  each update beside the next forward pass (``overlap: true``, ``jax_mlpo.overlapped_step``).
+  Iteration = pretrain.py's ``step_s``, the one jitted program; its forward + backward alone is
+  timed apart once per run (``experiments/job/steps.py:OverlappedSteps``), and the rest of the
+  iteration is the update the forward pass did not hide (``update_exposed_s``).
+- ``jax_mlpo_plain``: the same with ``overlap=false``: the jitted forward + backward, then the
+  jitted update (``tx.update`` with the offloaded AdamW, and ``apply_updates``).
 
 Before every step, outside the timing, each side runs ``sync`` and drops the page cache (root), so
 neither serves its optimizer state from RAM; ``/proc/self/io`` gives the bytes each step read and
@@ -70,7 +74,9 @@ from experiments.job import iteration
 logger = logging.getLogger("bench.deepspeed_e2e")
 
 MODULE = "experiments.bench.deepspeed.deepspeed_e2e"  # its jax_mlpo worker runs it again
-SYSTEMS = ("deepspeed", "jax_mlpo")
+SYSTEMS = ("deepspeed", "jax_mlpo", "jax_mlpo_plain")
+# what each jax_mlpo system sets on top of the config
+JAX_SETS = {"jax_mlpo": ["overlap=true"], "jax_mlpo_plain": ["overlap=false"]}
 
 
 # ---- jax_mlpo worker: experiments/pretrain.py with a page-cache drop before every step --------
@@ -125,8 +131,11 @@ def jax_worker(args) -> dict:
             "step": r["step"],
             "loss": r["loss"],
             "iter_s": r["step_s"],
-            "fwd_bwd_s": r["fwd_bwd_s"],
-            "update_s": r["update_s"],
+            # an overlapped run times its forward + backward apart from its third step on
+            "fwd_bwd_s": r.get("fwd_bwd_s"),
+            # an overlapped step's update is what its forward pass did not hide
+            "update_s": r.get("update_s", r.get("update_exposed_s")),
+            "beside_s": r.get("beside_s"),
             "host_update_s": r.get("host_update_s"),
             "read_wait_s": r.get("read_wait_s"),
             "compute_s": r.get("compute_s"),
@@ -143,6 +152,10 @@ def jax_worker(args) -> dict:
             row["iter_tier_bytes"] = sum(t["read_bytes"] + t["write_bytes"] for t in tiers)
             row["iter_busy_s"] = max(t["busy_s"] for t in tiers)
         row.update(per_step.get(r["step"], {}))
+        if row["read_wait_s"] is not None and row["update_s"] is not None:
+            # the read wait the forward pass could not have hidden: all of it in a plain step,
+            # at most the update's unhidden time in an overlapped one
+            row["read_wait_unhidden_s"] = min(row["read_wait_s"], row["update_s"])
         if r["step"] > skip:
             steps.append(row)
     model = resolve_model(cfg)
@@ -164,9 +177,9 @@ def jax_worker(args) -> dict:
         "iter_s", "fwd_bwd_s", "update_s", "host_update_s", "read_wait_s", "compute_s",
         "write_wait_s", "cache_hits", "bytes_read", "bytes_written", "tier_bytes_read",
         "tier_bytes_written", "tier_busy_s", "drop_s", "reads_ahead", "iter_tier_bytes",
-        "iter_busy_s",
+        "iter_busy_s", "beside_s", "read_wait_unhidden_s",
     )  # fmt: skip
-    out.update(medians(steps, keys))
+    out.update(medians(steps, [k for k in keys if all(s.get(k) is not None for s in steps)]))
     return out
 
 
@@ -248,8 +261,9 @@ def run_system(system: str, args, cfg, model, n_params, log_dir: Path, rnd: int)
         cmd = ds_command(args, cfg, model, n_params, args.nvme_path)
     else:
         env = dict(os.environ)
+        sets = [*args.set, *JAX_SETS[system]]
         cmd = module_command(MODULE, "--worker", "jax", "--config", args.config,
-                             *[x for s in args.set for x in ("--set", s)])  # fmt: skip
+                             *[x for s in sets for x in ("--set", s)])  # fmt: skip
     log = log_dir / f"{system}-round{rnd}.log"
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -355,7 +369,7 @@ def main() -> None:
         out = run_system(system, args, cfg, model, n_params, log_dir, rnd)
         out["round"] = rnd
         mixed = disk[-1].get("mixed", {}).get("mixed_gbps") if disk else None
-        if system == "jax_mlpo" and mixed and "iter_tier_bytes" in out:
+        if system in JAX_SETS and mixed and "iter_tier_bytes" in out:
             out.update(against_limit(out, mixed))
         logger.info(
             "round %d %s: iteration %.2f s (fwd+bwd %.2f s, %s %.2f s), read %.2f GB "
@@ -397,7 +411,8 @@ def main() -> None:
         "iter_s", "fwd_s", "bwd_s", "fwd_bwd_s", "step_s", "update_s", "host_update_s",
         "read_wait_s", "compute_s", "write_wait_s", "swap_in_s", "adam_s", "swap_out_s",
         "grad_swap_out_s", "bytes_read", "bytes_written", "drop_s", "cache_hits", "reads_ahead",
-        "limit_s", "vs_limit", "floor_s", "vs_floor", "disk_busy",
+        "limit_s", "vs_limit", "floor_s", "vs_floor", "disk_busy", "beside_s",
+        "read_wait_unhidden_s",
     )  # fmt: skip
     for system, outs in runs.items():
         row = {"system": system}
@@ -425,6 +440,17 @@ def main() -> None:
         ratios["update_ratio_with_grad_swap"] = ratio_spread(
             [d["step_s"] + d["grad_swap_out_s"] for d in ds], [j["update_s"] for j in jx]
         )
+    if "jax_mlpo_plain" in runs:
+        if "deepspeed" in runs:
+            ratios["e2e_speedup_vs_deepspeed_plain_step"] = ratio_spread(
+                [d["iter_s"] for d in runs["deepspeed"]],
+                [j["iter_s"] for j in runs["jax_mlpo_plain"]],
+            )
+        if "jax_mlpo" in runs:
+            ratios["overlap_speedup"] = ratio_spread(
+                [j["iter_s"] for j in runs["jax_mlpo_plain"]],
+                [j["iter_s"] for j in runs["jax_mlpo"]],
+            )
 
     lines: list[str] = []
     lines.append(
@@ -434,13 +460,13 @@ def main() -> None:
         "over rounds [min-max]"
     )
     lines.append(
-        f"{'system':<11}{'iteration s':>20}{'fwd+bwd s':>20}{'update/step s':>20}"
+        f"{'system':<15}{'iteration s':>20}{'fwd+bwd s':>20}{'update/step s':>20}"
         f"{'read GB':>9}{'write GB':>9}"
     )
     for system, row in rows.items():
         upd = row.get("step_s") or row.get("update_s")
         lines.append(
-            f"{system:<11}{fmt(row['iter_s']):>20}{fmt(row['fwd_bwd_s']):>20}{fmt(upd):>20}"
+            f"{system:<15}{fmt(row['iter_s']):>20}{fmt(row['fwd_bwd_s']):>20}{fmt(upd):>20}"
             f"{row['bytes_read']['median'] / 1e9:>9.2f}{row['bytes_written']['median'] / 1e9:>9.2f}"
         )
     if "deepspeed" in rows:
@@ -451,18 +477,20 @@ def main() -> None:
             f"{fmt(r['adam_s'])}, swap out {fmt(r['swap_out_s'])}; pinned "
             f"{r['pinned_bytes'] / 2**20:.0f} MiB, subgroups {r['subgroups']}"
         )
-    if "jax_mlpo" in rows:
-        r = rows["jax_mlpo"]
+    for name in (n for n in JAX_SETS if n in rows):
+        r = rows[name]
         lines.append(
-            f"jax_mlpo: host update {fmt(r.get('host_update_s'))}: read wait "
+            f"{name}: host update {fmt(r.get('host_update_s'))}: read wait "
             f"{fmt(r.get('read_wait_s'))}, compute {fmt(r.get('compute_s'))}, write wait "
             f"{fmt(r.get('write_wait_s'))}; cache hits {fmt(r.get('cache_hits'), digits=0)}; "
             f"reads ahead {fmt(r.get('reads_ahead'), digits=0)}; "
-            f"host_cache {r['host_cache'] / 2**20:.0f} MiB"
+            f"host_cache {r['host_cache'] / 2**20:.0f} MiB; read wait not hidden "
+            f"{fmt(r.get('read_wait_unhidden_s'))}, update after its first group "
+            f"{fmt(r.get('beside_s'))}"
         )
         if "vs_limit" in r:
             lines.append(
-                f"jax_mlpo: iteration = {fmt(r['vs_limit'])} x its limit {fmt(r['limit_s'])} s "
+                f"{name}: iteration = {fmt(r['vs_limit'])} x its limit {fmt(r['limit_s'])} s "
                 "(max(fwd+bwd + update compute, the iteration's tier bytes at fio's mixed "
                 f"bandwidth)), {fmt(r['vs_floor'])} x the floor with this host cache "
                 f"{fmt(r['floor_s'])} s; tiers busy {fmt(r['disk_busy'])} of the iteration"
