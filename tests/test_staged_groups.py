@@ -3,7 +3,8 @@
 On CPU with tickets that stand in for the CUDA module's (``ffi/cuda_grouped.h``): each group is
 released as soon as its subgroups are done, every ticket is released whatever happens (the
 stream waits for each), and a failure is kept for the next send. On a GPU (skipped elsewhere):
-an overlapped step through the CUDA send and receive equals the plain step bit for bit.
+an overlapped step through the CUDA send and receive equals the same step in one call bit for
+bit, and the plain step within XLA:GPU's differences between the two programs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_overlap import STEPS, assert_bits_equal, offloaded_adamw, overlapped, plain
+from test_overlap import (
+    STEPS,
+    assert_bits_equal,
+    assert_close,
+    batch,
+    loss_fn,
+    make_params,
+    offloaded_adamw,
+    overlapped_step,
+    plain,
+)
 
 import jax_mlpo
 from jax_mlpo.engine.layout import build_layout
@@ -171,30 +182,51 @@ def _gpus():
         return []
 
 
+def overlapped_loop(tx, groups: int):
+    """test_overlap's overlapped loop, the update split into ``groups`` calls (1: not split)."""
+    params = make_params()
+    state = tx.init(params)
+    step, flush = overlapped_step(tx, groups=groups)
+    _, pending = jax.jit(jax.value_and_grad(loss_fn))(params, batch(0))
+    for i in range(1, STEPS):
+        params, state, pending, _ = step(params, state, pending, batch(i))
+    params, state = flush(params, state, pending)
+    steps = jax_mlpo.metrics(state)
+    jax_mlpo.close(state)
+    return params, steps
+
+
 @pytest.mark.skipif(
     not _gpus() or importlib.util.find_spec("jax_mlpo._native_cuda") is None,
     reason="needs a GPU backend and the _native_cuda module (JAX_MLPO_ENABLE_CUDA=ON)",
 )
 @pytest.mark.parametrize("subgroup_size", [4096, 3000], ids=["aligned", "straddling"])
-def test_an_overlapped_step_on_a_gpu_is_the_plain_step(subgroup_size, tmp_path):
-    """The send and receive handlers on a GPU: bit for bit the plain loop, the groups handed
-    back before the update's end; subgroups of 3000 hold leaves of two groups."""
+def test_an_overlapped_step_on_a_gpu_is_exact(subgroup_size, tmp_path):
+    """The send and receive handlers on a GPU: the overlapped step with its update in groups
+    equals the same step with its update in one call bit for bit, the groups handed back
+    before the update's end; subgroups of 3000 hold leaves of two groups.
+
+    Against the plain loop it is within 1e-6, not bit for bit: XLA:GPU compiles the forward
+    and backward pass of the overlapped program apart from the plain one's (plain optax, no
+    jax_mlpo, differs as much: 1.8e-7 after these steps at "highest" precision, 1.3e-4 with the
+    default TF32 matmuls, on an H200), where XLA:CPU's agree bit for bit (tests/test_overlap.py).
+    """
     from jax_mlpo.native.host_update import grouped_on_gpu
 
     assert grouped_on_gpu()
 
-    def config(path):
-        return jax_mlpo.OffloadConfig(
+    def adamw(name):
+        return offloaded_adamw(jax_mlpo.OffloadConfig(
             host_cache="64MiB", subgroup_size=subgroup_size,
-            tiers=[jax_mlpo.FileTier(str(path), sync=False)],
-        )  # fmt: skip
+            tiers=[jax_mlpo.FileTier(str(tmp_path / name), sync=False)],
+        ))  # fmt: skip
 
-    expected, state, expected_losses = plain(offloaded_adamw(config(tmp_path / "a")))
-    jax_mlpo.close(state)
-    params, state, losses = overlapped(offloaded_adamw(config(tmp_path / "b")))
-    steps = jax_mlpo.metrics(state)
-    jax_mlpo.close(state)
+    with jax.default_matmul_precision("highest"):
+        expected, state, _ = plain(adamw("plain"))
+        jax_mlpo.close(state)
+        whole, _ = overlapped_loop(adamw("whole"), groups=1)
+        params, steps = overlapped_loop(adamw("groups"), groups=4)
     assert all(x.devices() == {_gpus()[0]} for x in jax.tree.leaves(params))
-    assert_bits_equal(params, expected)
-    assert losses == expected_losses
+    assert_bits_equal(params, whole)
+    assert_close(params, expected, 1e-6)
     assert len(steps) == STEPS and all(m.beside_s > 0 for m in steps[:-1]), steps
