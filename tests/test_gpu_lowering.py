@@ -28,19 +28,22 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = "jax_mlpo_host_update"
 
 
+GROUPED = ("jax_mlpo_group_send", "jax_mlpo_group_receive")
+
+
 def _export_for_cuda(step, *args) -> str:
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     exported = jax.export.export(
         jax.jit(step, donate_argnums=(0,)),
         platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGET)],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in (TARGET, *GROUPED)],
     )(*avals)
     assert exported.platforms == ("cuda",)
     return exported.mlir_module()
 
 
-def _calls(module: str) -> list[str]:
-    return [line for line in module.splitlines() if f"custom_call @{TARGET}" in line]
+def _calls(module: str, target: str = TARGET) -> list[str]:
+    return [line for line in module.splitlines() if f"custom_call @{target}(" in line]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -134,3 +137,75 @@ def test_a_mesh_step_lowers_for_cuda_with_one_call_per_device_shard(tmp_path):
     ), signature
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)
     assert aliases == [("1", "3")], call
+
+
+def test_an_overlapped_step_lowers_for_cuda_as_a_send_and_a_receive_per_group(tmp_path):
+    """overlapped_step(platform="cuda"): the trace cannot know the platform it is exported for
+    (jax.default_backend() is this machine's CPU), so the step names it. Each group is a send
+    (its scalars, gradients and params to the host) and a receive (its updates back) that takes
+    every send's token, so that XLA sends every group before it waits for any."""
+    config = jax_mlpo.OffloadConfig(
+        host_cache="1MiB", subgroup_size=256, tiers=[jax_mlpo.FileTier(str(tmp_path / "t"))]
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    # forward order c, a, b: not the pytree's
+    params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 32)), "c": jnp.ones((16, 32))}
+    state = tx.init(params)
+    x = jnp.ones((4, 16))
+
+    def loss_fn(p, x):
+        return jnp.sum(((x @ p["c"]) @ p["a"]) @ p["b"])
+
+    def step(params, state, pending, x):
+        return jax_mlpo.overlapped_step(loss_fn, tx, params, state, pending, x, groups=3,
+                                        platform="cuda")  # fmt: skip
+
+    module = _export_for_cuda(step, params, state, params, x)
+    jax_mlpo.close(state)
+    sends, receives = _calls(module, GROUPED[0]), _calls(module, GROUPED[1])
+    assert len(sends) == 3 and len(receives) == 3 and not _calls(module), module
+    leaf_ids = {"c": 2, "a": 0, "b": 1}  # each leaf's index in the engine (pytree order)
+    shapes = {"a": "32x16", "b": "16x32", "c": "16x32"}
+    sent = {}
+    for group, name in enumerate(["c", "a", "b"]):  # numbered in forward order
+        attrs = f"f32_updates = false, group = {group} : i32, groups = 3 : i32, "
+        attrs += f"leaf_ids = dense<{leaf_ids[name]}> : tensor<1xi32>"
+        (send,) = [c for c in sends if attrs in c]
+        (receive,) = [c for c in receives if attrs.replace("f32_updates = false, ", "") in c]
+        assert "has_side_effect = true" in send and "has_side_effect = true" in receive
+        el = f"tensor<{shapes[name]}xf32>"
+        assert send[send.rindex(": (") :].startswith(
+            f": (tensor<i32>, tensor<i32>, tensor<{NUM_SCALARS}xf32>, {el}, {el}) -> tensor<i32> "
+        ), send
+        assert receive[receive.rindex(": (") :].startswith(
+            ": (tensor<i32>, tensor<i32>, tensor<i32>) -> (tensor<i32>, " + el + ") "
+        ), receive
+        sent[group] = re.match(r"\s*(%[\w#]+)", send).group(1)
+    # every receive takes every send's token, in group order
+    tokens = ", ".join(sent[g] for g in range(3))
+    assert all(f"({tokens})" in r for r in receives), (tokens, receives)
+
+
+def test_an_overlapped_step_exported_without_a_platform_splits_as_its_backend_does(tmp_path):
+    """Without platform=, the split follows the default backend (here a CPU: one
+    jax_mlpo_host_update call per group), whatever platform the export is for."""
+    config = jax_mlpo.OffloadConfig(
+        host_cache="1MiB", subgroup_size=256, tiers=[jax_mlpo.FileTier(str(tmp_path / "t"))]
+    )
+    tx = jax_mlpo.adamw(1e-3, offload=config)
+    params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 8))}
+    state = tx.init(params)
+    x = jnp.ones((4, 32))
+
+    def step(params, state, pending, x):
+        def loss_fn(p, x):
+            return jnp.sum((x @ p["a"]) @ p["b"])
+
+        return jax_mlpo.overlapped_step(loss_fn, tx, params, state, pending, x, groups=2)
+
+    module = _export_for_cuda(step, params, state, params, x)
+    jax_mlpo.close(state)
+    assert jax.default_backend() == "cpu"
+    calls = _calls(module)
+    assert len(calls) == 2 and all("groups = 2 : i32" in c for c in calls), calls
+    assert not _calls(module, GROUPED[0])

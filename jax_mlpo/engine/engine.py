@@ -72,6 +72,7 @@ class Engine:
         self.scalars = scalars
         self._step_lock = threading.Lock()
         self._staging: SubgroupStaging | None = None
+        self._releases: dict[Any, Callable[[], None]] = {}  # run at close (on_close)
         self.step_count = 0
         self.metrics: collections.deque[StepMetrics] = collections.deque(maxlen=100_000)
         self.health = EngineHealth()
@@ -224,6 +225,11 @@ class Engine:
             self._staging = SubgroupStaging(self.layout.max_subgroup_elems, pin, unpin)
         return self._staging
 
+    def on_close(self, release: Callable[[], None]) -> None:
+        """Runs ``release`` when the engine closes (once, however often it is given): the
+        host memory an update's transport holds for it, such as a GPU's grouped staging."""
+        self._releases.setdefault(release, release)
+
     def _step(self, count: int, hyper: Any, leaves: Leaves) -> None:
         self.health.check_usable()
         snapshot = self.state.open_snapshot
@@ -312,3 +318,6 @@ class Engine:
             self.tiers = []
             if self._staging is not None:
                 self._staging.release()
+            for release in self._releases.values():
+                release()
+            self._releases.clear()

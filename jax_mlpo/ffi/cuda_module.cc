@@ -1,5 +1,6 @@
 // jax_mlpo._native_cuda, loaded only where a GPU backend is present: the host update's CUDA
-// handler (cuda_host_update.cu) with its own engine callback (host_update_bindings.cc), and the
+// handler (cuda_host_update.cu) with its own engine callback (host_update_bindings.cc), the
+// grouped update's send and receive (cuda_grouped.h), and the
 // CUDA calls the engine's copies make on XLA's stream (jax_mlpo.native.copies.CudaCopier).
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
@@ -14,10 +15,13 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 extern "C" XLA_FFI_Error* JaxMlpoCudaHostUpdate(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMlpoGroupSend(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMlpoGroupReceive(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_mlpo {
 
 void BindHostUpdate(nb::module_& m);
+void BindGrouped(nb::module_& m);
 
 namespace {
 
@@ -40,10 +44,13 @@ NB_MODULE(_native_cuda, m) {
       [] {
         nb::dict d;
         d["jax_mlpo_host_update"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoCudaHostUpdate));
+        d["jax_mlpo_group_send"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoGroupSend));
+        d["jax_mlpo_group_receive"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoGroupReceive));
         return d;
       },
       "The CUDA FFI targets: {name: capsule of the handler}.");
   BindHostUpdate(m);
+  BindGrouped(m);  // an update in groups (cuda_grouped.h)
   // Every call below runs without the GIL: a synchronize waits for XLA's stream.
   auto no_gil = nb::call_guard<nb::gil_scoped_release>();
   m.def(

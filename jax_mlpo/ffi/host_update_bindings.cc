@@ -79,6 +79,18 @@ nb::object HostBytes(const BufferView& v, bool writable) {
 
 }  // namespace
 
+// The error a call fails with when its Python callback raised: the exception's str(), cut to
+// the capacity XLA carries.
+ffi::Error ReportedError(const nb::python_error& e) {
+  std::string message = nb::str(e.value()).c_str();
+  if (message.size() > kErrorCapacity) {
+    size_t cut = kErrorCapacity;  // on a UTF-8 character's first byte
+    while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xC0) == 0x80) --cut;
+    message.resize(cut);
+  }
+  return ffi::Error::Internal(message.empty() ? "jax_mlpo host update failed" : message);
+}
+
 ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
                       const CallGroup& group, const std::vector<BufferView>& views, void* stream,
                       PendingUpdate* pending, bool* deferred) {
@@ -112,14 +124,8 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
       return ffi::Error::Success();
     }
   } catch (nb::python_error& e) {
-    std::string message = nb::str(e.value()).c_str();
-    if (message.size() > kErrorCapacity) {
-      size_t cut = kErrorCapacity;  // on a UTF-8 character's first byte
-      while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xC0) == 0x80) --cut;
-      message.resize(cut);
-    }
     Undefer(deferral);
-    return ffi::Error::Internal(message.empty() ? "jax_mlpo host update failed" : message);
+    return ReportedError(e);
   } catch (const std::exception& e) {
     Undefer(deferral);
     return ffi::Error::Internal(std::string("jax_mlpo host update failed: ") + e.what());

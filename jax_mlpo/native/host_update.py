@@ -37,8 +37,8 @@ from jax_mlpo.native.copies import cuda_module
 from jax_mlpo.native.library import NATIVE
 
 __all__ = [
-    "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "ensure_platform",
-    "host_update_call", "set_host_update",
+    "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "ensure_platform", "group_receive_call",
+    "group_send_call", "grouped_on_gpu", "host_update_call", "set_group_send", "set_host_update",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,49 @@ def _handler(handle, count, scalars, group, grads, params, updates, stream, pend
 
 NATIVE.set_host_update(_handler)
 
+# send(stream, group, grads, params, updates, ticket): a grouped update's send on a GPU
+GroupSend = Callable[[int, CallGroup, list[np.ndarray], list[np.ndarray], list[np.ndarray],
+                      object], None]  # fmt: skip
+_group_send: GroupSend | None = None
+
+
+def _group_handler(stream, group, grads, params, updates, ticket) -> None:
+    # Runs on XLA's launching thread, with the GIL (ffi/cuda_grouped_bindings.cc); the views
+    # are the group's pinned staging, host memory. Errors are reported as _handler's are.
+    try:
+        if _group_send is None:
+            raise RuntimeError("no jax_mlpo group send runner is registered")
+        _group_send(
+            stream, CallGroup(*group), [_array(v, writable=False) for v in grads],
+            [_array(v, writable=False) for v in params],
+            [_array(v, writable=True) for v in updates], ticket,
+        )  # fmt: skip
+    except BaseException as e:  # noqa: BLE001 - reported through XLA, see _handler
+        raise RuntimeError(_message(e)) from None
+
+
+def set_group_send(runner: GroupSend) -> None:
+    """Sets the function every ``jax_mlpo_group_send`` call (a GPU update in groups) runs.
+
+    Args:
+      runner: ``runner(stream, group, grads, params, updates, ticket)``: the group's leaves as
+        numpy views of its pinned host staging, valid until its ticket is released; the grads
+        and params are there once ``ticket.wait(timeout_s)`` returns True; the runner writes
+        the updates, then calls ``ticket.release(next_count)``. It must return at once (the
+        stream copies the inputs after it returns) and raises to fail the call.
+    """
+    global _group_send
+    _group_send = runner
+
+
+def grouped_on_gpu() -> bool:
+    """Whether an update in groups can run on a GPU here: the CUDA module is built and the
+    driver has the stream wait its receive needs (``cuStreamWaitValue32``)."""
+    try:
+        return bool(cuda_module().grouped_available())
+    except ImportError:
+        return False
+
 
 def set_host_update(runner: HostUpdate) -> None:
     """Sets the function every ``jax_mlpo_host_update`` call runs.
@@ -206,6 +249,7 @@ def ensure_platform(platform: str) -> None:
                 "JAX_MLPO_ENABLE_CUDA=ON (pip install --no-build-isolation -e . with nvcc on PATH)"
             ) from None
         cuda.set_host_update(_handler)
+        cuda.set_group_send(_group_handler)
         for name, target in cuda.registrations().items():
             jax.ffi.register_ffi_target(name, target, platform="CUDA")
         _cuda_ready = True
@@ -258,4 +302,57 @@ def host_update_call(
         groups=np.int32(group.groups), leaf_ids=np.asarray(group.leaf_ids, np.int32),
     )  # fmt: skip
     assert len(results) == n + 1
+    return results[0], list(results[1:])
+
+
+def group_send_call(
+    handle: jax.Array, count: jax.Array, scalars: jax.Array, grads: Sequence[jax.Array],
+    params: Sequence[jax.Array], group: CallGroup, *, f32_updates: bool,
+) -> jax.Array:  # fmt: skip
+    """Emits one group's send of an update in groups on a GPU (``ffi/cuda_grouped.h``): the
+    copies of its scalars, gradients and params to the host, and the engine's notice.
+
+    Args:
+      handle, count, scalars: as :func:`host_update_call`'s.
+      grads, params: the group's leaves.
+      group: which of the engine's leaves these are.
+      f32_updates: whether the updates are float32 (else each param's dtype).
+
+    Returns:
+      The send's token, an int32 scalar: every group's receive takes every token, so that XLA
+      runs every send before any receive.
+    """
+    call = jax.ffi.ffi_call(
+        "jax_mlpo_group_send", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
+    )
+    return call(
+        handle, count, scalars, *grads, *params, group=np.int32(group.group),
+        groups=np.int32(group.groups), leaf_ids=np.asarray(group.leaf_ids, np.int32),
+        f32_updates=np.bool_(f32_updates),
+    )  # fmt: skip
+
+
+def group_receive_call(
+    tokens: Sequence[jax.Array], outs: Sequence[jax.ShapeDtypeStruct], group: CallGroup
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Emits one group's receive (``ffi/cuda_grouped.h``): the stream waits until the engine
+    has updated the group, then copies its updates and the next count to the device.
+
+    Args:
+      tokens: every group's send token.
+      outs: the group's updates' shapes and dtypes.
+      group: which of the engine's leaves these are.
+
+    Returns:
+      ``(count + 1, updates)``, as :func:`host_update_call`.
+    """
+    call = jax.ffi.ffi_call(
+        "jax_mlpo_group_receive",
+        (jax.ShapeDtypeStruct((), jnp.int32), *outs),
+        has_side_effect=True,
+    )
+    results = call(
+        *tokens, group=np.int32(group.group), groups=np.int32(group.groups),
+        leaf_ids=np.asarray(group.leaf_ids, np.int32),
+    )  # fmt: skip
     return results[0], list(results[1:])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,7 +26,6 @@ import optax
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
-from jax_mlpo.engine.grouped import GroupCalls, GroupedLeaves
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
@@ -35,7 +33,10 @@ from jax_mlpo.native.host_update import (
     DEFERRED,
     CallGroup,
     ensure_platform,
+    group_receive_call,
+    group_send_call,
     host_update_call,
+    set_group_send,
     set_host_update,
 )
 from jax_mlpo.optimizers import HostOptimizer
@@ -43,7 +44,7 @@ from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.mesh import MeshPlan
 from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
-from jax_mlpo.transforms import overlap, registry
+from jax_mlpo.transforms import group_runs, overlap, registry
 from jax_mlpo.transforms.opt_state import OffloadedState
 
 
@@ -71,10 +72,11 @@ def _run_update(handle, count, scalars, group, grads, params, updates, stream, c
     every call and completes each as its subgroups are done (:mod:`jax_mlpo.engine.grouped`)."""
     try:
         if not group.whole:
-            if completion is None:  # the update splits into groups on CPU only (update_fn)
-                raise RuntimeError("a jax_mlpo update in groups reached a GPU handler")
+            if completion is None:  # a GPU's groups have handlers of their own (_send_group)
+                raise RuntimeError("a jax_mlpo update in groups reached the GPU's one-call handler")
             engine = registry.engine(handle)
-            _group_calls(engine).arrive(count, scalars, group, grads, params, updates, completion)
+            group_runs.calls_of(engine).arrive(count, scalars, group, grads, params, updates,
+                                               completion)  # fmt: skip
             return DEFERRED
         slot = registry.slot(handle)
         if slot is not None:
@@ -88,28 +90,6 @@ def _run_update(handle, count, scalars, group, grads, params, updates, stream, c
     except BaseException as e:
         registry.update_failed(e)
         raise
-
-
-# Where each engine's grouped calls meet (made at its first grouped update).
-_GROUP_CALLS: weakref.WeakKeyDictionary[Engine, GroupCalls] = weakref.WeakKeyDictionary()
-
-
-def _group_calls(engine: Engine) -> GroupCalls:
-    found = _GROUP_CALLS.get(engine)
-    if found is None:
-
-        def run(count: int, scalars: np.ndarray, leaves: GroupedLeaves, order: list[int]) -> None:
-            try:
-                hyper = engine.optimizer.hyper(engine.scalars.read(scalars))
-                engine.step_leaves(count, hyper, leaves, forward=order)
-            except BaseException as e:
-                registry.update_failed(e)
-                raise
-            if leaves.first_done is not None and engine.metrics:
-                engine.metrics[-1].beside_s = time.monotonic() - leaves.first_done
-
-        found = _GROUP_CALLS.setdefault(engine, GroupCalls(engine.layout, run))
-    return found
 
 
 def run_on(engine: Engine):
@@ -148,6 +128,7 @@ def _step(engine, count, scalars, grads, params, updates, stream) -> None:
 
 
 set_host_update(_run_update)
+set_group_send(group_runs.send_group)
 
 
 class EmptyGroup(NamedTuple):
@@ -296,11 +277,12 @@ def offloaded(
         return jitted_update(updates, state, params, lr, arrays, None)
 
     def groups_of(params: Any, state: OffloadedState) -> tuple[int, ...] | None:
-        """Each param leaf's group inside jax_mlpo.overlap_with (None: one call). One device
-        of a CPU only: the mesh's calls meet per device, and a GPU's handler is synchronous."""
+        """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call). One
+        device only (a mesh's calls meet per device), and a platform the overlapped step
+        splits for (overlap.split_platform: a CPU, or a GPU with the grouped handlers)."""
         groups = tuple(overlap.group_of_leaf(p) for p in jax.tree.leaves(params))
         if (not groups or None in groups or len(set(groups)) == 1 or np.ndim(state.handle)
-                or jax.default_backend() != "cpu"):  # fmt: skip
+                or overlap.split_platform() is None):  # fmt: skip
             return None
         return groups
 
@@ -342,16 +324,30 @@ def offloaded(
         # its own leaves. Every call's next count is a value the program uses (their maximum):
         # an unused result's buffer is one slice that all the calls would write, and XLA would
         # run them one after another. The scalars and the counts are held to the step's end.
+        # On a GPU each group is a send and a receive (ffi/cuda_grouped.h says why).
         present = sorted(set(groups))
         dtypes = update_dtypes(param_leaves)
+        ids_of = [[k for k, gk in enumerate(groups) if gk == g] for g in present]
+        calls = [CallGroup(rank, len(present), tuple(ids)) for rank, ids in enumerate(ids_of)]
+        gpu = overlap.split_platform() == "cuda"
+        tokens = [
+            group_send_call(handle, count, scalars, [grads[k] for k in call.leaf_ids],
+                            [param_leaves[k] for k in call.leaf_ids], call,
+                            f32_updates=update_dtype is not None)
+            for call in calls
+        ] if gpu else []  # fmt: skip
         outs: list[Any] = [None] * len(grads)
         counts = []
-        for rank, g in enumerate(present):
-            ids = [k for k, gk in enumerate(groups) if gk == g]
-            count_out, group_outs = host_update_call(
-                handle, count, scalars, [grads[k] for k in ids], [param_leaves[k] for k in ids],
-                [dtypes[k] for k in ids], CallGroup(rank, len(present), tuple(ids)),
-            )  # fmt: skip
+        for call in calls:
+            ids = call.leaf_ids
+            if gpu:
+                shapes = [jax.ShapeDtypeStruct(jnp.shape(param_leaves[k]), dtypes[k]) for k in ids]
+                count_out, group_outs = group_receive_call(tokens, shapes, call)
+            else:
+                count_out, group_outs = host_update_call(
+                    handle, count, scalars, [grads[k] for k in ids],
+                    [param_leaves[k] for k in ids], [dtypes[k] for k in ids], call,
+                )  # fmt: skip
             counts.append(count_out)
             for k, out in zip(ids, group_outs, strict=True):
                 outs[k] = out

@@ -48,6 +48,8 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
+from jax_mlpo.native.host_update import grouped_on_gpu
+
 __all__ = ["forward_ranks", "group_of_leaf", "leaf_groups", "loss_at_first_use", "overlapped_step"]
 
 # How many calls an update is split into by default: enough that the first group is a small
@@ -64,6 +66,9 @@ class Grouping:
 
     Attributes:
       groups: each param leaf's group, by ``id`` of the traced leaf.
+      platform: the platform the split calls are emitted for (``"cpu"``: one call per group;
+        ``"cuda"``: a send and a receive per group, ``ffi/cuda_grouped.h``), or None: the
+        update is not split.
       held: the values the grouped calls read or wrote besides their leaves (the scalars, each
         call's next count): the loss depends on them (:func:`negative_zero`), so that XLA gives
         none of their buffers to the forward pass while a call may still use it (which would
@@ -71,6 +76,7 @@ class Grouping:
     """
 
     groups: dict[int, int]
+    platform: str | None = "cpu"
     held: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -83,13 +89,19 @@ def overlapped_step(
     *args: Any,
     has_aux: bool = False,
     groups: int = GROUPS,
+    platform: str | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Applies ``pending`` (the last step's gradients) with ``tx``, then the forward and
     backward pass of ``loss_fn(new_params, *args)``, in one program (module doc).
 
     Call it inside the jitted step. Updates it does not split (inside ``lax.cond``, as
     ``jax_mlpo.MultiSteps`` runs its inner update; params on a mesh or of several processes; a
-    GPU) run in one call, as in the plain loop: exact, not overlapped.
+    GPU whose CUDA module or driver lacks the grouped handlers) run in one call, as in the plain
+    loop: exact, not overlapped.
+
+    The split depends on the platform (a GPU's calls differ from a CPU's), which a trace does
+    not know: it is the default backend's unless ``platform`` names it. Name it to export the
+    step for another platform (``jax.export`` with ``platforms=["cuda"]`` on a CPU machine).
 
     Args:
       loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -100,6 +112,8 @@ def overlapped_step(
       *args: the rest of ``loss_fn``'s arguments (the batch).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       groups: how many calls the offloaded update is split into.
+      platform: ``"cpu"`` or ``"cuda"``: the platform the step is lowered for (None: the
+        default backend, split on a GPU only where its handlers are available).
 
     Returns:
       ``(params, opt_state, grads, value)``: the updated params and state, the gradients at
@@ -110,11 +124,14 @@ def overlapped_step(
     """
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
+    if platform not in (None, "cpu", "cuda"):
+        raise ValueError(f"platform must be None, 'cpu' or 'cuda', got {platform!r}")
     leaves, treedef = jax.tree.flatten(params)
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     ranks = forward_ranks(closed.jaxpr)[: len(leaves)]
     group = leaf_groups(ranks, [int(np.size(x)) for x in leaves], groups)
-    grouping = Grouping({id(x): g for x, g in zip(leaves, group, strict=True)})
+    grouping = Grouping({id(x): g for x, g in zip(leaves, group, strict=True)},
+                        platform or _default_split())  # fmt: skip
     with _grouping(grouping):
         updates, opt_state = tx.update(pending, opt_state, params)
     out_tree = jax.tree.structure(out_shape)
@@ -153,6 +170,24 @@ def _grouping(grouping: Grouping) -> Iterator[Grouping]:
         yield grouping
     finally:
         _ACTIVE.grouping = previous
+
+
+def _default_split() -> str | None:
+    """Where the default backend's update splits: on CPU, and on a GPU that has the grouped
+    handlers (``ffi/cuda_grouped.h``); None: in one call."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "cpu"
+    if backend == "gpu" and grouped_on_gpu():
+        return "cuda"
+    return None
+
+
+def split_platform() -> str | None:
+    """The platform the update being traced inside :func:`overlapped_step` splits for (None:
+    outside it, or not split)."""
+    grouping = getattr(_ACTIVE, "grouping", None)
+    return None if grouping is None else grouping.platform
 
 
 def group_of_leaf(leaf: Any) -> int | None:

@@ -8,6 +8,9 @@
    the CPU device) bit for bit.
 4. ``jax_mlpo.adamw`` itself on GPU params (the CUDA handler of the host update, subgroups
    staged through pinned buffers) equals the same run on the CPU device bit for bit.
+5. The plain step against ``jax_mlpo.overlapped_step`` (a send and a receive per group,
+   ``ffi/cuda_grouped.h``) on a small model: the same params bit for bit, each step's median
+   time over a few rounds, and their ratio.
 
 Prints a report; exits non-zero if a check fails.
 
@@ -213,6 +216,83 @@ def transport_parity(gpu, cpu, steps: int, **moments) -> None:
     check(ok, f"{steps + 1} jax_mlpo.adamw steps{what} on the GPU equal the CPU run bit for bit")
 
 
+def overlap_timing(gpu, steps: int, rounds: int, width: int = 2048, layers: int = 8) -> None:
+    """The plain step against the overlapped one on an MLP of ``layers`` square layers
+    (``width``² float32 each), the state on a file tier: median step time of each round's
+    steps (the first step of a round compiles or fills the cache and is left out), the median
+    over the rounds, and overlapped / plain."""
+    import tempfile
+    import time
+
+    import optax
+
+    import jax_mlpo
+
+    keys = jax.random.split(jax.random.key(0), layers)
+    names = [f"layer{k:02d}" for k in range(layers)]
+
+    def loss_fn(params, x):
+        for name in names:
+            x = jnp.tanh(x @ params[name])
+        return jnp.mean(x**2)
+
+    def fresh():
+        with jax.default_device(gpu):
+            return {n: jax.random.normal(k, (width, width)) / width**0.5
+                    for n, k in zip(names, keys, strict=True)}  # fmt: skip
+
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (256, width)), gpu)
+
+    def run(kind: str, tier: str):
+        config = jax_mlpo.OffloadConfig(host_cache="1GiB", tiers=[tier], subgroup_size=1 << 20)
+        tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+        params = fresh()
+        state = tx.init(params)
+        if kind == "plain":
+
+            @jax.jit
+            def step(params, state, x):
+                loss, grads = jax.value_and_grad(loss_fn)(params, x)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state, loss
+
+            carry = (params, state)
+        else:
+
+            @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+            def step(params, state, pending, x):
+                return jax_mlpo.overlapped_step(loss_fn, tx, params, state, pending, x)
+
+            pending = jax.jit(jax.grad(loss_fn))(params, x)
+            carry = (params, state, pending)
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(step(*carry, x))
+            times.append(time.perf_counter() - t0)
+            carry = out[:2] if kind == "plain" else out[:3]
+        beside = [m.beside_s for m in jax_mlpo.metrics(carry[1])]
+        jax_mlpo.close(carry[1])
+        return statistics.median(times[1:]), beside
+
+    medians: dict[str, list[float]] = {"plain": [], "overlapped": []}
+    beside: list[float] = []
+    for _ in range(rounds):
+        for kind in medians:
+            with tempfile.TemporaryDirectory() as tier:
+                t, b = run(kind, tier)
+            medians[kind].append(t)
+            beside += b if kind == "overlapped" else []
+    plain_s = statistics.median(medians["plain"])
+    overlapped_s = statistics.median(medians["overlapped"])
+    size = layers * width * width * 4 / 2**20
+    print(f"RESULT overlap: {layers} x {width}^2 fp32 ({size:.0f} MiB of params), "
+          f"{rounds} rounds of {steps} steps: plain {plain_s * 1e3:.1f} ms, overlapped "
+          f"{overlapped_s * 1e3:.1f} ms, overlapped/plain {overlapped_s / plain_s:.3f}, "
+          f"median beside_s {statistics.median(beside) * 1e3:.1f} ms", flush=True)  # fmt: skip
+    check(all(b > 0 for b in beside), "every overlapped update handed groups back early")
+
+
 def small_buffer_error(gpu) -> None:
     x = jax.device_put(jnp.zeros(1000, jnp.float32), gpu)
     small = np.zeros(999, F32)
@@ -229,6 +309,7 @@ def main() -> int:
     parser.add_argument("--mib", type=int, nargs="+", default=[4, 256, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--overlap-rounds", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"jax {jax.__version__}, devices {jax.devices()}, native isa {native.isa()}")
@@ -244,6 +325,7 @@ def main() -> int:
     checks += [lambda: transport_parity(gpus[0], cpu, args.steps, mu_dtype="q8", nu_dtype="q8")]
     checks += [functools.partial(bandwidth, gpus[0], mib << 20, args.repeats) for mib in args.mib]
     checks += [lambda: small_buffer_error(gpus[0])]
+    checks += [lambda: overlap_timing(gpus[0], 2 * args.steps, args.overlap_rounds)]
     for fn in checks:
         try:
             fn()

@@ -5,9 +5,12 @@
 #      (pip install --no-build-isolation --no-deps -e . with CMAKE_ARGS; if pip cannot build,
 #      e.g. scikit-build-core is missing, configures and builds with cmake directly and copies
 #      the modules into jax_mlpo/);
-#   2. runs tests/test_native.py (best effort: it needs pytest, optax and jax_mlpo's deps);
+#   2. runs tests/test_native.py and tests/test_staged_groups.py (best effort: they need pytest,
+#      optax, flax and jax_mlpo's deps; the latter's GPU test runs the overlapped step through
+#      the grouped CUDA handlers against the plain step, bit for bit);
 #   3. runs experiments/bench/gpu/gpu_check.py: FFI D2H/H2D against raw cudaMemcpyAsync, exactness,
-#      no recompilation for a new host buffer, a jitted step through the FFI copies == CPU path.
+#      no recompilation for a new host buffer, a jitted step through the FFI copies == CPU path,
+#      and the plain step against the overlapped one on a small model (medians, their ratio).
 # Everything goes to experiments/results/gpu_check.txt. Exit status: that of gpu_check.py.
 #
 # Usage, from anywhere:  bash experiments/bench/gpu/gpu_check.sh   (PYTHON=... to pick the python)
@@ -66,15 +69,16 @@ for name in ("jax_mlpo._native", "jax_mlpo._native_cuda"):
     print(name, "->", spec.origin if spec else None)
 PYEOF
 
-section "tests/test_native.py (best effort)"
-if "$PY" -c 'import pytest, optax' 2>/dev/null; then
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_native.py 2>&1 | tail -n 30
+section "tests/test_native.py, tests/test_staged_groups.py (best effort)"
+if "$PY" -c 'import pytest, optax, flax' 2>/dev/null; then
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_native.py \
+    tests/test_staged_groups.py 2>&1 | tail -n 30
 else
-  echo "skipped: pytest or optax missing"
+  echo "skipped: pytest, optax or flax missing"
 fi
 
 section "gpu_check.py"
-timeout 400 "$PY" -m experiments.bench.gpu.gpu_check "$@"
+timeout 240 "$PY" -m experiments.bench.gpu.gpu_check "$@"
 rc=$?
 section "done: gpu_check.py exit status $rc"
 exit $rc
