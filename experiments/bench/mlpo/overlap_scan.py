@@ -9,21 +9,26 @@ pass of the first layers runs while the host updates the last ones. The scanned 
 
 Both variants, at the same size and from the same initial params, with the optimizer state on
 a file tier (a temporary directory, deleted at the end) and a host cache smaller than the
-state, so each update reads from the tier. Per round, interleaved, each variant runs: the
-forward pass alone, the forward and backward pass alone, ``--steps`` plain steps (one jitted
-``value_and_grad``, ``tx.update`` and ``optax.apply_updates``) and ``--steps`` overlapped steps
-(``jax_mlpo.overlapped_step`` in a jitted step with donation). A round's figure is the median
-of its steps; the table gives the median over rounds with [min-max], and the ratios per round:
+state, so each update reads from the tier (capped by ``--cap``, a token bucket, so that the
+update is I/O-bound as on a node whose host updates from NVMe). Per round, interleaved, each
+variant runs: the forward pass alone, the forward and backward pass alone, and ``--steps``
+steps of three loops: plain (one jitted ``value_and_grad``, ``tx.update`` and
+``optax.apply_updates``), "one call" (``jax_mlpo.overlapped_step`` with ``groups=1``: the same
+program as the overlapped one with the whole update before the forward pass) and overlapped
+(``overlapped_step`` with ``--groups``), each overlapped loop in a jitted step with donation.
+A round's figure is the median of its steps; the table gives the median over rounds with
+[min-max], and the ratios per round:
 
-- overlapped / plain: below 1 when the update ran beside the forward pass;
-- hidden / forward: (plain - overlapped) / forward alone, the part of the forward pass that the
-  update hid (only the forward pass can run beside it: the backward pass needs the loss);
-- beside / total: the update's time after its first group was handed back
-  (``jax_mlpo.metrics(state)[-1].beside_s / total_s``): the time the forward pass *could* run
-  beside it. For the scanned model the first group is the embedding, after which the forward
-  pass waits at the scan: a large figure there hides nothing.
+- overlapped / plain and overlapped / one call: below 1 when the update ran beside the
+  forward pass (against one call: the groups' gain alone, the program otherwise the same);
+- (plain or one call - overlapped) / forward alone: the part of the forward pass the update
+  hid (only the forward pass can run beside it: the backward pass needs the loss);
+- beside_s / total_s: the update's time after its first group was handed back
+  (``jax_mlpo.metrics(state)[-1]``): the time the forward pass *could* run beside it. For the
+  scanned model the first group holds the embedding, after which the forward pass waits at
+  the scan: a large figure there hides nothing.
 
-At the end each variant's plain and overlapped params (after the overlapped loop's flush) are
+At the end each variant's plain and overlapped params (after the overlapped loops' flush) are
 compared bit for bit, and ``--compile-layers`` compiles the forward and backward pass of both
 variants at other depths (abstract params, nothing allocated): what unrolling a scan costs.
 
