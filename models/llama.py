@@ -63,6 +63,11 @@ class LlamaConfig:
     """Compute dtype of matmuls and activations: 'float32' or 'bfloat16'."""
     remat: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
+    scan_layers: bool = False
+    """Store the blocks' params stacked along a leading ``[layers, ...]`` axis (one leaf per
+    weight kind, as ``nnx.scan`` and MaxText lay them out) and run the blocks with
+    ``jax.lax.scan``: one compiled block instead of ``layers``. The initial params are the
+    unrolled model's, stacked."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq_len"):
@@ -218,6 +223,26 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
 _run_block_remat = nnx.remat(_run_block)
 
 
+def _stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every param is ``blocks``' params stacked along a new leading axis."""
+    graphdef = nnx.graphdef(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
+    return nnx.merge(graphdef, stacked)
+
+
+def _scan_blocks(blocks: Block, x: jax.Array, remat: bool) -> jax.Array:
+    """``x`` through the stacked blocks, one ``lax.scan`` iteration per layer."""
+    graphdef, stacked = nnx.split(blocks)
+
+    def body(x: jax.Array, layer: nnx.State) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, layer)(x), None
+
+    if remat:  # as _run_block_remat: only each block's input is saved for backward
+        body = jax.checkpoint(body)
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
+
+
 class Llama(nnx.Module):
     """LLaMA-style causal language model.
 
@@ -247,7 +272,10 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(_INIT_STD),
             rngs=rngs,
         )
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.layers)])
+        # The scanned model draws its blocks as the unrolled one does, then stacks them: the
+        # same initial params from the same rngs.
+        blocks = [Block(config, rngs=rngs) for _ in range(config.layers)]
+        self.blocks = _stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(
             config.hidden, eps=config.norm_eps, dtype=dtype, param_dtype=param_dtype
         )
@@ -274,9 +302,12 @@ class Llama(nnx.Module):
                 f"{self.config.max_seq_len}; shorten the batch or raise max_seq_len."
             )
         x = self.embed(tokens)
-        run = _run_block_remat if self.config.remat else _run_block
-        for block in self.blocks:
-            x = run(block, x)
+        if self.config.scan_layers:
+            x = _scan_blocks(self.blocks, x, self.config.remat)
+        else:
+            run = _run_block_remat if self.config.remat else _run_block
+            for block in self.blocks:
+                x = run(block, x)
         # Logits in float32: the cross entropy over a large vocabulary is sensitive to rounding.
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
 

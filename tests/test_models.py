@@ -193,6 +193,37 @@ def test_remat_gives_same_loss_and_grads():
     assert _grad_jaxpr(remat, tokens).count("remat") == TINY.layers
 
 
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_scanned_layers_are_the_unrolled_model_stacked(remat):
+    """scan_layers stacks the unrolled model's initial params along a leading layer axis, and
+    the scan computes the unrolled model's loss and gradients."""
+    cfg = TINY.replace(layers=3, remat=remat)
+    tokens = _tokens(2, 32)
+    unrolled = Llama(cfg, rngs=nnx.Rngs(4))
+    scanned = Llama(cfg.replace(scan_layers=True), rngs=nnx.Rngs(4))
+    assert param_count(cfg) == _count_params(scanned)
+    blocks = nnx.to_pure_dict(nnx.state(scanned.blocks, nnx.Param))
+    layers = [nnx.to_pure_dict(nnx.state(b, nnx.Param)) for b in unrolled.blocks]
+    for stacked, *per_layer in zip(*map(jax.tree.leaves, [blocks, *layers]), strict=True):
+        assert stacked.shape[0] == cfg.layers
+        np.testing.assert_array_equal(np.asarray(stacked), np.stack(per_layer))
+    loss_a, grads_a = _value_and_grad(unrolled, tokens)
+    loss_b, grads_b = _value_and_grad(scanned, tokens)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
+    grads_a, grads_b = nnx.to_pure_dict(grads_a), nnx.to_pure_dict(grads_b)
+    per_layer = [grads_a["blocks"][k] for k in range(cfg.layers)]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
+    for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(grads_b["blocks"]), strict=True):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-7)
+    for key in ("embed", "final_norm", "lm_head"):
+        for a, b in zip(jax.tree.leaves(grads_a[key]), jax.tree.leaves(grads_b[key]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # one scan over the blocks, and with remat one rematerialised body
+    jaxpr = _grad_jaxpr(scanned, tokens)
+    assert jaxpr.count("scan[") == 2  # the forward scan and its transpose
+    assert jaxpr.count("remat") == (1 if remat else 0)
+
+
 def _grad_jaxpr(model: Llama, tokens: jax.Array) -> str:
     graphdef, state = nnx.split(model)
     grad = jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), tokens))

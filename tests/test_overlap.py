@@ -74,14 +74,14 @@ def file_config(path: Path, blob: int = 8 * SUB, **switches) -> jax_mlpo.Offload
     )  # fmt: skip
 
 
-def plain(tx, steps: int = STEPS, params=None, state=None, start: int = 0):
+def plain(tx, steps: int = STEPS, params=None, state=None, start: int = 0, loss_of=loss_fn):
     """The plain loop: forward and backward, then the update, one jitted step."""
     params = make_params() if params is None else params
     state = tx.init(params) if state is None else state
 
     @jax.jit
     def step(params, state, b):
-        loss, grads = jax.value_and_grad(loss_fn)(params, b)
+        loss, grads = jax.value_and_grad(loss_of)(params, b)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
@@ -107,13 +107,13 @@ def overlapped_step(tx, loss=loss_fn, groups: int = 4):
     return step, flush
 
 
-def overlapped(tx, steps: int = STEPS, params=None, state=None, start: int = 0):
+def overlapped(tx, steps: int = STEPS, params=None, state=None, start: int = 0, loss_of=loss_fn):
     """The overlapped loop: the first step only computes gradients, the last flushes."""
     params = make_params() if params is None else params
     state = tx.init(params) if state is None else state
-    step, flush = overlapped_step(tx)
+    step, flush = overlapped_step(tx, loss_of)
     losses = []
-    value, pending = jax.jit(jax.value_and_grad(loss_fn))(params, batch(start))
+    value, pending = jax.jit(jax.value_and_grad(loss_of))(params, batch(start))
     losses.append(float(value))
     for i in range(start + 1, start + steps):
         params, state, pending, value = step(params, state, pending, batch(i))
@@ -146,6 +146,41 @@ def test_the_forward_order_comes_from_the_program():
     assert dict(zip(keys, groups, strict=True)) == {"c_in": 0, "d_mid": 1, "b_top": 2, "a_out": 3}
     with pytest.raises(ValueError, match="groups must be >= 1"):
         jax_mlpo.overlapped_step(loss_fn, optax.sgd(LR), params, None, params, batch(0), groups=0)
+
+
+def scanned_params() -> dict[str, jax.Array]:
+    """Three layers of one kind stacked in one [layers, ...] leaf (as nnx.scan lays them out)
+    between an input and an output layer."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    shapes = {"in": (64, 128), "layers": (3, 128, 128), "out": (128, 64)}
+    return {k: jax.random.normal(key, s) * 0.1
+            for key, (k, s) in zip(keys, shapes.items(), strict=True)}  # fmt: skip
+
+
+def scanned_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    h = jnp.tanh(x @ params["in"])
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, params["layers"])
+    return jnp.mean((h @ params["out"] - y) ** 2)
+
+
+def test_a_scanned_stack_is_one_group_and_follows_the_plain_loop(tmp_path):
+    """One scan equation consumes every layer of a stacked leaf: the leaf is one group, all of
+    its layers updated before the scan starts (the forward pass of the scanned layers cannot
+    run beside their update), and the step is still the plain loop's, bit for bit."""
+    params = scanned_params()
+    ranks = forward_ranks(jax.make_jaxpr(scanned_loss)(params, batch(0)).jaxpr)[:3]
+    groups = leaf_groups(ranks, [int(np.size(x)) for x in jax.tree.leaves(params)], 4)
+    assert dict(zip(sorted(params), groups, strict=True)) == {"in": 0, "layers": 2, "out": 3}
+    tx = offloaded_adamw(file_config(tmp_path / "a"))
+    expected, state, expected_losses = plain(tx, params=params, loss_of=scanned_loss)
+    jax_mlpo.close(state)
+    tx = offloaded_adamw(file_config(tmp_path / "b"))
+    got, state, losses = overlapped(tx, params=scanned_params(), loss_of=scanned_loss)
+    assert all(m.beside_s > 0 for m in jax_mlpo.metrics(state)[:-1])
+    jax_mlpo.close(state)
+    assert_bits_equal(got, expected)
+    assert losses == expected_losses
 
 
 @pytest.mark.parametrize("clip", ["none", "max_grad_norm"])
