@@ -144,6 +144,8 @@ def test_the_forward_order_comes_from_the_program():
     assert [keys[k] for k in order] == ["c_in", "d_mid", "b_top", "a_out"]
     groups = leaf_groups(ranks, [int(np.size(x)) for x in jax.tree.leaves(params)], 4)
     assert dict(zip(keys, groups, strict=True)) == {"c_in": 0, "d_mid": 1, "b_top": 2, "a_out": 3}
+    # leaves first used by one equation (a scan's stacked weights) are never split apart
+    assert leaf_groups([0, 5, 5, 5, 9], [1, 4, 4, 4, 1], 8) == [0, 4, 4, 4, 7]
     with pytest.raises(ValueError, match="groups must be >= 1"):
         jax_mlpo.overlapped_step(loss_fn, optax.sgd(LR), params, None, params, batch(0), groups=0)
 

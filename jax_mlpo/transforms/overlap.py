@@ -219,14 +219,22 @@ def forward_ranks(jaxpr: jex_core.Jaxpr) -> list[int]:
 
 def leaf_groups(ranks: Sequence[int], sizes: Sequence[int], groups: int) -> list[int]:
     """Each leaf's group: the leaves in forward order, cut into ``groups`` runs of about equal
-    elements (a leaf is never split; each goes to the run its middle falls in)."""
+    elements. A leaf is never split, and leaves first used by the same equation (a scan over
+    stacked layers uses them all at once) share a group: the forward pass needs them together,
+    so more calls would only cost. Each run goes to the group its middle falls in."""
     order = sorted(range(len(ranks)), key=lambda k: (ranks[k], k))
     total = max(1, sum(sizes))
     out = [0] * len(ranks)
-    done = 0
-    for k in order:
-        out[k] = min(groups - 1, (2 * done + sizes[k]) * groups // (2 * total))
-        done += sizes[k]
+    done, i = 0, 0
+    while i < len(order):
+        j = i
+        while j < len(order) and ranks[order[j]] == ranks[order[i]]:
+            j += 1
+        size = sum(sizes[k] for k in order[i:j])
+        for k in order[i:j]:
+            out[k] = min(groups - 1, (2 * done + size) * groups // (2 * total))
+        done += size
+        i = j
     return out
 
 
