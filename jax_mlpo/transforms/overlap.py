@@ -294,14 +294,6 @@ def loss_at_first_use(
     env: dict[Any, Any] = {}  # evaluated vars: activations and constants
     lazy: dict[Any, tuple[Any, frozenset[int]]] = {}  # param-derived vars: (eqn, params)
     new: dict[int, Any] = {}  # the new params applied so far
-
-    def updated(k: int, update: Any) -> Any:
-        # Materialized once: XLA would otherwise fuse the addition into each of the new
-        # param's readers, the backward pass's too, keeping the old param alive to the end;
-        # the new params take the old ones' (donated) buffers, so it would copy every param
-        # first: 2 more bytes per bfloat16 param (experiments/bench/memory.py)
-        return jax.lax.optimization_barrier(apply(params[k], update))
-
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = c
     for k, v in enumerate(jaxpr.invars[:n]):
@@ -317,7 +309,7 @@ def loss_at_first_use(
         if eqn is None:  # a param itself (applied here if no activation ever met it)
             k = jaxpr.invars.index(v)
             if k not in new:
-                new[k] = updated(k, updates[k])
+                new[k] = apply(params[k], updates[k])
             return new[k]
         outs = _bind(eqn, [read(x) for x in eqn.invars])
         for out_var, out in zip(eqn.outvars, outs, strict=True):
@@ -343,9 +335,9 @@ def loss_at_first_use(
             if pending:  # the forward pass reaches these params: their new values, now
                 zero = negative_zero(*(env[v] for v in active))
                 for k in pending:
-                    new[k] = updated(k, updates[k] + zero.astype(updates[k].dtype))
+                    new[k] = apply(params[k], updates[k] + zero.astype(updates[k].dtype))
         outs = _bind(eqn, [read(v) for v in eqn.invars])
         for out_var, out in zip(eqn.outvars, outs, strict=True):
             env[out_var] = out
     outs = [read(v) for v in jaxpr.outvars]
-    return outs, [new[k] if k in new else updated(k, updates[k]) for k in range(n)]
+    return outs, [new[k] if k in new else apply(params[k], updates[k]) for k in range(n)]
