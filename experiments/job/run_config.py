@@ -3,9 +3,8 @@
 A YAML file (see experiments/configs/) plus ``key=value`` overrides become a frozen
 :class:`RunConfig`. draccus reads the file, merges the overrides and types every value against
 its dataclass field; the checks here add the ranges and the rules between fields. Every error
-names the dotted key. The ``offload`` section is jax_mlpo's own :class:`jax_mlpo.OffloadConfig`,
-its fields typed by draccus and its tiers read by jax_mlpo, defaulting to
-``<run_dir>/tiers/t0`` and ``t1``.
+names the dotted key. The ``offload`` section is jax_mlpo's :class:`jax_mlpo.OffloadConfig`, its
+tiers defaulting to ``<run_dir>/tiers/t0`` and ``t1``.
 """
 
 from __future__ import annotations
@@ -129,10 +128,9 @@ class RunConfig:
     log_every: int = 10
     """Log a line (loss, times, tiers) every this many steps."""
     overlap: bool = True
-    """Run each update beside the next step's forward pass (jax_mlpo.overlapped_step): the same
-    params bit for bit; false runs forward + backward, then the update."""
+    """Each update beside the next forward pass (jax_mlpo.overlapped_step), the same params."""
     overlap_groups: int = 8
-    """How many host calls an overlapped update is split into (groups of layers)."""
+    """Host calls an overlapped update is split into (groups of layers)."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     offload: jax_mlpo.OffloadConfig = dataclasses.field(default_factory=jax_mlpo.OffloadConfig)
     """jax_mlpo's offload config; :func:`load_config` defaults its tiers to <run_dir>/tiers/t0
