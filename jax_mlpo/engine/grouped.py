@@ -14,13 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from jax_mlpo.engine.layout import Layout, Segment, Subgroup
+from jax_mlpo.engine.layout import Layout, Subgroup
+from jax_mlpo.engine.leaves import HostLeaves
 from jax_mlpo.native.host_update import CallGroup, Completion
 
-__all__ = ["GroupCalls", "GroupedLeaves", "forward_order"]
+__all__ = ["CallRound", "GroupCalls", "GroupedLeaves", "forward_order", "gather"]
 
 # How long the first group's call waits for the others of its update: XLA starts them
 # together, so a wait this long means one will never come.
@@ -40,7 +42,7 @@ def forward_order(layout: Layout, group_of_leaf: Sequence[int]) -> list[int]:
     return [sg.index for sg in sorted(layout.subgroups, key=rank)]
 
 
-class GroupedLeaves:
+class GroupedLeaves(HostLeaves):
     """The :class:`~jax_mlpo.engine.leaves.Leaves` of an update whose leaves came in several
     calls (host memory, CPU): each subgroup stored completes the calls it was the last of.
 
@@ -54,7 +56,7 @@ class GroupedLeaves:
         self, layout: Layout, grads: list, params: list, updates: list,
         group_of_leaf: Sequence[int], complete: Callable[[int], None],
     ) -> None:  # fmt: skip
-        self.grads, self.params, self.updates = grads, params, updates
+        super().__init__(grads, params, updates)
         self._complete = complete
         self.first_done: float | None = None  # when the first group was handed back
         self._left: dict[int, set[int]] = {}  # each group's subgroups still to update
@@ -67,16 +69,6 @@ class GroupedLeaves:
         for g in set(group_of_leaf) - set(self._left):  # groups of empty leaves only
             complete(g)
 
-    def check(self, layout: Layout) -> None:
-        layout.check_leaves(self.grads, self.params, self.updates)
-
-    def fetch(self, sg: Subgroup) -> None:
-        pass
-
-    def segment(self, seg: Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        span = seg.leaf_span
-        return self.grads[seg.leaf][span], self.params[seg.leaf][span], self.updates[seg.leaf][span]
-
     def store(self, sg: Subgroup) -> None:
         for g in self._groups_of[sg.index]:
             left = self._left[g]
@@ -86,8 +78,59 @@ class GroupedLeaves:
                     self.first_done = time.monotonic()
                 self._complete(g)
 
-    def finish(self) -> None:
-        pass
+
+def gather(n: int, calls: Sequence[tuple[int, CallGroup, list, list, list]]
+           ) -> tuple[list, list, list, list[int]]:  # fmt: skip
+    """The engine's ``n`` flat leaves from its group calls ``(group, call group, grads, params,
+    updates)``: ``(grads, params, updates, group_of_leaf)``.
+
+    Raises:
+      RuntimeError: a call names a leaf the engine does not have, or no call carries one.
+    """
+    grads, params, updates = [None] * n, [None] * n, [None] * n
+    group_of_leaf = [-1] * n
+    for g, group, gs, ps, us in calls:
+        for k, leaf in enumerate(group.leaf_ids):
+            if not 0 <= leaf < n:
+                raise RuntimeError(f"group {g} names leaf {leaf} of an engine of {n}")
+            grads[leaf], params[leaf], updates[leaf], group_of_leaf[leaf] = gs[k], ps[k], us[k], g
+    missing = [k for k in range(n) if group_of_leaf[k] < 0]
+    if missing:
+        raise RuntimeError(f"no group call carried the engine's leaves {missing[:8]}")
+    return grads, params, updates, group_of_leaf
+
+
+class CallRound:
+    """The calls of one update, arriving one by one (the caller holds its own lock around
+    every use): :meth:`add` gives the whole round once its last call is in; until then a timer
+    calls ``expire(number)`` after ``wait_s``, which the caller compares with :attr:`number`.
+    """
+
+    def __init__(self, wait_s: float, expire: Callable[[int], None]) -> None:
+        self._wait_s, self._expire = wait_s, expire
+        self.calls: dict[int, Any] = {}
+        self.number = 0  # of the round being gathered
+        self._timer: threading.Timer | None = None
+
+    def add(self, group: CallGroup, call: Any) -> dict[int, Any] | None:
+        """Adds a group's call; the round's calls once every group has come, else None."""
+        self.calls[group.group] = call
+        if len(self.calls) < group.groups:
+            if self._timer is None:
+                self._timer = threading.Timer(self._wait_s, self._expire, (self.number,))
+                self._timer.daemon = True
+                self._timer.start()
+            return None
+        return self.take()
+
+    def take(self) -> dict[int, Any]:
+        """The calls so far, ending the round (and its timer)."""
+        calls, self.calls = self.calls, {}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.number += 1
+        return calls
 
 
 class GroupCalls:
@@ -102,9 +145,7 @@ class GroupCalls:
     def __init__(self, layout: Layout, run: Run, wait_s: float = WAIT_S) -> None:
         self._layout, self._run, self._wait_s = layout, run, wait_s
         self._lock = threading.Lock()
-        self._calls: dict[int, tuple] = {}
-        self._timer: threading.Timer | None = None
-        self._round = 0
+        self._round = CallRound(wait_s, self._expire)
 
     def arrive(self, count: int, scalars: np.ndarray, group: CallGroup, grads: list,
                params: list, updates: list, completion: Completion) -> None:  # fmt: skip
@@ -114,33 +155,21 @@ class GroupCalls:
           RuntimeError: the group called twice in one update.
         """
         with self._lock:
-            if group.group in self._calls:
+            if group.group in self._round.calls:
                 raise RuntimeError(f"group {group.group} called the update twice in one step")
-            self._calls[group.group] = (count, scalars, group, grads, params, updates, completion)
-            if len(self._calls) < group.groups:
-                if self._timer is None:
-                    self._timer = threading.Timer(self._wait_s, self._expire, (self._round,))
-                    self._timer.daemon = True
-                    self._timer.start()
+            calls = self._round.add(group, (count, scalars, group, grads, params, updates,
+                                            completion))  # fmt: skip
+            if calls is None:
                 return
-            calls = self._take_round()
         threading.Thread(target=self._update, args=(calls,), daemon=True,
                          name="jax_mlpo-grouped-update").start()  # fmt: skip
 
-    def _take_round(self) -> dict[int, tuple]:
-        calls, self._calls = self._calls, {}
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._round += 1
-        return calls
-
-    def _expire(self, round_: int) -> None:
+    def _expire(self, number: int) -> None:
         with self._lock:
-            if round_ != self._round or not self._calls:
+            if number != self._round.number or not self._round.calls:
                 return
-            arrived = len(self._calls)
-            calls = self._take_round()
+            arrived = len(self._round.calls)
+            calls = self._round.take()
         groups = next(iter(calls.values()))[2].groups
         error = RuntimeError(
             f"jax_mlpo: {arrived} of the update's {groups} group calls arrived within "
@@ -161,16 +190,9 @@ class GroupCalls:
             counts = {c[0] for c in calls.values()}
             if len(counts) != 1:
                 raise RuntimeError(f"the update's group calls disagree: step counts {counts}")
-            n = len(self._layout.shapes)
-            grads, params, updates = [None] * n, [None] * n, [None] * n
-            group_of_leaf = [-1] * n
-            for g, (_, _, group, gs, ps, us, _) in calls.items():
-                for k, leaf in enumerate(group.leaf_ids):
-                    grads[leaf], params[leaf], updates[leaf] = gs[k], ps[k], us[k]
-                    group_of_leaf[leaf] = g
-            missing = [k for k in range(n) if group_of_leaf[k] < 0]
-            if missing:
-                raise RuntimeError(f"no group call carried the engine's leaves {missing[:8]}")
+            grads, params, updates, group_of_leaf = gather(
+                len(self._layout.shapes), [(g, c[2], c[3], c[4], c[5]) for g, c in calls.items()]
+            )
             leaves = GroupedLeaves(self._layout, grads, params, updates, group_of_leaf, complete)
             self._run(counts.pop(), calls[0][1], leaves, forward_order(self._layout, group_of_leaf))
         except BaseException as e:  # noqa: BLE001 - every call not yet completed fails with it

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jax_mlpo.engine.grouped import WAIT_S, GroupedLeaves, forward_order
+from jax_mlpo.engine.grouped import WAIT_S, CallRound, GroupedLeaves, forward_order, gather
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.native.host_update import CallGroup
 
@@ -102,9 +102,7 @@ class StagedGroupCalls:
         self._layout_of, self._run, self._on_error = layout_of, run, on_error
         self._wait_s = wait_s
         self._lock = threading.Lock()
-        self._calls: dict[int, GroupCall] = {}
-        self._timer: threading.Timer | None = None
-        self._round = 0
+        self._round = CallRound(wait_s, self._expire)
         self._error: BaseException | None = None
         self._updates: queue.SimpleQueue[dict[int, GroupCall]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -118,43 +116,31 @@ class StagedGroupCalls:
         with self._lock:
             if self._error is not None:
                 error, self._error = self._error, None
-                self._abandon(self._take_round())
+                self._abandon(self._round.take())
                 call.ticket.release(0)  # its receive never runs: the program stops here
                 raise error
-            if call.group.group in self._calls:  # an update whose program stopped midway
-                self._abandon(self._take_round())
-            self._calls[call.group.group] = call
-            if len(self._calls) < call.group.groups:
-                if self._timer is None:
-                    self._timer = threading.Timer(self._wait_s, self._expire, (self._round,))
-                    self._timer.daemon = True
-                    self._timer.start()
+            if call.group.group in self._round.calls:  # an update whose program stopped midway
+                self._abandon(self._round.take())
+            calls = self._round.add(call.group, call)
+            if calls is None:
                 return
-            self._updates.put(self._take_round())
+            self._updates.put(calls)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, daemon=True,
                                                 name="jax_mlpo-gpu-grouped-update")  # fmt: skip
                 self._worker.start()
-
-    def _take_round(self) -> dict[int, GroupCall]:
-        calls, self._calls = self._calls, {}
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._round += 1
-        return calls
 
     @staticmethod
     def _abandon(calls: dict[int, GroupCall]) -> None:
         for call in calls.values():
             call.ticket.release(0)
 
-    def _expire(self, round_: int) -> None:
+    def _expire(self, number: int) -> None:
         with self._lock:
-            if round_ != self._round or not self._calls:
+            if number != self._round.number or not self._round.calls:
                 return
-            arrived = len(self._calls)
-            calls = self._take_round()
+            arrived = len(self._round.calls)
+            calls = self._round.take()
         groups = next(iter(calls.values())).group.groups
         self._fail(RuntimeError(
             f"jax_mlpo: {arrived} of the update's {groups} group calls arrived within "
@@ -183,18 +169,10 @@ class StagedGroupCalls:
             handle, count, scalars = calls[0].ticket.record()
             next_count = count if count == INT32_MAX else count + 1
             layout = self._layout_of(handle)
-            n = len(layout.shapes)
-            grads, params, updates = [None] * n, [None] * n, [None] * n
-            group_of_leaf = [-1] * n
-            for g, call in calls.items():
-                for k, leaf in enumerate(call.group.leaf_ids):
-                    if not 0 <= leaf < n:
-                        raise RuntimeError(f"group {g} names leaf {leaf} of an engine of {n}")
-                    grads[leaf], params[leaf] = call.grads[k], call.params[k]
-                    updates[leaf], group_of_leaf[leaf] = call.updates[k], g
-            missing = [k for k in range(n) if group_of_leaf[k] < 0]
-            if missing:
-                raise RuntimeError(f"no group call carried the engine's leaves {missing[:8]}")
+            grads, params, updates, group_of_leaf = gather(
+                len(layout.shapes),
+                [(g, c.group, c.grads, c.params, c.updates) for g, c in calls.items()],
+            )
             leaves = StagedGroupLeaves(layout, calls, grads, params, updates, group_of_leaf,
                                        next_count, self._wait_s)  # fmt: skip
             leaves.wait(0)
