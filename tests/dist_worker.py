@@ -94,7 +94,8 @@ def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    modes = ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3", "muon")
+    modes = ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3", "muon",
+             "overlap")  # fmt: skip
     if mode not in modes:
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
@@ -114,7 +115,7 @@ def main() -> None:
     from jax_mlpo.sharding import processes as distributed
 
     slow = {}
-    if mode not in ("plain", "fused-clip", "inject", "s3", "muon"):
+    if mode not in ("plain", "fused-clip", "inject", "s3", "muon", "overlap"):
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
@@ -162,15 +163,33 @@ def main() -> None:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    @jax.jit
+    def overlapped_step(params, opt_state, pending, x, y):
+        # the update of the last step's gradients beside this step's forward pass
+        return jax_mlpo.overlapped_step(loss_fn, tx, params, opt_state, pending, x, y, groups=2)
+
+    @jax.jit
+    def flush(params, opt_state, pending):
+        updates, opt_state = tx.update(pending, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     rows = GLOBAL_BATCH // nproc
     losses = []
+    pending = None
     for step in range(steps):
         x, y = batch(step)
         if nproc > 1:
             local = slice(pid * rows, (pid + 1) * rows)
             x, y = (jax.make_array_from_process_local_data(data_sharding, a[local]) for a in (x, y))
-        params, opt_state, loss = train_step(params, opt_state, x, y)
+        if mode != "overlap":
+            params, opt_state, loss = train_step(params, opt_state, x, y)
+        elif pending is None:
+            loss, pending = jax.jit(jax.value_and_grad(loss_fn))(params, x, y)
+        else:
+            params, opt_state, pending, loss = overlapped_step(params, opt_state, pending, x, y)
         losses.append(float(np.asarray(loss.addressable_data(0))))  # replicated
+    if pending is not None:
+        params, opt_state = flush(params, opt_state, pending)
 
     engine = jax_mlpo.engine_of(opt_state)
     # Cross-process metrics: a made-up step time (process k: k + 1 s) makes the last process the
@@ -195,6 +214,7 @@ def main() -> None:
         "engines": len({id(e) for e in jax_mlpo.transforms.registry._ENGINES.values()}),
         "losses": losses,
         "host_only": engine.host_only,
+        "beside_s": [m.beside_s for m in engine.metrics],
         "traces": {
             jax_mlpo.engine.step_metrics.shared_tier_path(store.tier.path): [
                 list(t) for t in store.trace

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -495,61 +491,3 @@ def test_linen_train_state_overlapped_follows_the_plain_loop_and_optax(tmp_path)
     jax_mlpo.close(state.opt_state)
     assert_bits_equal(state.params, expected.params)
     assert_close(state.params, linen_run(optax.adamw(LR, weight_decay=WD), overlap=False).params)
-
-
-_MESH = """
-import functools, json, os, sys
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["JAX_NUM_CPU_DEVICES"] = "4"
-import jax, jax.numpy as jnp, numpy as np, optax, jax_mlpo
-from jax.sharding import NamedSharding, PartitionSpec as P
-mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "tensor"))
-
-def loss_fn(params, b):
-    return jnp.mean((jnp.tanh(b @ params["w1"]) @ params["w2"]) ** 2)
-
-def run(tier, overlap):
-    tx = jax_mlpo.adamw(1e-2, weight_decay=0.1, offload=jax_mlpo.OffloadConfig(
-        host_cache="64KiB", subgroup_size=512, tiers=[jax_mlpo.FileTier(tier)]))
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp", "tensor")))
-    params = {"w1": put(jnp.linspace(-1, 1, 32 * 64).reshape(32, 64)),
-              "w2": put(jnp.linspace(1, -1, 64 * 32).reshape(64, 32))}
-    state = tx.init(params)
-    batches = [jnp.sin(jnp.arange(8 * 32).reshape(8, 32) + i) for i in range(4)]
-    if not overlap:
-        @jax.jit
-        def step(params, state, b):
-            u, state = tx.update(jax.grad(loss_fn)(params, b), state, params)
-            return optax.apply_updates(params, u), state
-        for b in batches:
-            params, state = step(params, state, b)
-    else:
-        step = jax.jit(
-            lambda p, s, g, b: jax_mlpo.overlapped_step(loss_fn, tx, p, s, g, b, groups=2))
-        pending = jax.jit(jax.grad(loss_fn))(params, batches[0])
-        for b in batches[1:]:
-            params, state, pending, _ = step(params, state, pending, b)
-        u, state = jax.jit(tx.update)(pending, state, params)
-        params = optax.apply_updates(params, u)
-    out = {k: np.asarray(v).tolist() for k, v in params.items()}
-    beside = [m.beside_s for m in jax_mlpo.metrics(state)]
-    shardings = all(v.sharding.spec == P("fsdp", "tensor") for v in params.values())
-    jax_mlpo.close(state)
-    return out, beside, shardings
-
-plain, _, _ = run(sys.argv[1] + "/a", False)
-over, beside, shardings = run(sys.argv[1] + "/b", True)
-print(json.dumps({"equal": plain == over, "beside": beside, "shardings": shardings}))
-"""
-
-
-def test_a_mesh_runs_the_update_in_one_call_per_device_and_follows_the_plain_loop(tmp_path):
-    """Params on a 2x2 mesh: each device's call meets the others' (jax_mlpo.sharding.mesh), so
-    the update is not split into groups there: exact, not overlapped."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
-    done = subprocess.run([sys.executable, "-c", _MESH, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["equal"] and out["shardings"]
-    assert out["beside"] == [0.0] * 4

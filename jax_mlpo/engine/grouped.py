@@ -7,10 +7,15 @@ own, in the order the forward pass needs them, and completes each group's call a
 subgroups holding its leaves are updated: XLA then runs that group's part of the forward pass
 while the engine goes on with the next groups. A subgroup holding two groups' leaves completes
 them only once it is done.
+
+On a mesh every device of the process makes each group's call with its own shards
+(:class:`Shards` says where each of the engine's leaves comes from): a group's update is
+released on every device at once, the replicas' copies made first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +27,7 @@ from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.leaves import HostLeaves
 from jax_mlpo.native.host_update import CallGroup, Completion
 
-__all__ = ["CallRound", "GroupCalls", "GroupedLeaves", "forward_order", "gather"]
+__all__ = ["CallRound", "GroupCalls", "GroupedLeaves", "Shards", "forward_order", "gather"]
 
 # How long the first group's call waits for the others of its update: XLA starts them
 # together, so a wait this long means one will never come.
@@ -112,10 +117,12 @@ class CallRound:
         self.number = 0  # of the round being gathered
         self._timer: threading.Timer | None = None
 
-    def add(self, group: CallGroup, call: Any) -> dict[int, Any] | None:
-        """Adds a group's call; the round's calls once every group has come, else None."""
-        self.calls[group.group] = call
-        if len(self.calls) < group.groups:
+    def add(self, group: CallGroup, call: Any, slot: int = 0, slots: int = 1
+            ) -> dict[Any, Any] | None:  # fmt: skip
+        """Adds a group's call (of device ``slot`` of ``slots``: keyed ``(slot, group)`` where
+        ``slots`` > 1); the round's calls once every one has come, else None."""
+        self.calls[group.group if slots == 1 else (slot, group.group)] = call
+        if len(self.calls) < group.groups * slots:
             if self._timer is None:
                 self._timer = threading.Timer(self._wait_s, self._expire, (self.number,))
                 self._timer.daemon = True
@@ -133,6 +140,23 @@ class CallRound:
         return calls
 
 
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """Where an engine's leaves come from when its params are on a mesh of ``slots`` devices
+    of this process: engine leaf ``i`` is param leaf ``leaf[i]``'s shard in device ``owner[i]``'s
+    calls, and its update is copied to the same leaf in the calls of ``replicas[i]``."""
+
+    slots: int
+    owner: tuple[int, ...]
+    leaf: tuple[int, ...]
+    replicas: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def one_device(n: int) -> Shards:
+        """The engine's ``n`` leaves, the params' own, from one device."""
+        return Shards(1, (0,) * n, tuple(range(n)), ((),) * n)
+
+
 class GroupCalls:
     """Where the calls of one engine's grouped updates meet.
 
@@ -140,28 +164,35 @@ class GroupCalls:
       layout: the engine's leaves and subgroups.
       run: runs the engine's update (on this object's thread).
       wait_s: how long the first call of an update waits for the last before it fails.
+      shards: where the engine's leaves come from (default: one device, leaf for leaf).
     """
 
-    def __init__(self, layout: Layout, run: Run, wait_s: float = WAIT_S) -> None:
+    def __init__(self, layout: Layout, run: Run, wait_s: float = WAIT_S,
+                 shards: Shards | None = None) -> None:  # fmt: skip
         self._layout, self._run, self._wait_s = layout, run, wait_s
+        self._shards = Shards.one_device(len(layout.shapes)) if shards is None else shards
         self._lock = threading.Lock()
         self._round = CallRound(wait_s, self._expire)
 
     def arrive(self, count: int, scalars: np.ndarray, group: CallGroup, grads: list,
-               params: list, updates: list, completion: Completion) -> None:  # fmt: skip
-        """Hands in one group's call; it completes when its subgroups are updated.
+               params: list, updates: list, completion: Completion, slot: int = 0
+               ) -> None:  # fmt: skip
+        """Hands in one group's call (of device ``slot`` on a mesh); it completes when its
+        subgroups are updated.
 
         Raises:
           RuntimeError: the group called twice in one update.
         """
+        slots = self._shards.slots
+        key = group.group if slots == 1 else (slot, group.group)
         with self._lock:
-            if group.group in self._round.calls:
+            if key in self._round.calls:
                 raise RuntimeError(f"group {group.group} called the update twice in one step")
-            calls = self._round.add(group, (count, scalars, group, grads, params, updates,
-                                            completion))  # fmt: skip
+            call = (count, scalars, group, grads, params, updates, completion, slot)
+            calls = self._round.add(group, call, slot, slots)
             if calls is None:
                 return
-        threading.Thread(target=self._update, args=(calls,), daemon=True,
+        threading.Thread(target=self._update, args=(list(calls.values()),), daemon=True,
                          name="jax_mlpo-grouped-update").start()  # fmt: skip
 
     def _expire(self, number: int) -> None:
@@ -170,37 +201,82 @@ class GroupCalls:
                 return
             arrived = len(self._round.calls)
             calls = self._round.take()
-        groups = next(iter(calls.values()))[2].groups
+        expected = next(iter(calls.values()))[2].groups * self._shards.slots
         error = RuntimeError(
-            f"jax_mlpo: {arrived} of the update's {groups} group calls arrived within "
-            f"{self._wait_s:.0f} s: every group of an overlapped update must run"
+            f"jax_mlpo: {arrived} of the update's {expected} group calls arrived within "
+            f"{self._wait_s:.0f} s: every group of an overlapped update must run (on a mesh, "
+            "on every device)"
         )
         for call in calls.values():
             _complete(call[6], error)
 
-    def _update(self, calls: dict[int, tuple]) -> None:
+    def _update(self, calls: list[tuple]) -> None:
+        by_group: dict[int, list[tuple]] = {}
+        for c in calls:
+            by_group.setdefault(c[2].group, []).append(c)
         done: set[int] = set()
+        shards = self._shards
 
         def complete(g: int, error: BaseException | None = None) -> None:
-            if g not in done:
-                done.add(g)
-                _complete(calls[g][6], error)
+            if g in done:
+                return
+            done.add(g)
+            if error is None and any(shards.replicas):
+                try:  # every device's copy of the group's replicated shards, before any returns
+                    for i in range(len(shards.leaf)):
+                        if group_of_leaf[i] == g:
+                            for r in shards.replicas[i]:
+                                np.copyto(by_slot[r, shards.leaf[i]][3], updates[i])
+                except BaseException as e:  # noqa: BLE001 - the group's calls fail with it
+                    error = e
+            for c in by_group[g]:
+                _complete(c[6], error)
 
+        group_of_leaf: list[int] = []
         try:
-            counts = {c[0] for c in calls.values()}
+            counts = {c[0] for c in calls}
             if len(counts) != 1:
                 raise RuntimeError(f"the update's group calls disagree: step counts {counts}")
-            grads, params, updates, group_of_leaf = gather(
-                len(self._layout.shapes), [(g, c[2], c[3], c[4], c[5]) for g, c in calls.items()]
-            )
+            by_slot = _by_slot_and_leaf(calls)
+            grads, params, updates, group_of_leaf = _engine_leaves(by_slot, shards)
             leaves = GroupedLeaves(self._layout, grads, params, updates, group_of_leaf, complete)
             self._run(counts.pop(), calls[0][1], leaves, forward_order(self._layout, group_of_leaf))
         except BaseException as e:  # noqa: BLE001 - every call not yet completed fails with it
-            for g in calls:
+            for g in by_group:
                 complete(g, e)
             return
-        for g in calls:  # groups whose subgroups were all done before
+        for g in by_group:  # groups whose subgroups were all done before
             complete(g)
+
+
+def _by_slot_and_leaf(calls: Sequence[tuple]) -> dict[tuple[int, int], tuple]:
+    """Each call's buffers by ``(slot, param leaf)``: ``(group, grad, param, update)``."""
+    out = {}
+    for _, _, group, gs, ps, us, _, slot in calls:
+        for k, leaf in enumerate(group.leaf_ids):
+            out[slot, leaf] = (group.group, gs[k], ps[k], us[k])
+    return out
+
+
+def _engine_leaves(by_slot: dict[tuple[int, int], tuple], shards: Shards
+                   ) -> tuple[list, list, list, list[int]]:  # fmt: skip
+    """The engine's flat leaves from the calls' buffers: ``(grads, params, updates,
+    group_of_leaf)``.
+
+    Raises:
+      RuntimeError: a call names a leaf the engine does not have, or no call carries one.
+    """
+    known = set(shards.leaf)
+    for (_, leaf), (g, *_) in by_slot.items():
+        if leaf not in known:
+            raise RuntimeError(f"group {g} names leaf {leaf} of an engine of {len(known)}")
+    missing = [i for i, key in enumerate(zip(shards.owner, shards.leaf, strict=True))
+               if key not in by_slot]  # fmt: skip
+    if missing:
+        raise RuntimeError(f"no group call carried the engine's leaves {missing[:8]}")
+    found = [by_slot[key] for key in zip(shards.owner, shards.leaf, strict=True)]
+    return ([f[1] for f in found], [f[2] for f in found], [f[3] for f in found],
+            [f[0] for f in found])  # fmt: skip
 
 
 def _complete(completion: Completion, error: BaseException | None) -> None:

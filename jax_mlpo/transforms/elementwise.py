@@ -176,7 +176,11 @@ def adamw(
         bc2 = 1 - hp["b2"] ** count_inc
         scale = 1.0
         if max_grad_norm is not None:  # optax.clip_by_global_norm's rule, applied on the host
-            g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates))
+            # behind a barrier, the norm is a reduction of its own in every program: not fused
+            # with the backward pass that made the gradients (the plain step) or not (the
+            # overlapped step, where they are an input), so both sum in one order, bit for bit
+            pinned = jax.lax.optimization_barrier(updates)
+            g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), pinned))
             scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
         bc1_next = 1 - hp["b1"] ** optax.safe_increment(count_inc) if nesterov else 1.0
         return {"lr": lr, "bc1": bc1, "bc2": bc2, "grad_scale": scale, "bc1_next": bc1_next}

@@ -14,11 +14,12 @@ import weakref
 import numpy as np
 
 from jax_mlpo.engine.engine import Engine
-from jax_mlpo.engine.grouped import GroupCalls, GroupedLeaves
+from jax_mlpo.engine.grouped import GroupCalls, GroupedLeaves, Shards
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.staged_groups import GroupCall, StagedGroupCalls, StagedGroupLeaves
 from jax_mlpo.native.copies import cuda_module
 from jax_mlpo.native.host_update import CallGroup
+from jax_mlpo.sharding.mesh import MeshPlan
 from jax_mlpo.transforms import registry
 
 __all__ = ["calls_of", "send_group"]
@@ -27,10 +28,16 @@ __all__ = ["calls_of", "send_group"]
 GROUP_CALLS: weakref.WeakKeyDictionary[Engine, GroupCalls] = weakref.WeakKeyDictionary()
 
 
-def calls_of(engine: Engine) -> GroupCalls:
-    """Where the CPU calls of `engine`'s grouped updates meet (made at its first)."""
+def calls_of(engine: Engine, mesh: MeshPlan | None = None) -> GroupCalls:
+    """Where the CPU calls of `engine`'s grouped updates meet (made at its first); ``mesh``:
+    the shards of an engine over params on a mesh, whose every device makes each group's call."""
     found = GROUP_CALLS.get(engine)
     if found is None:
+        shards = None
+        if mesh is not None:
+            shards = Shards(len(mesh.devices), tuple(s.owner for s in mesh.shards),
+                            tuple(s.leaf for s in mesh.shards),
+                            tuple(s.replicas for s in mesh.shards))  # fmt: skip
 
         def run(count: int, scalars: np.ndarray, leaves: GroupedLeaves, order: list[int]) -> None:
             try:
@@ -39,7 +46,7 @@ def calls_of(engine: Engine) -> GroupCalls:
                 registry.update_failed(e)
                 raise
 
-        found = GROUP_CALLS.setdefault(engine, GroupCalls(engine.layout, run))
+        found = GROUP_CALLS.setdefault(engine, GroupCalls(engine.layout, run, shards=shards))
     return found
 
 

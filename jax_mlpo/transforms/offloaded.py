@@ -75,8 +75,10 @@ def _run_update(handle, count, scalars, group, grads, params, updates, stream, c
             if completion is None:  # a GPU's groups have handlers of their own (_send_group)
                 raise RuntimeError("a jax_mlpo update in groups reached the GPU's one-call handler")
             engine = registry.engine(handle)
-            group_runs.calls_of(engine).arrive(count, scalars, group, grads, params, updates,
-                                               completion)  # fmt: skip
+            on_mesh = registry.slot(handle)
+            mesh, k = (None, 0) if on_mesh is None else (on_mesh[0].plan, on_mesh[1])
+            group_runs.calls_of(engine, mesh).arrive(count, scalars, group, grads, params,
+                                                     updates, completion, slot=k)  # fmt: skip
             return DEFERRED
         slot = registry.slot(handle)
         if slot is not None:
@@ -277,12 +279,14 @@ def offloaded(
         return jitted_update(updates, state, params, lr, arrays, None)
 
     def groups_of(params: Any, state: OffloadedState) -> tuple[int, ...] | None:
-        """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call). One
-        device only (a mesh's calls meet per device), and a platform the overlapped step
-        splits for (overlap.split_platform: a CPU, or a GPU with the grouped handlers)."""
+        """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call), on a
+        platform the overlapped step splits for (overlap.split_platform: a CPU, or a GPU with
+        the grouped handlers). A mesh's or several processes' calls are split on CPU, where
+        every device makes each group's call (:class:`jax_mlpo.engine.grouped.Shards`)."""
         groups = tuple(overlap.group_of_leaf(p) for p in jax.tree.leaves(params))
-        if (not groups or None in groups or len(set(groups)) == 1 or np.ndim(state.handle)
-                or overlap.split_platform() is None):  # fmt: skip
+        platform = overlap.split_platform()
+        if (not groups or None in groups or len(set(groups)) == 1 or platform is None
+                or (np.ndim(state.handle) and platform != "cpu")):  # fmt: skip
             return None
         return groups
 
@@ -294,16 +298,23 @@ def offloaded(
         scalars = scalar_names.vector(computed, arrays)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        if groups is not None:
-            count_out, outs = grouped_update(
-                grads, param_leaves, state.handle, state.count, scalars, groups
-            )
-            return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
         key = update_key(np.shape(state.handle), param_leaves)
         plan = plan_of_update(state.handle, mesh_plans.get(key) or registry.mesh_plan_for(key))
-        count_out, outs = plan.update(
-            host_update, grads, param_leaves, state.handle, state.count, scalars
-        )
+        if groups is not None:
+            # the scalars and every call's next count, held to the step's end (grouped_update
+            # says why); the barrier keeps XLA from fusing the held scalars' producer into the
+            # hold, which would recompute them there and free the calls' buffer early
+            scalars = jax.lax.optimization_barrier(scalars)
+            counts, outs = plan.update(
+                functools.partial(grouped_update, groups=groups), grads, param_leaves,
+                state.handle, state.count, scalars,
+            )  # fmt: skip
+            overlap.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
+            count_out = jnp.max(counts)
+        else:
+            count_out, outs = plan.update(
+                host_update, grads, param_leaves, state.handle, state.count, scalars
+            )
         return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
 
     # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
@@ -319,12 +330,13 @@ def offloaded(
             handle, count, scalars, grads, param_leaves, update_dtypes(param_leaves)
         )
 
-    def grouped_update(grads, param_leaves, handle, count, scalars, groups):
+    def grouped_update(grads, param_leaves, handle, count, scalars, *, groups):
         # One call per group present, renumbered 0.. in forward order; each call's operands are
-        # its own leaves. Every call's next count is a value the program uses (their maximum):
-        # an unused result's buffer is one slice that all the calls would write, and XLA would
-        # run them one after another. The scalars and the counts are held to the step's end.
-        # On a GPU each group is a send and a receive (ffi/cuda_grouped.h says why).
+        # its own leaves. Every call's next count is a value the program uses (the caller holds
+        # them to the step's end): an unused result's buffer is one slice that all the calls
+        # would write, and XLA would run them one after another; a count's buffer freed before
+        # the end would go to the forward pass's temporaries, which would then wait for every
+        # call. On a GPU each group is a send and a receive (ffi/cuda_grouped.h says why).
         present = sorted(set(groups))
         dtypes = update_dtypes(param_leaves)
         ids_of = [[k for k, gk in enumerate(groups) if gk == g] for g in present]
@@ -351,7 +363,6 @@ def offloaded(
             counts.append(count_out)
             for k, out in zip(ids, group_outs, strict=True):
                 outs[k] = out
-        overlap.hold(scalars, *counts)
-        return functools.reduce(jnp.maximum, counts), outs
+        return jnp.stack(counts), outs
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend import core as jex_core
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jax_mlpo.native.host_update import grouped_on_gpu
 
@@ -94,10 +96,11 @@ def overlapped_step(
     """Applies ``pending`` (the last step's gradients) with ``tx``, then the forward and
     backward pass of ``loss_fn(new_params, *args)``, in one program (module doc).
 
-    Call it inside the jitted step. Updates it does not split (inside ``lax.cond``, as
-    ``jax_mlpo.MultiSteps`` runs its inner update; params on a mesh or of several processes; a
-    GPU whose CUDA module or driver lacks the grouped handlers) run in one call, as in the plain
-    loop: exact, not overlapped.
+    Call it inside the jitted step. On a mesh (Explicit or Auto axes) and on several processes
+    every device makes each group's call with its own shards, on CPU. Updates it does not split
+    (inside ``lax.cond``, as ``jax_mlpo.MultiSteps`` runs its inner update; params on several
+    devices of a GPU machine; a GPU whose CUDA module or driver lacks the grouped handlers) run
+    in one call, as in the plain loop: exact, not overlapped.
 
     The split depends on the platform (a GPU's calls differ from a CPU's), which a trace does
     not know: it is the default backend's unless ``platform`` names it. Name it to export the
@@ -243,16 +246,50 @@ def negative_zero(*values: Any) -> jax.Array:
     ``x``, bit for bit, -0.0 and NaN included), but what it is added to now depends on
     ``values``, a dependency XLA keeps. (An ``optimization_barrier`` does not order anything on
     XLA:CPU: it is expanded before scheduling.)"""
-    bits = jnp.uint32(0)
+    zero = jnp.float32(-0.0)
     for x in values:
-        first = jax.lax.stop_gradient(jnp.ravel(x)[:1])
-        if first.size == 0:
+        if np.size(x) == 0:
             continue
-        if jnp.dtype(first.dtype).itemsize != 4:
-            first = first.astype(jnp.float32)
-        bits = bits | jax.lax.bitcast_convert_type(first[0], jnp.uint32)
-    sign = jnp.uint32(0x80000000)
-    return jax.lax.bitcast_convert_type(((bits >> 31) << 31) | sign, jnp.float32)
+        spec = _explicit_spec(x)
+        if spec is None:
+            zero = _or_sign(zero, _negative_zero_of(jax.lax.stop_gradient(x)))
+            continue
+        # Explicit axes: slicing a sharded array is a type error, and a slice would move data
+        # between devices anyway. Each device takes -0.0 from its own block: equal on every
+        # device, so the replicated result is true without a collective.
+        local = jax.shard_map(_negative_zero_of, mesh=jax.typeof(x).sharding.mesh,
+                              in_specs=spec, out_specs=P(), check_vma=False)  # fmt: skip
+        zero = _or_sign(zero, local(jax.lax.stop_gradient(x)))
+    return zero
+
+
+def _negative_zero_of(x: jax.Array) -> jax.Array:
+    """-0.0 from the bits of ``x``'s first element (a dependency on ``x``, no number of it)."""
+    first = jax.lax.reshape(x, (x.size,))[:1] if x.ndim != 1 else x[:1]
+    if jnp.dtype(first.dtype).itemsize != 4:
+        first = first.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(first[0], jnp.uint32)
+    return jax.lax.bitcast_convert_type(((bits >> 31) << 31) | jnp.uint32(0x80000000), jnp.float32)
+
+
+def _or_sign(a: jax.Array, b: jax.Array) -> jax.Array:
+    """-0.0 depending on both ``a`` and ``b`` (each -0.0)."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32) | jax.lax.bitcast_convert_type(b, jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _explicit_spec(x: Any) -> P | None:
+    """``x``'s partition where its type carries a mesh with Explicit axes (None: Auto axes or
+    no mesh, where XLA partitions a slice itself)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (
+        mesh is None
+        or mesh.empty
+        or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    ):
+        return None
+    return sharding.spec
 
 
 def _apply_update(param: Any, update: Any) -> Any:

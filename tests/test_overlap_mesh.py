@@ -1,0 +1,67 @@
+"""jax_mlpo.overlapped_step on meshes: Explicit axes under ``jax.set_mesh`` (``jax.make_mesh``'s
+default, with ``out_sharding`` einsums), a 1x1 Explicit mesh, Auto axes, and an
+``nnx.Optimizer`` on a mesh (tests/overlap_mesh_worker.py, in processes of their own: the
+device count is fixed when JAX starts).
+
+On every one the update is split into group calls that every device makes with its own
+shards, the first groups are handed back before the update ends, and the forward pass of the
+first layer runs while the last subgroup's read is still held. The params are the plain loop's
+bit for bit without clipping, and within optax's tolerance of optax. With the fused
+``max_grad_norm`` the one-device step is bit for bit too; on a 2x2 mesh the norm's reduction
+over the devices is compiled apart in the two programs, and the step is within optax's
+tolerance of the plain loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("overlap_mesh_worker.py")
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+TOL = 1e-6
+
+
+def run_worker(tmp_path: pathlib.Path, *scenarios: str) -> dict[str, dict]:
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path), *scenarios], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory) -> dict[str, dict]:
+    return run_worker(tmp_path_factory.mktemp("mesh"), "explicit2x2", "auto2x2", "nnx2x2")
+
+
+def check(out: dict, one_device: bool) -> None:
+    for kind in ("none", "clip"):
+        beside = out["beside"][kind]
+        # every update but the flush ran in groups, its first groups handed back early
+        assert all(b > 0 for b in beside[:-1]) and beside[-1] == 0, beside
+        assert out["optax_err"][kind] <= TOL
+    assert out["bit_for_bit"]["none"]
+    if one_device:
+        assert out["bit_for_bit"]["clip"]
+    else:
+        assert out["plain_err"]["clip"] <= TOL
+    if "first_layer_before_last_read" in out:
+        assert out["first_layer_before_last_read"]
+        assert all(out["first_layer_before_last_read"])
+    if "shardings" in out:
+        assert out["shardings"]
+
+
+@pytest.mark.parametrize("scenario", ["explicit2x2", "auto2x2", "nnx2x2"])
+def test_overlapped_on_a_2x2_mesh(four_devices, scenario):
+    check(four_devices[scenario], one_device=False)
+
+
+def test_overlapped_on_a_1x1_explicit_mesh(tmp_path):
+    check(run_worker(tmp_path, "explicit1x1")["explicit1x1"], one_device=True)
