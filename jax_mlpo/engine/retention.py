@@ -8,6 +8,20 @@ many of each tier (:func:`retained_per_tier`), in which order a step runs (:func
 and which subgroups it keeps (:func:`retain_set`), and :class:`UpdateOrder` holds the order
 an engine's updates run in: the configured one, or the forward pass's once an update beside the
 forward pass (:mod:`jax_mlpo.transforms.overlap`) gave it.
+
+What each order moves per step, with ``S`` subgroups, ``B`` buffers and a pipeline of ``m``
+(:func:`moved_per_step`): the alternating order reads and writes ``S - B`` subgroups (every
+buffer is retained, and each retained subgroup sits in host memory only from near the end of one
+step to near the start of the next). A fixed order cannot do as well: a subgroup it does not read
+must stay in host memory for a whole cycle, from its update to its next one, so every subgroup
+retained holds a buffer all the time, and those the pipeline streams need buffers of their own
+while they are read, updated and written. The forward order therefore retains ``B - m`` and
+moves ``S - B + m`` each way; at least ``S - B + 1`` whatever its pipeline. It reads the same
+``S - B`` inside the update (the other ``m`` are read ahead and written behind between updates,
+while the backward pass runs), so the extra bytes cost no time while they fit in that window;
+where they do not (:func:`alternate_beside_forward`), :class:`UpdateOrder` runs every other
+update in the reverse of the forward order: the alternating order's bytes, with the update
+beside the forward pass on every other step.
 """
 
 from __future__ import annotations
@@ -79,6 +93,32 @@ def retain_set(order: Sequence[int], tier_of: Sequence[int], per_tier: Sequence[
     return keep
 
 
+def moved_per_step(subgroups: int, buffers: int, retained: int) -> int:
+    """Subgroups a step reads (and writes) from the tiers in the steady state, when it starts with
+    ``retained`` subgroups kept from the last step and no clean copies: ``subgroups - retained``.
+
+    The alternating order retains every buffer (``retained = buffers``), the forward order
+    ``buffers - minimum`` (module doc); ``min(buffers, subgroups)`` at most.
+    """
+    return max(0, subgroups - min(retained, buffers, subgroups))
+
+
+def alternate_beside_forward(window_s: float, extra_io_s: float) -> bool:
+    """Whether updates beside the forward pass should alternate their direction.
+
+    The forward order moves the subgroups that it retains fewer of than the alternating order
+    between updates (written behind, read ahead), ``extra_io_s`` of tier time; while that fits in
+    the ``window_s`` between two updates (the backward pass) it costs nothing, and the forward
+    order keeps the update beside every forward pass. Otherwise the bytes cost more than the
+    overlap of every other step: alternate.
+
+    Args:
+      window_s: the time from an update's end to the next one's start (measured).
+      extra_io_s: the tier time of the forward order's extra reads and writes (measured rate).
+    """
+    return extra_io_s > window_s
+
+
 def at_most(per_tier: Sequence[int], total: int) -> list[int]:
     """``per_tier`` counts lowered, last tiers first, until they add up to at most ``total``."""
     counts = list(per_tier)
@@ -97,7 +137,9 @@ class UpdateOrder:
     forward pass gives the order the forward pass needs the subgroups in: from then on every
     update, and the reads issued ahead of it, follow that order, and each keeps the *first*
     subgroups of it (the next update needs those first: Belady's choice across steps), as many
-    as leave the pipeline's buffers free to stream the rest through.
+    as leave the pipeline's buffers free to stream the rest through. With ``alternating`` set
+    (:func:`alternate_beside_forward`; only under the alternating policy) every odd update runs
+    the reverse of that order instead, and each keeps what the alternating policy keeps.
 
     Args:
       subgroups: how many subgroups the engine has.
@@ -107,6 +149,21 @@ class UpdateOrder:
     def __init__(self, subgroups: int, policy: str) -> None:
         self._subgroups, self._policy = subgroups, policy
         self.forward: list[int] | None = None
+        self.alternating = False
+        self.measured = True  # the engine sets ``alternating`` from its measurements
+
+    def pin(self, alternating: bool) -> None:
+        """Sets ``alternating`` for good, whatever the engine measures (tests, benchmarks)."""
+        self.alternating, self.measured = alternating, False
+
+    @property
+    def may_alternate(self) -> bool:
+        """Whether the configured policy alternates (then the forward order may too)."""
+        return self._policy == "alternate"
+
+    def runs_forward(self, step: int) -> bool:
+        """Whether update ``step`` runs in the forward pass's order (beside the forward pass)."""
+        return self.forward is not None and not (self.alternating and step % 2 == 1)
 
     def follow(self, forward: Sequence[int]) -> None:
         """Runs every update from now on in ``forward`` (a permutation of the subgroups)."""
@@ -116,9 +173,9 @@ class UpdateOrder:
 
     def of_step(self, step: int) -> list[int]:
         """The order update ``step`` (0-based) runs in."""
-        if self.forward is not None:
-            return list(self.forward)
-        return step_order(self._subgroups, step, self._policy)
+        if self.forward is None:
+            return step_order(self._subgroups, step, self._policy)
+        return list(self.forward) if self.runs_forward(step) else self.forward[::-1]
 
     def keep(self, order: Sequence[int], tier_of: Sequence[int], per_tier: Sequence[int],
              spare_buffers: int) -> set[int]:  # fmt: skip
@@ -130,6 +187,6 @@ class UpdateOrder:
           per_tier: how many the configured policy keeps of each tier.
           spare_buffers: the host buffers beyond those the pipeline needs.
         """
-        if self.forward is None:
+        if self.forward is None or self.alternating:
             return retain_set(order, tier_of, per_tier)
         return retain_set(order[::-1], tier_of, at_most(per_tier, spare_buffers))
