@@ -97,8 +97,8 @@ class Engine:
             read_ahead = ReadAhead(self.pipeline)
         self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
         # after each update in the forward order: (the window until the next update, the tier
-        # time of the forward order's extra I/O), for the choice of UpdateOrder.alternating
-        self._windows: collections.deque[tuple[float, float]] = collections.deque(maxlen=5)
+        # time of the forward order's extra I/O, its beside_s), for UpdateOrder.alternating
+        self._windows: collections.deque[tuple[float, ...]] = collections.deque(maxlen=5)
         self._last_end: tuple[float, bool] | None = None  # (when, whether in the forward order)
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
@@ -315,16 +315,16 @@ class Engine:
         spare = self.plan.buffers - self.plan.minimum
         extra = alternate - sum(retention.at_most(self.split.retained, spare))
         blob = self.layout.state_bytes / len(self.layout.subgroups)
-        self._windows.append((time.monotonic() - end, 2 * extra * blob * busy / moved))
-        window = float(np.median([w for w, _ in self._windows]))
-        extra_s = float(np.median([x for _, x in self._windows]))
-        alternating = retention.alternate_beside_forward(window, extra_s)
+        self._windows.append((time.monotonic() - end, 2 * extra * blob * busy / moved,
+                              last.beside_s))  # fmt: skip
+        window, extra_s, beside = (float(np.median(x)) for x in zip(*self._windows, strict=True))
+        alternating = retention.alternate_beside_forward(window, extra_s, beside)
         if alternating != self.order.alternating:
             logger.info(
                 "jax_mlpo: updates beside the forward pass %s: the forward order's extra I/O "
-                "takes %.3f s, the window between updates is %.3f s",
-                "alternate their direction" if alternating else "run in the forward order",
-                extra_s, window,
+                "takes %.3f s, the window between updates %.3f s, the update beside the forward "
+                "pass %.3f s", "alternate their direction" if alternating
+                else "run in the forward order", extra_s, window, beside,
             )  # fmt: skip
         self.order.alternating = alternating
 

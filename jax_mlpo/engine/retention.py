@@ -103,20 +103,23 @@ def moved_per_step(subgroups: int, buffers: int, retained: int) -> int:
     return max(0, subgroups - min(retained, buffers, subgroups))
 
 
-def alternate_beside_forward(window_s: float, extra_io_s: float) -> bool:
+def alternate_beside_forward(window_s: float, extra_io_s: float, beside_s: float) -> bool:
     """Whether updates beside the forward pass should alternate their direction.
 
     The forward order moves the subgroups that it retains fewer of than the alternating order
-    between updates (written behind, read ahead), ``extra_io_s`` of tier time; while that fits in
-    the ``window_s`` between two updates (the backward pass) it costs nothing, and the forward
-    order keeps the update beside every forward pass. Otherwise the bytes cost more than the
-    overlap of every other step: alternate.
+    between updates (written behind, read ahead): ``extra_io_s`` of tier time. What does not fit
+    in the ``window_s`` between two updates (the backward pass) delays the next update; the
+    alternating order moves none of it but runs only every other update beside the forward pass,
+    losing half of the forward time the overlap hides, at most ``beside_s``. Alternate where the
+    delay is the larger.
 
     Args:
       window_s: the time from an update's end to the next one's start (measured).
       extra_io_s: the tier time of the forward order's extra reads and writes (measured rate).
+      beside_s: the update's time after its first group was handed back: the forward pass ran
+        beside it (at most all of it).
     """
-    return extra_io_s > window_s
+    return extra_io_s - window_s > beside_s / 2
 
 
 def at_most(per_tier: Sequence[int], total: int) -> list[int]:
