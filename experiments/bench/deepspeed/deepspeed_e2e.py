@@ -36,6 +36,10 @@ drops):
   .venv/bin/python -m experiments.bench.deepspeed.deepspeed_e2e \
       --config experiments/configs/e2e-125m.yaml --rounds 5 \
       --json experiments/results/deepspeed_e2e.json
+  # disk-bound: the tier capped (e2e-125m-capped.yaml), its limit at the cap; jax_mlpo only
+  .venv/bin/python -m experiments.bench.deepspeed.deepspeed_e2e \
+      --config experiments/configs/e2e-125m-capped.yaml --rounds 5 \
+      --systems jax_mlpo,jax_mlpo_plain --json experiments/results/deepspeed_e2e_capped.json
 """
 
 from __future__ import annotations
@@ -187,7 +191,7 @@ def against_limit(out: dict, mixed_gbps: float) -> dict:
     """jax_mlpo's iteration against its limit, with the disk's mixed bandwidth of the round.
 
     ``limit_s`` = max(forward + backward + the update's compute, the iteration's tier bytes at
-    the mixed bandwidth); ``floor_s`` = forward + backward + max(compute, the update's own tier
+    the mixed bandwidth, or at the tier's ``bandwidth_cap`` where that is lower); ``floor_s`` = forward + backward + max(compute, the update's own tier
     bytes at that bandwidth): with a given host cache the update itself reads every subgroup not
     in the cache when it starts and writes as many back (docs/design.md, "Read-ahead"), so no
     overlap with the forward and backward pass brings the iteration below it.
@@ -318,6 +322,9 @@ def main() -> None:
     if len(tiers) != 1:
         sys.exit(f"{args.config}: give exactly one offload tier (DeepSpeed has one nvme_path)")
     directory = os.path.dirname(os.path.abspath(tiers[0].path))
+    # a capped tier (TierLimits.bandwidth_cap, reads and writes together): the limit's rate
+    cap = tiers[0].limits.bandwidth_cap
+    cap_gbps = cap / 1e9 if cap else None
     args.nvme_path = os.path.join(directory, "ds")
     os.makedirs(directory, exist_ok=True)
     systems = args.systems.split(",")
@@ -369,6 +376,8 @@ def main() -> None:
         out = run_system(system, args, cfg, model, n_params, log_dir, rnd)
         out["round"] = rnd
         mixed = disk[-1].get("mixed", {}).get("mixed_gbps") if disk else None
+        if cap_gbps is not None:  # the tier moves at most this, whatever the disk could
+            mixed = min(mixed, cap_gbps) if mixed else cap_gbps
         if system in JAX_SETS and mixed and "iter_tier_bytes" in out:
             out.update(against_limit(out, mixed))
         logger.info(
