@@ -191,9 +191,10 @@ def against_limit(out: dict, mixed_gbps: float) -> dict:
     """jax_mlpo's iteration against its limit, with the disk's mixed bandwidth of the round.
 
     ``limit_s`` = max(forward + backward + the update's compute, the iteration's tier bytes at
-    the mixed bandwidth, or at the tier's ``bandwidth_cap`` where that is lower); ``floor_s`` = forward + backward + max(compute, the update's own tier
-    bytes at that bandwidth): with a given host cache the update itself reads every subgroup not
-    in the cache when it starts and writes as many back (docs/design.md, "Read-ahead"), so no
+    the mixed bandwidth, or at the tier's ``bandwidth_cap`` where that is lower); ``floor_s`` =
+    forward + backward + max(compute, the update's own tier bytes at that bandwidth): with a
+    given host cache the update itself reads every subgroup not in the cache when it starts and
+    writes as many back (docs/design.md, "Read-ahead"), so no
     overlap with the forward and backward pass brings the iteration below it.
     """
     rate = mixed_gbps * 1e9
@@ -501,8 +502,8 @@ def main() -> None:
             lines.append(
                 f"{name}: iteration = {fmt(r['vs_limit'])} x its limit {fmt(r['limit_s'])} s "
                 "(max(fwd+bwd + update compute, the iteration's tier bytes at fio's mixed "
-                f"bandwidth)), {fmt(r['vs_floor'])} x the floor with this host cache "
-                f"{fmt(r['floor_s'])} s; tiers busy {fmt(r['disk_busy'])} of the iteration"
+                f"bandwidth or the tier's cap)), {fmt(r['vs_floor'])} x the floor with this host "
+                f"cache {fmt(r['floor_s'])} s; tiers busy {fmt(r['disk_busy'])} of the iteration"
             )
     if disk:
         lines.append("disk (fio O_DIRECT 1 MiB QD8, and mixed 32 MiB x 32): " + json.dumps(disk))
