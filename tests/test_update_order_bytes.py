@@ -19,6 +19,7 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo.engine import retention
+from jax_mlpo.engine.step_metrics import StepMetrics
 
 SUBGROUP = 4096
 SUBGROUPS = 24
@@ -158,3 +159,34 @@ def test_the_forward_order_alternates_only_where_its_extra_io_costs_more_than_ha
     # 0.2 s past the window against 0.3 s of the 0.6 s overlap lost by alternating
     assert not retention.alternate_beside_forward(window_s=0.5, extra_io_s=0.7, beside_s=0.6)
     assert retention.alternate_beside_forward(window_s=0.5, extra_io_s=0.9, beside_s=0.6)
+
+
+def test_the_engine_alternates_from_what_it_measures_between_updates():
+    """Windows and tier rates fed as the engine measures them: 24 subgroups of 1 MB, the
+    alternating policy keeping 6, the forward order 3 (3 more each way: 6 MB of tier I/O)."""
+    order = retention.UpdateOrder(24, "alternate")
+    order.follow(list(range(24)))
+
+    def after(window_s: float, rate: float, beside_s: float) -> bool:
+        """One update in the forward order, then ``window_s`` until the next one starts."""
+        moved = 30e6  # the last step's bytes, moved in moved / rate seconds of tier time
+        last = StepMetrics(step=1, bytes_read={"t": moved / 2}, bytes_written={"t": moved / 2},
+                           tier_busy_s={"t": moved / rate}, beside_s=beside_s)  # fmt: skip
+        order.ended(0, now=100.0)
+        order.measure(100.0 + window_s, last, [6], spare_buffers=3, blob_bytes=1e6)
+        return order.alternating
+
+    for _ in range(3):
+        assert not after(window_s=1.0, rate=10e6, beside_s=1.0)  # 0.6 s fits in the window
+    # 6 s of I/O in a 1 s window: 5 s past it against 0.5 s of the overlap alternating loses;
+    # the median of the last five decides, so two such steps change nothing, a third does
+    assert not after(window_s=1.0, rate=1e6, beside_s=1.0)
+    assert not after(window_s=1.0, rate=1e6, beside_s=1.0)
+    assert after(window_s=1.0, rate=1e6, beside_s=1.0)
+    # after an update in the reverse order nothing is measured
+    order.ended(1, now=200.0)
+    order.measure(200.0, StepMetrics(step=2), [6], spare_buffers=3, blob_bytes=1e6)
+    assert order.alternating
+    # pinned: the measurements change nothing
+    order.pin(alternating=False)
+    assert not after(window_s=1.0, rate=1e6, beside_s=1.0)

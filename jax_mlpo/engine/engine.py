@@ -96,10 +96,6 @@ class Engine:
         if not self.host_only and config.read_ahead and config.delayed_conversion:
             read_ahead = ReadAhead(self.pipeline)
         self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
-        # after each update in the forward order: (the window until the next update, the tier
-        # time of the forward order's extra I/O, its beside_s), for UpdateOrder.alternating
-        self._windows: collections.deque[tuple[float, ...]] = collections.deque(maxlen=5)
-        self._last_end: tuple[float, bool] | None = None  # (when, whether in the forward order)
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
             lambda: self.order.of_step(self.step_count), self.host_only,
@@ -254,13 +250,14 @@ class Engine:
         metrics = StepMetrics(step=count + 1)
         window = self.idle.window
         window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
-        if self.order.forward is not None and not self.host_only:
-            self._choose_direction()
+        spare = self.plan.buffers - self.plan.minimum
+        if self.order.forward is not None and not self.host_only and self.metrics:
+            blob = self.layout.state_bytes / len(self.layout.subgroups)
+            self.order.measure(time.monotonic(), self.metrics[-1], self.split.retained, spare, blob)
         order = self.order.of_step(count)
         keep = (
             set(order) if self.host_only
-            else self.order.keep(order, self.tier_of, self.split.retained,
-                                 self.plan.buffers - self.plan.minimum)
+            else self.order.keep(order, self.tier_of, self.split.retained, spare)
         )  # fmt: skip
         io, sgs = self.pipeline, self.layout.subgroups
         t_start = time.monotonic()
@@ -297,36 +294,8 @@ class Engine:
         self.step_count += 1
         if self._assignment:
             self._assignment.observe(metrics)
-        self._last_end = (time.monotonic(), self.order.runs_forward(count))
+        self.order.ended(count, time.monotonic())
         self.idle.resume()
-
-    def _choose_direction(self) -> None:
-        """Sets ``order.alternating`` from the last windows after forward-order updates and the
-        tiers' measured rate (:func:`~jax_mlpo.engine.retention.alternate_beside_forward`)."""
-        last = self.metrics[-1] if self.metrics else None
-        if not (self.order.may_alternate and self.order.measured) or not last or not self._last_end:
-            return
-        end, forward = self._last_end
-        moved = sum(last.bytes_read.values()) + sum(last.bytes_written.values())
-        busy = max(last.tier_busy_s.values(), default=0.0)
-        if not forward or moved <= 0 or busy <= 0:
-            return
-        alternate = sum(self.split.retained)
-        spare = self.plan.buffers - self.plan.minimum
-        extra = alternate - sum(retention.at_most(self.split.retained, spare))
-        blob = self.layout.state_bytes / len(self.layout.subgroups)
-        self._windows.append((time.monotonic() - end, 2 * extra * blob * busy / moved,
-                              last.beside_s))  # fmt: skip
-        window, extra_s, beside = (float(np.median(x)) for x in zip(*self._windows, strict=True))
-        alternating = retention.alternate_beside_forward(window, extra_s, beside)
-        if alternating != self.order.alternating:
-            logger.info(
-                "jax_mlpo: updates beside the forward pass %s: the forward order's extra I/O "
-                "takes %.3f s, the window between updates %.3f s, the update beside the forward "
-                "pass %.3f s", "alternate their direction" if alternating
-                else "run in the forward order", extra_s, window, beside,
-            )  # fmt: skip
-        self.order.alternating = alternating
 
     def close(self, *, flush: bool = True) -> None:
         """Flushes retained subgroups, waits for in-flight I/O, releases the tiers. Idempotent.

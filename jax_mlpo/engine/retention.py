@@ -26,12 +26,17 @@ beside the forward pass on every other step.
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.placement.model import largest_remainder
+
+logger = logging.getLogger(__name__)
 
 
 def retained_count(config: OffloadConfig, *, buffers: int, minimum: int, subgroups: int) -> int:
@@ -153,7 +158,11 @@ class UpdateOrder:
         self._subgroups, self._policy = subgroups, policy
         self.forward: list[int] | None = None
         self.alternating = False
-        self.measured = True  # the engine sets ``alternating`` from its measurements
+        self.measured = True  # ``alternating`` follows :meth:`measure`
+        self._end: tuple[float, bool] | None = None  # the last update's end, in forward order?
+        # after each update in the forward order: the window until the next one, the tier time
+        # of the forward order's extra I/O, the update's beside_s
+        self._seen: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=5)
 
     def pin(self, alternating: bool) -> None:
         """Sets ``alternating`` for good, whatever the engine measures (tests, benchmarks)."""
@@ -173,6 +182,43 @@ class UpdateOrder:
         if sorted(forward) != list(range(self._subgroups)):
             raise ValueError(f"not an order of the {self._subgroups} subgroups: {list(forward)}")
         self.forward = list(forward)
+
+    def ended(self, step: int, now: float) -> None:
+        """Notes that update ``step`` ended at ``now`` (``time.monotonic()``): the window to the
+        next update starts."""
+        self._end = (now, self.runs_forward(step))
+
+    def measure(self, now: float, last: Any, per_tier: Sequence[int], spare_buffers: int,
+                blob_bytes: float) -> None:  # fmt: skip
+        """Sets ``alternating`` (:func:`alternate_beside_forward`) from the windows after the
+        last updates in the forward order, as the next update starts at ``now``.
+
+        Args:
+          last: the last update's :class:`~jax_mlpo.engine.step_metrics.StepMetrics`, its
+            window closed (its tiers' bytes and busy time until now).
+          per_tier: how many the alternating policy keeps of each tier.
+          spare_buffers: the host buffers beyond those the pipeline needs.
+          blob_bytes: the bytes of one subgroup's state.
+        """
+        moved = sum(last.bytes_read.values()) + sum(last.bytes_written.values())
+        busy = max(last.tier_busy_s.values(), default=0.0)
+        if not (self.measured and self.may_alternate and self._end and self._end[1]):
+            return
+        if moved <= 0 or busy <= 0:
+            return
+        extra = sum(per_tier) - sum(at_most(per_tier, spare_buffers))
+        extra_s = 2 * extra * blob_bytes * busy / moved  # at the tiers' measured rate
+        self._seen.append((now - self._end[0], extra_s, last.beside_s))
+        window, extra_s, beside = (float(np.median(x)) for x in zip(*self._seen, strict=True))
+        alternating = alternate_beside_forward(window, extra_s, beside)
+        if alternating != self.alternating:
+            logger.info(
+                "jax_mlpo: updates beside the forward pass %s: the forward order's extra I/O "
+                "takes %.3f s, the window between updates %.3f s, the update beside the forward "
+                "pass %.3f s", "alternate their direction" if alternating
+                else "run in the forward order", extra_s, window, beside,
+            )  # fmt: skip
+        self.alternating = alternating
 
     def of_step(self, step: int) -> list[int]:
         """The order update ``step`` (0-based) runs in."""
