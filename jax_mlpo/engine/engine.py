@@ -96,6 +96,8 @@ class Engine:
         if not self.host_only and config.read_ahead and config.delayed_conversion:
             read_ahead = ReadAhead(self.pipeline)
         self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
+        if config.overlap_order != "auto":
+            self.order.pin(alternating=config.overlap_order == "alternate")
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
             lambda: self.order.of_step(self.step_count), self.host_only,
