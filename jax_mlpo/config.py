@@ -44,6 +44,7 @@ IoMode = Literal["default", "direct", "memmap"]
 IoSubmit = Literal["aio", "threads"]
 Placement = Literal["measured", "even", "first"]
 Order = Literal["alternate", "ascending"]
+OverlapOrder = Literal["auto", "forward", "alternate"]
 RetainPolicy = Literal["equal", "slow_tiers"]
 
 
@@ -208,6 +209,13 @@ class OffloadConfig:
         interleaved), ``"even"`` (split evenly, interleaved) or ``"first"`` (everything on the
         first tier: one path, the baseline).
       order: ``"alternate"`` (ascending, then descending, ...) or ``"ascending"`` every step.
+      overlap_order: the order of updates beside the forward pass
+        (:func:`jax_mlpo.overlapped_step`) under ``order="alternate"``: ``"forward"`` every one
+        in the forward pass's order (which retains ``pipeline buffers`` fewer subgroups, so each
+        step moves as many more blobs each way, between updates), ``"alternate"`` every other
+        one reversed (the plain step's bytes; that update not beside the forward pass), or
+        ``"auto"``: ``"forward"`` while its extra I/O fits between updates or costs less than
+        half the overlap, measured (:mod:`jax_mlpo.engine.retention`).
       retain: keep the subgroups the next step starts with in host memory across the step
         boundary, not written back: with the alternating order one per host buffer (the next
         step updates them before it reads anything into their buffers), with ``"ascending"``
@@ -247,6 +255,7 @@ class OffloadConfig:
     prefetch_depth: int = 2
     placement: Placement = "measured"
     order: Order = "alternate"
+    overlap_order: OverlapOrder = "auto"
     retain: bool = True
     retain_policy: RetainPolicy = "equal"
     delayed_conversion: bool = True
@@ -283,6 +292,7 @@ class OffloadConfig:
             )
         check_choice(self.placement, Placement, "placement")
         check_choice(self.order, Order, "order")
+        check_choice(self.overlap_order, OverlapOrder, "overlap_order")
         check_choice(self.retain_policy, RetainPolicy, "retain_policy")
         if self.io_timeout_s is not None and not (
             isinstance(self.io_timeout_s, int | float) and self.io_timeout_s > 0

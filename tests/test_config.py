@@ -23,6 +23,7 @@ from jax_mlpo.config import (
     IoMode,
     IoSubmit,
     Order,
+    OverlapOrder,
     Placement,
     RetainPolicy,
     TierLimits,
@@ -170,6 +171,7 @@ STRING_OPTIONS = [
     ("credentials", lambda v: ObjectTier("s3://b/p", credentials=v), Credentials),
     ("placement", lambda v: OffloadConfig(placement=v), Placement),
     ("order", lambda v: OffloadConfig(order=v), Order),
+    ("overlap_order", lambda v: OffloadConfig(overlap_order=v), OverlapOrder),
     ("retain_policy", lambda v: OffloadConfig(retain_policy=v), RetainPolicy),
 ]
 

@@ -16,12 +16,18 @@ are the engine's). The model, per iteration:
   host compute (the AdamW kernel over the state, and the bf16 gradients and updates over PCIe).
 - **The limit** (what a perfect overlap of the tiers with everything would give):
   max(forward + backward + update compute, all bytes of the iteration at the tiers' bandwidth).
-- **The update beside the next forward pass** (``jax_mlpo.overlapped_step``): every update runs
-  in the order the forward pass needs the layers, keeping the first subgroups of that order
-  (as many as leave the pipeline its buffers) and reading ahead during the backward pass, which
-  is now the only window between updates. The forward pass (``forward_share`` of forward +
-  backward) runs beside the update, and its last group waits for the last group's update: the
-  iteration is max(forward, update + forward / groups) + backward.
+- **The update beside the next forward pass** (``jax_mlpo.overlapped_step``), as the engine runs
+  it (:mod:`jax_mlpo.engine.retention`). In the forward order every update keeps the first
+  ``buffers - minimum`` subgroups of that order (no fixed order can keep a subgroup for less
+  than a whole cycle) and reads the same ``subgroups - buffers`` inside the update as the
+  alternating order; the pipeline's ``minimum`` more each way are written behind and read ahead
+  during the backward pass, the only window between updates. The forward pass (``forward_share``
+  of forward + backward) runs beside the update, and its last group waits for the last group's
+  update: the iteration is max(forward, update + forward / groups) + backward, plus whatever of
+  the extra I/O did not fit in the window. Where that costs more than half the forward pass the
+  overlap hides, the engine alternates instead: every other update in the reverse order (the
+  plain step's bytes, that update before the forward pass as in a plain step). The row "engine's
+  choice" is the one it would pick, its two variants below it.
 
 Read-ahead only moves reads into the forward and backward pass where buffers are free when an
 update ends: with the alternating order and retention every buffer then holds a subgroup the
@@ -42,6 +48,7 @@ import dataclasses
 
 from experiments.job.dry_run import MemoryPlan, memory_plan
 from experiments.job.run_config import ConfigError, RunConfig, load_config
+from jax_mlpo.engine.retention import alternate_beside_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,21 +103,66 @@ def predict(
     order: str,
     retain: bool,
     read_ahead: bool,
-    overlap: bool = False,
+    overlap: str | None = None,
 ) -> Prediction:
-    """One iteration of ``node`` running the engines of ``plan`` (one per GPU); with
-    ``overlap`` each update beside the next forward pass (the module doc)."""
-    if overlap:
-        forward = node.fwd_bwd_s * node.forward_share
-        backward = node.fwd_bwd_s - forward
-        # the same update, its idle window the backward pass alone
-        alone = predict(plan, dataclasses.replace(node, fwd_bwd_s=backward), order=order,
-                        retain=retain, read_ahead=read_ahead)  # fmt: skip
-        iteration = max(forward, alone.update_s + forward / node.groups) + backward
-        return dataclasses.replace(
-            alone, iteration_s=iteration,
-            limit_s=max(node.fwd_bwd_s + alone.compute_s, alone.limit_s),
-        )  # fmt: skip
+    """One iteration of ``node`` running the engines of ``plan`` (one per GPU); with ``overlap``
+    each update beside the next forward pass (the module doc): ``"forward"`` every update in the
+    forward order, ``"alternating"`` every other one reversed, ``"choice"`` what the engine picks.
+    """
+    if overlap is not None:
+        return _beside_forward(plan, node, read_ahead=read_ahead, policy=overlap)
+    host = plan.host
+    kept = host.retained if retain else 0
+    return _iteration(plan, node, kept=kept, order=order, retain=retain, read_ahead=read_ahead)
+
+
+def _beside_forward(plan: MemoryPlan, node: Node, *, read_ahead: bool, policy: str) -> Prediction:
+    forward = node.fwd_bwd_s * node.forward_share
+    backward = node.fwd_bwd_s - forward
+    host = plan.host
+    if host.host_only:
+        alone = _iteration(plan, node, kept=0, order="alternate", retain=True, read_ahead=False)
+        iteration = max(forward, alone.compute_s + forward / node.groups) + backward
+        return dataclasses.replace(alone, iteration_s=iteration)
+    buffers = min(host.buffers, plan.num_subgroups)
+    # the forward order: the first buffers - minimum subgroups kept, the pipeline's buffers
+    # written behind and read ahead while the backward pass runs (its idle window)
+    window = dataclasses.replace(node, fwd_bwd_s=backward)
+    ahead = _iteration(plan, window, kept=max(0, buffers - host.minimum), order="ascending",
+                       retain=True, read_ahead=read_ahead)  # fmt: skip
+    fwd = dataclasses.replace(
+        ahead,
+        iteration_s=max(forward, ahead.update_s + forward / node.groups) + backward,
+        limit_s=max(node.fwd_bwd_s + ahead.compute_s, ahead.limit_s),
+    )
+    # alternating: the plain step's bytes; the update beside the forward pass every other
+    # step, the other updates (reversed) before it as in the plain step
+    plain = _iteration(plan, node, kept=buffers, order="alternate", retain=True,
+                       read_ahead=read_ahead)  # fmt: skip
+    beside = _iteration(plan, window, kept=buffers, order="alternate", retain=True,
+                        read_ahead=read_ahead)  # fmt: skip
+    even = max(forward, beside.update_s + forward / node.groups) + backward
+    alt = dataclasses.replace(
+        plain,
+        update_s=(beside.update_s + plain.update_s) / 2,
+        iteration_s=(even + plain.iteration_s) / 2,
+    )
+    if policy == "forward":
+        return fwd
+    if policy == "alternating":
+        return alt
+    # the engine's rule (jax_mlpo.engine.retention.alternate_beside_forward) on what it would
+    # measure: the forward order's extra I/O, the window from an update's end to the next
+    # one's start, the update after its first group was handed back
+    gap = backward + max(0.0, forward - ahead.update_s - forward / node.groups)
+    beside = ahead.update_s * (1 - 1 / node.groups)
+    return alt if alternate_beside_forward(gap, ahead.between_io_s, beside) else fwd
+
+
+def _iteration(
+    plan: MemoryPlan, node: Node, *, kept: int, order: str, retain: bool, read_ahead: bool
+) -> Prediction:
+    """A plain iteration (forward and backward, then the update) keeping ``kept`` subgroups."""
     gpus, gb = node.gpus, 1e9
     state = plan.state_bytes_per_process * gpus
     compute = max(
@@ -121,7 +173,7 @@ def predict(
         return Prediction(compute, node.fwd_bwd_s + compute, node.fwd_bwd_s + compute, compute,
                           0.0, 0.0, 0.0, 0.0, 0.0)  # fmt: skip
     n, buffers = plan.num_subgroups, min(host.buffers, plan.num_subgroups)
-    kept = host.retained if retain else 0
+    kept = min(kept, buffers)
     # resident when the update starts: kept, plus clean copies (alternating order: the ones the
     # last update wrote last are the first this one needs) or reads ahead in the free buffers
     clean = buffers - kept if retain and order == "alternate" else 0
@@ -150,11 +202,13 @@ def predict(
 
 
 POLICIES = {  # name: (order, retain, read_ahead, overlap)
-    "alternate + retain (plain step)": ("alternate", True, True, False),
-    "forward order, beside the forward": ("ascending", True, True, True),
-    "ascending + retain + read-ahead": ("ascending", True, True, False),
-    "alternate, no retention, read-ahead": ("alternate", False, True, False),
-    "alternate, no retention": ("alternate", False, False, False),
+    "alternate + retain (plain step)": ("alternate", True, True, None),
+    "beside the forward (engine's choice)": ("alternate", True, True, "choice"),
+    "  forward order every step": ("alternate", True, True, "forward"),
+    "  alternating, beside every other": ("alternate", True, True, "alternating"),
+    "ascending + retain + read-ahead": ("ascending", True, True, None),
+    "alternate, no retention, read-ahead": ("alternate", False, True, None),
+    "alternate, no retention": ("alternate", False, False, None),
 }
 
 
@@ -177,13 +231,14 @@ def format_rows(title: str, node: Node, table: list[tuple[str, MemoryPlan, Predi
         f"{node.gpus} GPUs ({plan.num_subgroups} subgroups and "
         f"{plan.host.buffers} host buffers per GPU); fwd+bwd {node.fwd_bwd_s} s, tiers "
         f"{node.read_gbps}/{node.write_gbps} GB/s read/write, host {node.host_gbps} GB/s",
-        f"  {'policy':<38}{'iter s':>8}{'update s':>9}{'limit s':>8}{'read in upd GB':>15}"
-        f"{'moved GB':>9}{'disk busy':>10}",
+        f"  {'policy':<38}{'iter s':>8}{'update s':>9}{'limit s':>8}{'/ limit':>8}"
+        f"{'read in upd GB':>15}{'moved GB':>9}{'disk busy':>10}",
     ]
     for name, _, p in table:
         lines.append(
             f"  {name:<38}{p.iteration_s:>8.2f}{p.update_s:>9.2f}{p.limit_s:>8.2f}"
-            f"{p.read_in_update_gb:>15.1f}{p.read_gb + p.written_gb:>9.1f}{p.disk_busy:>10.0%}"
+            f"{p.iteration_s / p.limit_s:>7.2f}x{p.read_in_update_gb:>15.1f}"
+            f"{p.read_gb + p.written_gb:>9.1f}{p.disk_busy:>10.0%}"
         )
     return "\n".join(lines)
 
