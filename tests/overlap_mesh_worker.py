@@ -65,11 +65,11 @@ SPECS = {"b_in": P("fsdp", "tensor"), "c_mid": P(None, "tensor"), "a_out": P("te
 SHAPES = {"b_in": (32, 64), "c_mid": (64, 64), "a_out": (64, 32)}
 
 
-def config(tier: str) -> jax_mlpo.OffloadConfig:
+def config(tier: str, **switches) -> jax_mlpo.OffloadConfig:
     # the host cache holds 3 of the state's subgroups: the others stream through the tier
     return jax_mlpo.OffloadConfig(
         host_cache=3 * 8 * SUB, subgroup_size=SUB, prefetch_depth=1, placement="even",
-        read_ahead=False, tiers=[jax_mlpo.FileTier(tier, sync=False)],
+        read_ahead=False, tiers=[jax_mlpo.FileTier(tier, sync=False)], **switches,
     )  # fmt: skip
 
 
@@ -167,7 +167,8 @@ def held_order(tier: str) -> list[bool]:
     forward pass's first layer has run (or 60 s): at each run of that layer (one per device
     where the callback is partitioned), whether that read was still to finish. Had the forward
     pass waited for the whole update, the read would have ended at its limit first."""
-    tx = adamw(tier, clip=False)
+    # every update in the forward order (the engine could choose to alternate it)
+    tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config(tier, overlap_order="forward"))
     params = init_params()
     state = tx.init(params)
     last = jax_mlpo.engine_of(state).layout.subgroups[0].index  # a_out's: the first leaf

@@ -291,7 +291,7 @@ def test_the_forward_pass_runs_while_the_last_group_is_updated(tmp_path):
     until the forward pass's first layer has run: had the forward pass waited for the whole
     update, the hold would only end at its limit, before the first layer ran, and the test
     fail."""
-    tx = offloaded_adamw(file_config(tmp_path, read_ahead=False))
+    tx = offloaded_adamw(file_config(tmp_path, read_ahead=False, overlap_order="forward"))
     params = make_params()
     state = tx.init(params)
     last = jax_mlpo.engine_of(state).layout.subgroups[0].index  # a_out's first subgroup
