@@ -29,6 +29,7 @@ import numpy as np
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.sharding import processes
 from jax_mlpo.sharding.mesh import MeshPlan, mesh_plan
+from jax_mlpo.sharding.norm import global_norm
 
 NO_GPU_MESH = (
     "jax_mlpo takes params on a mesh of several devices per process on CPU only for now: on "
@@ -91,6 +92,17 @@ class ShardPlan:
         if self.mesh is not None:
             return tuple(self.mesh.mesh.devices.shape)
         return (jax.process_count(),) if self.processes else ()
+
+    def global_norm(self, grads: Sequence[jax.Array]) -> jax.Array:
+        """The gradients' global norm, summed in the same order in every program
+        (:func:`jax_mlpo.sharding.norm.global_norm`), over the shards where they are split."""
+        if self.mesh is not None:
+            return global_norm(grads, self.mesh.mesh, self.mesh.specs)
+        if self.processes:
+            mesh = processes.data_parallel_mesh()
+            specs = [processes.leaf_spec(np.shape(g), mesh.shape[processes.AXIS]) for g in grads]
+            return global_norm(grads, mesh, specs)
+        return global_norm(grads)
 
     def update(
         self, host_update: HostUpdate, grads: list[jax.Array], params: list[jax.Array],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -174,21 +173,15 @@ def adamw(
         # the same expressions optax evaluates, on the device, so they match it bit for bit
         bc1 = 1 - hp["b1"] ** count_inc
         bc2 = 1 - hp["b2"] ** count_inc
+        # with max_grad_norm, offloaded() sets grad_scale: optax.clip_by_global_norm's rule
         scale = 1.0
-        if max_grad_norm is not None:  # optax.clip_by_global_norm's rule, applied on the host
-            # behind a barrier, the norm is a reduction of its own in every program: not fused
-            # with the backward pass that made the gradients (the plain step) or not (the
-            # overlapped step, where they are an input), so both sum in one order, bit for bit
-            pinned = jax.lax.optimization_barrier(updates)
-            g_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), pinned))
-            scale = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
         bc1_next = 1 - hp["b1"] ** optax.safe_increment(count_inc) if nesterov else 1.0
         return {"lr": lr, "bc1": bc1, "bc2": bc2, "grad_scale": scale, "bc1_next": bc1_next}
 
     return offloaded(
         "adamw", optimizer, learning_rate=learning_rate, hyperparams=hyperparams,
         device_scalars=device_scalars, moment_dtypes=moments, mask=mask, offload=offload,
-        update_dtype=update_dtype,
+        update_dtype=update_dtype, max_grad_norm=max_grad_norm,
     )  # fmt: skip
 
 

@@ -182,6 +182,7 @@ def offloaded(
     offload: OffloadConfig,
     update_dtype: Any,
     keeps_master: bool = True,
+    max_grad_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The transformation of an offloaded optimizer (its arguments already checked).
 
@@ -200,6 +201,10 @@ def offloaded(
       update_dtype: None (the params' dtype) or float32.
       keeps_master: whether the state holds the fp32 master of bfloat16 params (False: the
         update is computed from the gradients alone, as Muon's momentum pass is).
+      max_grad_norm: if set, the scalar ``grad_scale`` clips the gradients to this global
+        norm (``optax.clip_by_global_norm``'s rule), the norm summed in one order in every
+        program (:meth:`jax_mlpo.sharding.plan.ShardPlan.global_norm`): the plain and the
+        overlapped step scale by the same bits.
 
     Returns:
       The ``GradientTransformationExtraArgs``; its ``update`` requires ``params`` and ignores
@@ -294,12 +299,15 @@ def offloaded(
         count_inc = optax.safe_increment(state.count)
         if lr is None:
             lr = learning_rate(state.count)
-        computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
-        scalars = scalar_names.vector(computed, arrays)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         key = update_key(np.shape(state.handle), param_leaves)
         plan = plan_of_update(state.handle, mesh_plans.get(key) or registry.mesh_plan_for(key))
+        computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
+        if max_grad_norm is not None:
+            g_norm = plan.global_norm(grads)
+            computed["grad_scale"] = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
+        scalars = scalar_names.vector(computed, arrays)
         if groups is not None:
             # the scalars and every call's next count, held to the step's end (grouped_update
             # says why); the barrier keeps XLA from fusing the held scalars' producer into the
