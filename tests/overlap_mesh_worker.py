@@ -200,6 +200,56 @@ def held_order(tier: str) -> list[bool]:
     return unfinished
 
 
+def fault_and_resume(root: str) -> dict[str, bool]:
+    """A tier write failing in an overlapped step on the mesh: whether the step raised the
+    tier's typed error, the engine refused to go on, and the last checkpoint (an orbax
+    ``CheckpointManager`` with ``OffloadSave``) resumed to the uninterrupted plain loop's
+    params, bit for bit."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    def step_fn(tx):
+        return jax.jit(lambda p, s, g, b: jax_mlpo.overlapped_step(loss_fn, tx, p, s, g, b,
+                                                                   groups=3))  # fmt: skip
+
+    def overlapped_from(tx, params, state, start: int, stop: int):
+        step = step_fn(tx)
+        pending = jax.jit(jax.grad(loss_fn))(params, batch(start))
+        for i in range(start + 1, stop):
+            params, state, pending, _ = step(params, state, pending, batch(i))
+        updates, state = jax.jit(tx.update)(pending, state, params)
+        return optax.apply_updates(params, updates), state
+
+    os.makedirs(root)
+    tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config(f"{root}/run", write_behind=False))
+    params, state = overlapped_from(tx, init_params(), tx.init(init_params()), 0, 2)
+    mngr = ocp.CheckpointManager(f"{root}/ckpt")
+    mngr.save(2, args=jax_mlpo.checkpoint.OffloadSave({"params": params, "opt": state}))
+    mngr.wait_until_finished()
+    engine = jax_mlpo.engine_of(state)
+    pending = jax.jit(jax.grad(loss_fn))(params, batch(2))
+    typed = False
+    with tier_faults(state) as plan:
+        plan.fail("write", nth=2, errno=errno.EIO)
+        try:
+            with jax_mlpo.errors.typed():
+                jax.block_until_ready(step_fn(tx)(params, state, pending, batch(3)))
+        except jax_mlpo.TierIOError as e:
+            typed = "Input/output error" in str(e)
+    failed = engine.failed
+    engine.close()
+    tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config(f"{root}/run", write_behind=False))
+    target = {"params": init_params(), "opt": tx.init(init_params())}
+    restored = mngr.restore(2, args=jax_mlpo.checkpoint.OffloadRestore(target))
+    mngr.close()
+    params, state = overlapped_from(tx, restored["params"], restored["opt"], 2, STEPS)
+    jax_mlpo.close(state)
+    expected, state = plain(adamw(f"{root}/uninterrupted", clip=False))
+    jax_mlpo.close(state)
+    return {"typed_error": typed, "engine_failed": failed, "resumed": bits_equal(params, expected)}
+
+
 class Model(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.2)
@@ -304,6 +354,8 @@ def run_scenario(name: str) -> dict[str, object]:
             out["optax_err"][kind] = max_err(got, reference)
         if name != "nnx2x2":
             out["first_layer_before_last_read"] = held_order(f"{root}-held")
+        if name == "explicit2x2":
+            out["fault"] = fault_and_resume(f"{root}-fault")
     return out
 
 

@@ -7,7 +7,9 @@ On every one the update is split into group calls that every device makes with i
 shards, the first groups are handed back before the update ends, and the forward pass of the
 first layer runs while the last subgroup's read is still held. The params are the plain loop's
 bit for bit, with the fused ``max_grad_norm`` too (its norm summed in one order in both
-programs: jax_mlpo/sharding/norm.py), and within optax's tolerance of optax.
+programs: jax_mlpo/sharding/norm.py), and within optax's tolerance of optax. A tier failing
+in an overlapped step on the mesh fails it with the typed error, and the last checkpoint
+resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def check(out: dict) -> None:
         assert all(out["first_layer_before_last_read"])
     if "shardings" in out:
         assert out["shardings"]
+
+
+def test_a_tier_failing_on_the_mesh_fails_typed_and_resumes_bit_for_bit(four_devices):
+    """A tier write that fails in an overlapped step on the 2x2 Explicit mesh: the step raises
+    TierIOError, the engine refuses to go on, and the last orbax checkpoint resumes to the
+    uninterrupted plain loop's params, bit for bit."""
+    assert four_devices["explicit2x2"]["fault"] == {
+        "typed_error": True,
+        "engine_failed": True,
+        "resumed": True,
+    }
 
 
 @pytest.mark.parametrize("scenario", ["explicit2x2", "auto2x2", "nnx2x2"])
