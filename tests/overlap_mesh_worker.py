@@ -1,12 +1,14 @@
 """The overlapped step on a mesh, in a process of its own (the device count is fixed at start).
 
 ``python overlap_mesh_worker.py DIR SCENARIO...`` runs, for each scenario, on its mesh, the
-plain loop and the overlapped loop with ``jax_mlpo.adamw`` (with and without its fused
-``max_grad_norm``) and the plain loop with ``optax.adamw``, then one overlapped step with a
+plain loop and the overlapped loop with ``jax_mlpo.adamw`` (unclipped, with its fused
+``max_grad_norm``, and after ``optax.clip_by_global_norm`` in a chain) and the plain loop with
+``optax.adamw``, then one overlapped step with a
 tier read held until the forward pass's first layer has run, and prints one JSON line (by
 scenario):
 
-- ``bit_for_bit``: per clipping setting, whether the overlapped params equal the plain loop's;
+- ``bit_for_bit``: per clipping setting (``none``, ``fused``: ``max_grad_norm``, ``chain``:
+  ``optax.clip_by_global_norm`` in a chain), whether the overlapped params equal the plain loop's;
 - ``plain_err``: per clipping setting, the largest difference from the plain loop's params;
 - ``optax_err``: per clipping setting, the largest difference from optax's params;
 - ``beside``: each overlapped update's ``beside_s`` (> 0: it was split into groups);
@@ -111,12 +113,15 @@ def init_params():
     }
 
 
-def adamw(tier: str | None, clip: bool):
+def adamw(tier: str | None, clip: str):
+    """``clip``: ``"none"``, ``"fused"`` (``max_grad_norm``) or ``"chain"``
+    (``optax.clip_by_global_norm`` before it); ``tier`` None: optax's own AdamW."""
     if tier is None:
         tx = optax.adamw(LR, weight_decay=WD)
-        return optax.chain(optax.clip_by_global_norm(CLIP), tx) if clip else tx
-    return jax_mlpo.adamw(LR, weight_decay=WD, max_grad_norm=CLIP if clip else None,
-                          offload=config(tier))  # fmt: skip
+        return tx if clip == "none" else optax.chain(optax.clip_by_global_norm(CLIP), tx)
+    fused = CLIP if clip == "fused" else None
+    tx = jax_mlpo.adamw(LR, weight_decay=WD, max_grad_norm=fused, offload=config(tier))
+    return optax.chain(optax.clip_by_global_norm(CLIP), tx) if clip == "chain" else tx
 
 
 def plain(tx):
@@ -245,7 +250,7 @@ def fault_and_resume(root: str) -> dict[str, bool]:
     mngr.close()
     params, state = overlapped_from(tx, restored["params"], restored["opt"], 2, STEPS)
     jax_mlpo.close(state)
-    expected, state = plain(adamw(f"{root}/uninterrupted", clip=False))
+    expected, state = plain(adamw(f"{root}/uninterrupted", clip="none"))
     jax_mlpo.close(state)
     return {"typed_error": typed, "engine_failed": failed, "resumed": bits_equal(params, expected)}
 
@@ -334,8 +339,8 @@ def run_scenario(name: str) -> dict[str, object]:
     root = f"{ROOT}/{name}"
     out: dict[str, object] = {"bit_for_bit": {}, "plain_err": {}, "optax_err": {}, "beside": {}}
     with mesh_context():
-        for clip in (False, True):
-            kind = "clip" if clip else "none"
+        for kind in ("none", "fused", "chain"):
+            clip = kind
             if name == "nnx2x2":
                 expected, state = nnx_run(adamw(f"{root}-{kind}-a", clip), overlap=False)
                 jax_mlpo.close(state)
