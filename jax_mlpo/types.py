@@ -1,4 +1,5 @@
-"""The small types every layer shares: the two dtypes of params and state, the optimizers' scalars.
+"""The small types every layer shares: the two dtypes of params and state, the optimizers'
+scalars, a q8 moment's codes and scales.
 
 They live here, below both the numpy references (:mod:`jax_mlpo.optimizers`) and the native
 library's wrappers, so that neither imports the other for them.
@@ -78,3 +79,23 @@ class ApplyHyper(NamedTuple):
 
     lr: float
     weight_decay: float
+
+
+# elements per scale of a q8 moment (kernels.h's kQ8Block)
+BLOCK = 256
+
+
+class Quantized(NamedTuple):
+    """A q8 moment (or a segment of one): codes and the scales of their blocks."""
+
+    codes: np.ndarray  # uint8, one per element
+    scales: np.ndarray  # float32, one per BLOCK elements, from codes[0]
+
+    @property
+    def size(self) -> int:
+        return self.codes.size
+
+
+def num_blocks(n: int) -> int:
+    """Scales of a q8 run of ``n`` elements."""
+    return -(-n // BLOCK)

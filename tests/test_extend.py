@@ -16,7 +16,7 @@ from helpers import run_small, small_grads, small_params
 
 import jax_mlpo
 from jax_mlpo import extend
-from jax_mlpo.optimizers.scalars import ScalarNames
+from jax_mlpo.engine.scalars import ScalarNames
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)

@@ -53,7 +53,9 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:k]) for k in range(1, len(parts))]
 
 
-def import_edges(files: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[int]]:
+def import_edges(
+    files: dict[str, pathlib.Path], type_checking: bool = False
+) -> dict[tuple[str, str], list[int]]:
     """The modules each module imports when its import statements run.
 
     ``import a.b.c`` runs the packages ``a`` and ``a.b`` too, unless the importer is inside
@@ -63,6 +65,7 @@ def import_edges(files: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[i
 
     Args:
       files: from :func:`module_files`.
+      type_checking: whether imports under ``if TYPE_CHECKING:`` count too.
 
     Returns:
       ``{(importer, imported): [line, ...]}`` for the modules in ``files``.
@@ -70,7 +73,7 @@ def import_edges(files: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[i
     edges: dict[tuple[str, str], list[int]] = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_only(tree)
+        skip = set() if type_checking else _type_checking_only(tree)
         is_package = path.name == "__init__.py"
         inside = set(_ancestors(name)) | ({name} if is_package else set())
         for node in ast.walk(tree):
@@ -156,7 +159,96 @@ def test_no_import_cycles_among_jax_mlpo_modules():
 
 # what the storage layer may build on: the layers above it (the host cache, the engine, the
 # checkpoints) pass in what it needs instead
-TIERS_MAY_IMPORT = ("tiers", "native", "types", "config", "errors")
+TIERS_MAY_IMPORT = ("tiers", "native", "types", "errors")
+
+# The packages' layers, bottom up: what each may import besides itself (the small types and
+# errors at the bottom; an interface two layers share lives in the lower one, as the engine's
+# HostOptimizer does). Imports under TYPE_CHECKING count: a type-only cycle is still a cycle of
+# the design.
+PACKAGE_MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "types": set(),
+    "native": {"errors", "types"},
+    "tiers": {"errors", "types", "native"},
+    "config": {"errors", "types", "tiers"},
+    "engine": {"errors", "types", "native", "tiers", "config"},
+    "optimizers": {"errors", "types", "native", "engine"},
+    "sharding": {"errors", "types", "config"},
+    "transforms": {
+        "errors",
+        "types",
+        "native",
+        "tiers",
+        "config",
+        "engine",
+        "optimizers",
+        "sharding",
+    },  # fmt: skip
+    "checkpoint": {
+        "errors",
+        "types",
+        "native",
+        "tiers",
+        "config",
+        "engine",
+        "sharding",
+        "transforms",
+    },  # fmt: skip
+    "extend": {"errors", "types", "config", "engine", "optimizers", "transforms"},
+    "testing": {"errors", "types", "tiers", "config", "engine", "transforms", "checkpoint"},
+}
+
+
+def package_edges(files: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[str]]:
+    """Which of the top package's subpackages (or top-level modules) import which, with the
+    module-level imports behind each edge; the top package's own ``__init__`` is left out (it
+    re-exports the public API from every layer)."""
+    top = next(iter(files)).split(".")[0]
+    out: dict[tuple[str, str], list[str]] = {}
+    for (src, dst), lines in import_edges(files, type_checking=True).items():
+        a, b = src.split("."), dst.split(".")
+        if len(a) < 2 or len(b) < 2 or a[1] == b[1]:
+            continue
+        out.setdefault((a[1], b[1]), []).append(f"{src} -> {dst} (line {lines[0]})")
+    assert all(src != top for src, _ in out)
+    return out
+
+
+def test_the_packages_form_layers():
+    files = module_files(ROOT, "jax_mlpo")
+    edges = package_edges(files)
+    unknown = sorted({p for edge in edges for p in edge} - set(PACKAGE_MAY_IMPORT))
+    assert not unknown, f"packages not in PACKAGE_MAY_IMPORT: {unknown}: give each its layer"
+    wrong = [
+        f"  {src} may not import {dst}: " + "; ".join(why[:3])
+        for (src, dst), why in sorted(edges.items())
+        if dst not in PACKAGE_MAY_IMPORT[src]
+    ]
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+    # the table itself is a tree of layers, not a cycle
+    allowed = {(a, b): [0] for a, bs in PACKAGE_MAY_IMPORT.items() for b in bs}
+    assert not import_cycles(allowed)
+
+
+def test_a_package_cycle_fails_the_layers_check(tmp_path):
+    """Two packages that import each other, one of them only for types, is a cycle."""
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/low/__init__.py": "",
+        "pkg/low/a.py": """
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from pkg.high.b import B
+            """,
+        "pkg/high/__init__.py": "",
+        "pkg/high/b.py": "from pkg.low import a\nclass B: ...\n",
+    }
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    edges = package_edges(module_files(tmp_path, "pkg"))
+    assert set(edges) == {("low", "high"), ("high", "low")}
+    assert import_cycles({edge: [0] for edge in edges}) == [["high", "low"]]
 
 
 def test_the_tiers_import_nothing_above_them():

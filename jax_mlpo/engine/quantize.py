@@ -37,11 +37,9 @@ functions here; tests compare them on every instruction set.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from jax_mlpo.types import F32
+from jax_mlpo.types import BLOCK, F32, Quantized, num_blocks
 
 __all__ = ["BLOCK", "Q8", "Quantized", "decode_reference", "encode_reference", "moment_dtype",
            "moment_dtype_name", "num_blocks", "segment_seed"]  # fmt: skip
@@ -50,22 +48,10 @@ __all__ = ["BLOCK", "Q8", "Quantized", "decode_reference", "encode_reference", "
 # "q8". np.uint8 is never a float moment's dtype, so the two cannot be confused.
 Q8 = np.dtype(np.uint8)
 NAME = "q8"
-BLOCK = 256  # elements per scale (kernels.h's kQ8Block)
 BIAS = {True: 889, False: 761}  # signed (m): code 127 is 1.0; unsigned (v): code 255 is 1.0
 TOP = {True: 127, False: 255}
 FLUSH_BITS = (127 - 90) << 23  # a block below 2^-90 is stored as zeros
 MAX_BITS = (127 + 126) << 23  # a block above 2^126 (or non-finite) decodes to NaN
-
-
-class Quantized(NamedTuple):
-    """A q8 moment (or a segment of one): codes and the scales of their blocks."""
-
-    codes: np.ndarray  # uint8, one per element
-    scales: np.ndarray  # float32, one per BLOCK elements, from codes[0]
-
-    @property
-    def size(self) -> int:
-        return self.codes.size
 
 
 def moment_dtype(spec: object) -> np.dtype:
@@ -77,11 +63,6 @@ def moment_dtype(spec: object) -> np.dtype:
 def moment_dtype_name(dtype: np.dtype) -> str:
     """The name a user gives a moment dtype: ``"q8"``, ``"bfloat16"`` or ``"float32"``."""
     return NAME if dtype == Q8 else np.dtype(dtype).name
-
-
-def num_blocks(n: int) -> int:
-    """Scales of a q8 run of ``n`` elements."""
-    return -(-n // BLOCK)
 
 
 def segment_seed(count: int, subgroup: int, start: int) -> int:

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_mlpo.engine.quantize import Quantized
 from jax_mlpo.native.library import NATIVE, bits, checked_array, checked_outputs
 from jax_mlpo.native.quantize import checked_quantized
-from jax_mlpo.types import BF16, F32, AdamWHyper, moment_decay
+from jax_mlpo.types import BF16, F32, AdamWHyper, Quantized, moment_decay
 
 __all__ = ["adamw_step"]
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_mlpo.engine.quantize import Quantized, num_blocks
 from jax_mlpo.native.library import NATIVE, checked_array
-from jax_mlpo.types import F32
+from jax_mlpo.types import F32, Quantized, num_blocks
 
 __all__ = ["q8_decode", "q8_encode"]
 

@@ -4,52 +4,24 @@ The engine makes a subgroup's state blob resident and hands it, with the update'
 its optimizer's :meth:`HostOptimizer.update`, which advances the moments in place and writes
 the update where the leaves say (:mod:`jax_mlpo.engine.leaves`). An optimizer names its moments (the
 blob's parts after the fp32 master, and the arrays of ``state_dict`` and of checkpoints) and
-reads the step's scalars by name (:mod:`.scalars`). :mod:`.adamw`, :mod:`.lion` and
+reads the step's scalars by name (:mod:`jax_mlpo.engine.scalars`). :mod:`.adamw`, :mod:`.lion` and
 :mod:`.muon` are the built-in ones; each has a numpy reference and a fused native kernel that
 matches it bit for bit. :mod:`jax_mlpo.extend` is how one is added from outside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from jax_mlpo.engine.layout import Moment, Segment, Subgroup
 from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.engine.optimizer import HostOptimizer
 from jax_mlpo.types import BF16, F32
 
-
-class HostOptimizer(Protocol):
-    """What the engine needs of an optimizer."""
-
-    name: str  # "adamw", "lion": the profiler's name of its kernel pass (jax_mlpo.<name>)
-    moment_names: tuple[str, ...]  # the moments in the blob's order: ("mu", "nu"), ("mu",)
-    scalar_names: tuple[str, ...]  # what the device computes for each step: ("lr", ...)
-
-    def hyper(self, scalars: Mapping[str, float]) -> Any:
-        """The step's scalars as the update takes them, from the computed ones and the
-        hyper-parameters, by name (:meth:`jax_mlpo.optimizers.scalars.ScalarNames.read`)."""
-
-    def update(
-        self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
-        hyper: Any, *, count: int,
-    ) -> None:  # fmt: skip
-        """One step of a resident subgroup: its moments (and fp32 master) in ``blob`` advanced
-        in place, its update written to ``leaves`` (fetched for this subgroup).
-
-        Args:
-          sg: the subgroup.
-          blob: its state, ``[p | moments...]``.
-          leaves: the update's gradients, params and updates.
-          grad_blob: the subgroup's fp32 gradients (the baseline's tier path), or None: the
-            gradients are then read from ``leaves`` and converted inside the kernel.
-          hyper: the step's scalars (:meth:`hyper`); weight decay applies where the layout's
-            mask is set.
-          count: the optimizer's step count (0 for the first: the fp32 master starts as the
-            bfloat16 params' value).
-        """
+__all__ = ["HostOptimizer", "fma64", "segment_calls", "write_update"]
 
 
 def segment_calls(

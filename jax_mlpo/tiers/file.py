@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jax_mlpo.config import FileTier, ObjectTier
 from jax_mlpo.tiers import kvstore
 from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
 from jax_mlpo.tiers.errors import CorruptBlobError, TierFullError, TierIOError
+from jax_mlpo.tiers.file_tier import FileTier
 from jax_mlpo.tiers.lock import TierLock
+from jax_mlpo.tiers.object_tier import ObjectTier
 from jax_mlpo.tiers.posix import PosixBlobs
 from jax_mlpo.tiers.zarr import ZarrBlobs
 

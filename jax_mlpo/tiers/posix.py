@@ -36,9 +36,9 @@ import struct
 
 import numpy as np
 
-from jax_mlpo.config import FileTier
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
+from jax_mlpo.tiers.file_tier import FileTier
 from jax_mlpo.tiers.submit import ALIGN, Chunk, open_direct, round_up_pages, submitter
 
 logger = logging.getLogger(__name__)

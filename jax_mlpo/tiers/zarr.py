@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jax_mlpo.config import FileTier
 from jax_mlpo.tiers.errors import CorruptBlobError
+from jax_mlpo.tiers.file_tier import FileTier
 from jax_mlpo.tiers.posix import flip_first_byte
 
 

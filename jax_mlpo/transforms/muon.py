@@ -33,8 +33,8 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.layout import build_layout, check_moment_dtypes, resolve_mask
 from jax_mlpo.engine.plan import StateShape, split_host_cache
+from jax_mlpo.engine.scalars import concrete
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
-from jax_mlpo.optimizers.scalars import concrete
 from jax_mlpo.transforms.elementwise import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.transforms.offloaded import (
     EmptyGroup,

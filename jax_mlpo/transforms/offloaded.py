@@ -28,6 +28,7 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.engine.scalars import ScalarNames
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import (
     DEFERRED,
@@ -40,7 +41,6 @@ from jax_mlpo.native.host_update import (
     set_host_update,
 )
 from jax_mlpo.optimizers import HostOptimizer
-from jax_mlpo.optimizers.scalars import ScalarNames
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.mesh import MeshPlan
 from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
