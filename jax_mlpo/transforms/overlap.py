@@ -331,6 +331,16 @@ def loss_at_first_use(
     env: dict[Any, Any] = {}  # evaluated vars: activations and constants
     lazy: dict[Any, tuple[Any, frozenset[int]]] = {}  # param-derived vars: (eqn, params)
     new: dict[int, Any] = {}  # the new params applied so far
+
+    def updated(k: int, update: Any) -> Any:
+        # Materialized once, where the forward pass first needs it: XLA would otherwise fuse
+        # the addition into each of the new param's readers (the backward pass's too) and keep
+        # the old param alive to the end, and the new params, which take the old ones' donated
+        # buffers, would need a copy of every param (2 B/param of bfloat16 params:
+        # experiments/bench/memory.py, jax_mlpo_overlap). The scalars' barrier (offloaded.py)
+        # keeps this from making the forward pass wait for the last group.
+        return jax.lax.optimization_barrier(apply(params[k], update))
+
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = c
     for k, v in enumerate(jaxpr.invars[:n]):
@@ -346,7 +356,7 @@ def loss_at_first_use(
         if eqn is None:  # a param itself (applied here if no activation ever met it)
             k = jaxpr.invars.index(v)
             if k not in new:
-                new[k] = apply(params[k], updates[k])
+                new[k] = updated(k, updates[k])
             return new[k]
         outs = _bind(eqn, [read(x) for x in eqn.invars])
         for out_var, out in zip(eqn.outvars, outs, strict=True):
@@ -372,9 +382,9 @@ def loss_at_first_use(
             if pending:  # the forward pass reaches these params: their new values, now
                 zero = negative_zero(*(env[v] for v in active))
                 for k in pending:
-                    new[k] = apply(params[k], updates[k] + zero.astype(updates[k].dtype))
+                    new[k] = updated(k, updates[k] + zero.astype(updates[k].dtype))
         outs = _bind(eqn, [read(v) for v in eqn.invars])
         for out_var, out in zip(eqn.outvars, outs, strict=True):
             env[out_var] = out
     outs = [read(v) for v in jaxpr.outvars]
-    return outs, [new[k] if k in new else apply(params[k], updates[k]) for k in range(n)]
+    return outs, [new[k] if k in new else updated(k, updates[k]) for k in range(n)]
