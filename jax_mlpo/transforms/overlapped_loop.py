@@ -106,7 +106,8 @@ class OverlappedLoop:
 
     @classmethod
     def nnx(cls, loss_fn: Callable[..., Any], *, has_aux: bool = False,
-            overlap: bool | str = "auto", groups: int | str = "auto") -> OverlappedLoop:  # fmt: skip
+            overlap: bool | str = "auto",
+            groups: int | str = "auto") -> OverlappedLoop:  # fmt: skip
         """A loop for an ``nnx.Optimizer``: ``loop(model, optimizer, *args)`` is the plain
         ``train_step(model, optimizer, *args)`` (model and optimizer updated in place, the
         loss returned); :meth:`flush` brings both to the plain loop's state."""
