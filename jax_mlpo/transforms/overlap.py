@@ -127,7 +127,7 @@ def overlapped_step(
     if groups == "auto":
         groups = overlap_cost.auto_groups(sum(int(np.size(x)) for x in jax.tree.leaves(params)))
     if not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups must be an int >= 1 or 'auto', got {groups!r}")
+        raise ValueError(f"groups must be >= 1 (or 'auto'), got {groups!r}")
     if platform not in (None, "cpu", "cuda"):
         raise ValueError(f"platform must be None, 'cpu' or 'cuda', got {platform!r}")
     leaves, treedef = jax.tree.flatten(params)
