@@ -186,12 +186,10 @@ class OverlappedLoop:
         timing = self._trial.overlap is None
         t0 = time.perf_counter()
         try:
-            if self._pending is None:
-                value, grads = self._gradients(args)
-                if overlapped:
-                    self._pending = grads
-                else:
-                    self._apply(grads)
+            if not overlapped:
+                value = self._plain(args)
+            elif self._pending is None:  # the first step, or the first after a flush
+                value, self._pending = self._gradients(args)
             else:
                 value = self._overlapped(args)
         except BaseException as e:
@@ -290,6 +288,15 @@ class OverlappedLoop:
             # the params and the state pass through, donated: an NNX model's and optimizer's
             # arrays then refuse to be read while an update is pending
             found = jax.jit(gradients, donate_argnums=(0, 1))
+        elif name == "plain":  # the plain step: the user's, in one program
+
+            def plain(params, opt_state, rest, *args):
+                (value, (aux, rest)), grads = jax.value_and_grad(loss, has_aux=True)(
+                    params, rest, *args)  # fmt: skip
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, rest, value, aux
+
+            found = jax.jit(plain, donate_argnums=(0, 1))
         elif name == "update":
 
             def update(params, opt_state, grads):
@@ -329,6 +336,13 @@ class OverlappedLoop:
                                                                 grads)  # fmt: skip
         self._updates += 1
         self._applied = True
+
+    def _plain(self, args: tuple) -> Any:
+        self._params, self._opt_state, self._rest, value, aux = self._program("plain")(
+            self._params, self._opt_state, self._rest, *args)  # fmt: skip
+        self._updates += 1
+        self._applied = True
+        return self._value(value, aux)
 
     def _overlapped(self, args: tuple) -> Any:
         step = self._program("overlapped")
