@@ -292,6 +292,7 @@ def test_steps_a_multiple_of_the_save_interval_and_an_evaluation_between(tmp_pat
     steps = jax_mlpo.metrics(loop.opt_state)
     # updates 1, 4 and 5 ran beside a forward pass; 2, 3 and 6 were flushes
     assert len(steps) == STEPS and sum(m.beside_s > 0 for m in steps) >= 2
+    assert all(0 <= m.beside_s <= m.total_s for m in steps)  # one span, one clock
     jax_mlpo.close(loop.opt_state)
 
 

@@ -143,7 +143,7 @@ def test_offload_equals_optax_per_step(runs):
 
 
 def test_the_overlapped_step_is_the_plain_step_bit_for_bit(runs):
-    """``overlap=true`` (the default) and ``overlap=false`` train the same params, bit for bit,
+    """``overlap=true`` and ``overlap=false`` train the same params, bit for bit,
     with clipping on (the config's clip_norm)."""
     over, plain = runs["offload"], runs["plain"]
     assert over["losses"] == plain["losses"]
@@ -176,7 +176,7 @@ def test_overlap_auto_keeps_the_plain_step_for_the_tiny_model_and_the_same_param
 # numerics do not depend on them) keep the tiers in use.
 TWO_PROCESSES = ["--set", "batch_size=4", "--set", "report.plot=false",
                  "--set", "offload.host_cache=512KiB",
-                 "--set", "offload.subgroup_size=8192"]  # fmt: skip
+                 "--set", "offload.subgroup_size=8192", "--set", "overlap=true"]  # fmt: skip
 CHECKPOINT_EVERY = 5  # checkpoints 5 and 10
 LAUNCH_TIMEOUT_S = 240
 

@@ -46,8 +46,9 @@ __all__ = ["OverlappedLoop", "PendingUpdateError"]
 
 
 class PendingUpdateError(JaxMlpoError, RuntimeError):
-    """An :class:`OverlappedLoop`'s pending update was about to be lost: the loop was dropped,
-    or given another model or optimizer, before a flush."""
+    """An :class:`OverlappedLoop`'s pending update is lost or about to be: the loop was dropped
+    or given another model or optimizer before a flush, or a step failed inside its program
+    after taking the params and the state."""
 
 
 def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,6 +104,7 @@ class OverlappedLoop:
         self._shell: Any = None  # a TrainState without params and opt_state
         self._step0: Any = None  # an nnx.Optimizer's step at the first call
         self._applied = False  # whether the last step applied an update
+        self._screened = False  # whether overlap="auto" has asked if two groups can pay
 
     @classmethod
     def nnx(cls, loss_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -174,9 +176,10 @@ class OverlappedLoop:
         self._check_usable()
         if self._nnx is not None and self._nnx[1] is None:
             raise TypeError("an nnx loop's step is loop(model, optimizer, *args)")
-        if self._trial.overlap is None and not self._trial.times[False]:
+        if self._trial.overlap is None and not self._screened:
             # before the trial: an update too small for two groups to each pay for their call
             # cannot run beside anything (no overlapped program is compiled)
+            self._screened = True
             sizes = [int(np.size(x)) for x in jax.tree.leaves(self._params)]
             if not overlap_cost.worth_trying(sizes, self._resolve_groups()):
                 self._trial.decide(False)
