@@ -7,7 +7,6 @@ them, for a plain optax loop, an ``nnx.Optimizer`` and a linen ``TrainState``::
 
     loop = jax_mlpo.OverlappedLoop(loss_fn, tx, params, opt_state)  # optax
     loop = jax_mlpo.OverlappedLoop.train_state(loss_fn, state)      # linen
-    train_step = jax_mlpo.OverlappedLoop.nnx(loss_fn)  # nnx: train_step(model, optimizer, x)
 
     with loop:                     # leaving it, by the end or by an error, flushes
         for batch in batches:
@@ -15,10 +14,16 @@ them, for a plain optax loop, an ``nnx.Optimizer`` and a linen ``TrainState``::
             if saving:
                 mngr.save(..., loop.params, loop.opt_state)  # flushed: the plain loop's
 
+    @jax_mlpo.OverlappedLoop.nnx   # nnx: the plain train step, in place of @nnx.jit
+    def train_step(model, optimizer, batch):
+        ...                        # optimizer.update(model, grads) as in the plain step
+    train_step.flush()             # before a save, an evaluation, the end
+
 What is pending cannot be lost silently: ``params``, ``opt_state`` and ``state`` flush before
 they return; an NNX model's params are donated to the step, so reading them while an update is
-pending raises (flush first); leaving the ``with`` flushes; a loop dropped with an update
-pending reports a :class:`PendingUpdateError`. Every step is the plain loop's, bit for bit.
+pending raises (flush first, :mod:`~jax_mlpo.transforms.overlapped_nnx`); leaving the ``with``
+flushes; a loop dropped with an update pending reports a :class:`PendingUpdateError`. Every
+step is the plain loop's, bit for bit.
 
 With ``overlap="auto"`` (the default) the loop runs the overlapped step only where it wins:
 where two groups of the update can each pay for their call
@@ -67,13 +72,12 @@ class OverlappedLoop:
     """A training loop's steps with each update beside the next forward pass (module doc).
 
     Made with the constructor for a plain optax loop (the loop holds ``params`` and
-    ``opt_state``), with :meth:`nnx` for an ``nnx.Optimizer`` (the model and optimizer are
-    updated in place) or :meth:`train_state` for a linen ``TrainState``.
+    ``opt_state``) or :meth:`train_state` for a linen ``TrainState``; :meth:`nnx` overlaps an
+    NNX train step (the model and optimizer updated in place).
 
     Args:
-      loss_fn: ``loss_fn(params, *args) -> loss`` (``(loss, aux)`` with ``has_aux``); for
-        :meth:`nnx`, ``loss_fn(model, *args)``. Random keys (dropout) are arguments like the
-        batch; an NNX model's ``nnx.Rngs`` advance as in the plain loop.
+      loss_fn: ``loss_fn(params, *args) -> loss`` (``(loss, aux)`` with ``has_aux``). Random
+        keys (dropout) are arguments like the batch.
       tx: the optimizer.
       params: the params.
       opt_state: ``tx.init(params)`` (or a restored state).
@@ -94,28 +98,30 @@ class OverlappedLoop:
         self._params, self._opt_state, self._rest = params, opt_state, None
         self._pending: Any = None
         self._failed: BaseException | None = None
-        self._updates = 0  # updates applied, for a TrainState's and an nnx.Optimizer's step
+        self._updates = 0  # updates applied, for a TrainState's step
         self._trial = overlap_cost.OverlapTrial()
         if overlap != "auto":
             self._trial.decide(bool(overlap))
         self._loss_fn = loss_fn
         self._programs: dict[str, Any] = {}
-        self._nnx: tuple[Any, Any, Any] | None = None  # (graphdef, model, optimizer)
         self._shell: Any = None  # a TrainState without params and opt_state
-        self._step0: Any = None  # an nnx.Optimizer's step at the first call
         self._applied = False  # whether the last step applied an update
         self._screened = False  # whether overlap="auto" has asked if two groups can pay
 
-    @classmethod
-    def nnx(cls, loss_fn: Callable[..., Any], *, has_aux: bool = False,
-            overlap: bool | str = "auto",
-            groups: int | str = "auto") -> OverlappedLoop:  # fmt: skip
-        """A loop for an ``nnx.Optimizer``: ``loop(model, optimizer, *args)`` is the plain
-        ``train_step(model, optimizer, *args)`` (model and optimizer updated in place, the
-        loss returned); :meth:`flush` brings both to the plain loop's state."""
-        loop = cls(loss_fn, None, None, None, has_aux=has_aux, overlap=overlap, groups=groups)
-        loop._nnx = (None, None, None)
-        return loop
+    @staticmethod
+    def nnx(step_fn: Callable[..., Any] | None = None, *, overlap: bool | str = "auto",
+            groups: int | str = "auto") -> Any:  # fmt: skip
+        """The plain NNX train step ``step_fn(model, optimizer, *args)`` (it calls
+        ``optimizer.update(model, grads)`` once), overlapped: an
+        :class:`~jax_mlpo.transforms.overlapped_nnx.OverlappedTrainStep`, called as the step
+        was; its ``flush()`` brings the model and optimizer to the plain loop's state. A
+        decorator in place of ``nnx.jit`` (``@jax_mlpo.OverlappedLoop.nnx``, or with
+        ``overlap=``/``groups=``)."""
+        from jax_mlpo.transforms.overlapped_nnx import OverlappedTrainStep
+
+        if step_fn is None:
+            return lambda fn: OverlappedTrainStep(fn, overlap=overlap, groups=groups)
+        return OverlappedTrainStep(step_fn, overlap=overlap, groups=groups)
 
     @classmethod
     def train_state(cls, loss_fn: Callable[..., Any], state: Any, *, has_aux: bool = False,
@@ -164,18 +170,13 @@ class OverlappedLoop:
     # -- steps ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
-        """:meth:`step`; for an :meth:`nnx` loop ``loop(model, optimizer, *args)``."""
-        if self._nnx is not None:
-            self._bind(*args[:2])
-            args = args[2:]
+        """:meth:`step`."""
         return self.step(*args)
 
     def step(self, *args: Any) -> Any:
         """One training step on ``loss_fn(params, *args)``: its loss (``(loss, aux)`` with
         ``has_aux``), at the params of the plain loop's same step."""
         self._check_usable()
-        if self._nnx is not None and self._nnx[1] is None:
-            raise TypeError("an nnx loop's step is loop(model, optimizer, *args)")
         if self._trial.overlap is None and not self._screened:
             # before the trial: an update too small for two groups to each pay for their call
             # cannot run beside anything (no overlapped program is compiled)
@@ -202,7 +203,6 @@ class OverlappedLoop:
             jax.block_until_ready((value, self._params, self._pending))
             self._trial.record(overlapped, time.perf_counter() - t0,
                                applied_update=self._applied)  # fmt: skip
-        self._write_back()
         return value
 
     def flush(self) -> None:
@@ -218,7 +218,6 @@ class OverlappedLoop:
             self._after_failure(e)
             raise
         self._pending = None
-        self._write_back()
 
     def __enter__(self) -> OverlappedLoop:
         return self
@@ -254,23 +253,12 @@ class OverlappedLoop:
             self._failed = error
 
     def _loss(self) -> Callable[..., Any]:
-        """``loss(params, rest, *args) -> (loss, (aux, rest))``: the user's loss on the params
-        (for NNX, merged with the model's other state, whose new value it returns)."""
+        """``loss(params, rest, *args) -> (loss, (aux, rest))``: the user's loss (``rest``
+        passes through: the programs' shape for state beside the params)."""
         loss_fn, has_aux = self._loss_fn, self.has_aux
-        graphdef, _, optimizer = self._nnx if self._nnx is not None else (None, None, None)
-        wrt = None if optimizer is None else optimizer.wrt
 
         def loss(params: Any, rest: Any, *args: Any) -> Any:
-            if graphdef is not None:
-                from flax import nnx
-
-                # copies: the Variables the trace made would refuse a mutation (an nnx.Rngs
-                # count) under the gradient's trace
-                model = nnx.merge(graphdef, params, rest, copy=True)
-                out = loss_fn(model, *args)
-                rest = nnx.state(model, nnx.Not(wrt))
-            else:
-                out = loss_fn(params, *args)
+            out = loss_fn(params, *args)
             value, aux = out if has_aux else (out, None)
             return value, (aux, rest)
 
@@ -354,40 +342,3 @@ class OverlappedLoop:
         self._updates += 1
         self._applied = True
         return self._value(value, aux)
-
-    # -- NNX ------------------------------------------------------------------------------
-
-    def _bind(self, model: Any, optimizer: Any) -> None:
-        """Takes the model's params and the optimizer's state at the first call; later calls
-        must pass the same two objects."""
-        from flax import nnx
-
-        _, bound_model, bound_optimizer = self._nnx
-        if bound_model is not None:
-            if model is not bound_model or optimizer is not bound_optimizer:
-                raise PendingUpdateError(
-                    "an nnx OverlappedLoop was called with another model or optimizer than its "
-                    "first call's; make one loop per model"
-                )
-            return
-        graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-        self._nnx = (graphdef, model, optimizer)
-        self.tx = optimizer.tx
-        self._params, self._rest = params, rest
-        self._opt_state = nnx.as_pure(optimizer.opt_state)
-        self._step0 = optimizer.step[...]
-
-    def _write_back(self) -> None:
-        """An NNX loop's model and optimizer take the loop's arrays: the model's other state
-        (its ``nnx.Rngs``) always, the params and the optimizer's state only once no update is
-        pending (until then they hold the arrays the step consumed, which refuse a read)."""
-        if self._nnx is None or self._nnx[1] is None:
-            return
-        from flax import nnx
-
-        _, model, optimizer = self._nnx
-        nnx.update(model, self._rest)
-        if self._pending is None:
-            nnx.update(model, self._params)
-            nnx.update(optimizer.opt_state, nnx.state(self._opt_state))
-            optimizer.step[...] = self._step0 + self._updates
