@@ -8,8 +8,8 @@ update beside the next forward pass only where it wins. Two small cases where it
   interleaved rounds; each run's wall time (compilation included), its summary's tokens/s and
   its final params' sha256;
 - **a 26K-param NNX transformer** (``models.Llama``: one layer, hidden 32) on one device, its
-  AdamW state on a file tier: the plain NNX loop (``nnx.jit`` train step), the
-  ``OverlappedLoop`` with ``overlap="auto"``, and with ``overlap=True, groups=8``, interleaved
+  AdamW state on a file tier: the plain NNX step under ``nnx.jit``, under
+  ``OverlappedLoop.nnx`` (``overlap="auto"``) and with ``overlap=True, groups=8``, interleaved
   rounds in this process; each run's wall time, its median step after warm-up, and the final
   params' sha256.
 
@@ -86,18 +86,18 @@ def nnx_loop(system: str, steps: int, work: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     batches = [jax.numpy.asarray(rng.integers(0, 256, (8, 64), dtype=np.int32))
                for _ in range(steps)]  # fmt: skip
+
+    def train_step(model, optimizer, tokens):  # the plain NNX step
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
     if system == "plain":
-
-        @nnx.jit
-        def train_step(model, optimizer, tokens):
-            loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-            optimizer.update(model, grads)
-            return loss
-
+        train_step = nnx.jit(train_step)
     elif system == "auto":
-        train_step = jax_mlpo.OverlappedLoop.nnx(loss_fn)
+        train_step = jax_mlpo.OverlappedLoop.nnx(train_step)
     else:
-        train_step = jax_mlpo.OverlappedLoop.nnx(loss_fn, overlap=True, groups=8)
+        train_step = jax_mlpo.OverlappedLoop.nnx(train_step, overlap=True, groups=8)
     times = []
     t_run = time.perf_counter()
     for tokens in batches:
