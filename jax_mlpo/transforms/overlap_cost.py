@@ -17,7 +17,6 @@ faster kept. Either step trains the same params, bit for bit, so a trial changes
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -33,16 +32,17 @@ MAX_GROUPS = 8
 # A group's work is at least this many times its call's fixed cost: the calls then cost at
 # most a tenth of the update they split.
 PAYBACK = 10
-# Timed repetitions of each calibration (a median: one pre-empted run does not move it);
-# both calibrations together take ~0.1 s, most of it compiling the callback's program.
+# Timed repetitions of each calibration (the fastest kept: pre-emption only adds time); both
+# calibrations together take ~0.1 s, most of it compiling the callback's program.
 _ROUNDS = 7
 
 
 @functools.cache
 def call_cost_s() -> float:
     """The fixed cost of one host call inside a jitted program: a program of one no-op
-    callback, a median of ``_ROUNDS`` runs (measured once per process; the program's own
-    dispatch, ~10 us, is counted in, erring toward fewer calls)."""
+    callback, the fastest of ``_ROUNDS`` runs (measured once per process; a run pre-empted by
+    other work only takes longer; the program's own dispatch, ~10 us, is counted in, erring
+    toward fewer calls)."""
     x = jnp.zeros((8,), jnp.float32)
 
     def noop(v: np.ndarray) -> np.ndarray:
@@ -50,36 +50,33 @@ def call_cost_s() -> float:
 
     with_call = jax.jit(lambda v: jax.pure_callback(noop, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                                     v + 1) * 2)  # fmt: skip
-    return max(_median_s(with_call, x), 1e-6)
+    return max(_fastest_s(with_call, x), 1e-6)
 
 
 @functools.cache
 def element_cost_s() -> float:
-    """The host update's time per element, for an update in memory: AdamW's reads and writes
-    of four float32 arrays (param, gradient, two moments) over 256K elements, a median of
-    ``_ROUNDS`` runs (measured once per process). An update whose state waits for its tiers
-    costs more per element, so this errs toward fewer calls."""
+    """The host update's time per element: the engine's own fused AdamW kernel
+    (:func:`jax_mlpo.native.adamw.adamw_step`) over 256K float32 elements in memory, the
+    fastest of ``_ROUNDS`` runs (measured once per process). An update that waits for its
+    tiers costs more per element, so this errs toward fewer calls."""
+    from jax_mlpo.native.adamw import adamw_step
+    from jax_mlpo.types import AdamWHyper
+
     n = 1 << 18
-    p, g, m, v = (np.full(n, 0.5, np.float32) for _ in range(4))
-
-    def adamw_like() -> None:
-        np.multiply(m, 0.9, out=m)
-        np.add(m, 0.1 * g, out=m)
-        np.multiply(v, 0.999, out=v)
-        np.add(v, 0.001 * g * g, out=v)
-        np.subtract(p, 1e-3 * m / (np.sqrt(v) + 1e-8), out=p)
-
-    return _median_s(adamw_like) / n
+    m, v, g, p, u = (np.full(n, 0.5, np.float32) for _ in range(5))
+    hyper = AdamWHyper(bc1=0.1, bc2=0.001, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8,
+                       weight_decay=0.1)  # fmt: skip
+    return _fastest_s(lambda: adamw_step(m, v, g, p, u, hyper)) / n
 
 
-def _median_s(fn, *args) -> float:
+def _fastest_s(fn, *args) -> float:
     jax.block_until_ready(fn(*args))  # compiled, caches warm
     times = []
     for _ in range(_ROUNDS):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def auto_groups(elements: int, per_element_s: float | None = None,
