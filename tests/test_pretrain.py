@@ -84,7 +84,8 @@ def runs(tmp_path_factory, data_cache) -> dict[str, dict]:
     plain_dir = tmp_path_factory.mktemp("tiny-plain")
     auto_dir = tmp_path_factory.mktemp("tiny-auto")
     with busy_thread():
-        offload = _main(run_dir, data_cache, "--set", "overlap=true")
+        # 8 groups: auto would give the tiny model's small update one (nothing beside it)
+        offload = _main(run_dir, data_cache, "--set", "overlap=true", "--set", "overlap_groups=8")
     return {
         "offload": offload,
         "optax": _main(run_dir, data_cache, "--optimizer", "optax", "--set", "report.plot=false"),
@@ -176,7 +177,8 @@ def test_overlap_auto_keeps_the_plain_step_for_the_tiny_model_and_the_same_param
 # numerics do not depend on them) keep the tiers in use.
 TWO_PROCESSES = ["--set", "batch_size=4", "--set", "report.plot=false",
                  "--set", "offload.host_cache=512KiB",
-                 "--set", "offload.subgroup_size=8192", "--set", "overlap=true"]  # fmt: skip
+                 "--set", "offload.subgroup_size=8192", "--set", "overlap=true",
+                 "--set", "overlap_groups=8"]  # fmt: skip
 CHECKPOINT_EVERY = 5  # checkpoints 5 and 10
 LAUNCH_TIMEOUT_S = 240
 
