@@ -494,3 +494,32 @@ def test_an_nnx_step_too_small_to_split_runs_as_nnx_jit(tmp_path):
     assert train_step.overlapped is False
     assert_bits_equal(nnx.state(model), nnx_plain_state(tmp_path / "a", 3))
     jax_mlpo.close(optimizer.opt_state)
+
+
+def test_groups_carry_ten_times_a_calls_cost_each():
+    from jax_mlpo.transforms import overlap_cost
+
+    # 1 us an element, 100 us a call: a group needs 1 ms of work, 1000 elements
+    assert overlap_cost.auto_groups(999, 1e-6, 1e-4) == 1
+    assert overlap_cost.auto_groups(2_500, 1e-6, 1e-4) == 2
+    assert overlap_cost.auto_groups(10**6, 1e-6, 1e-4) == overlap_cost.MAX_GROUPS
+    assert not overlap_cost.worth_trying([10**6], 2)  # one leaf: one group whatever is asked
+    assert overlap_cost.worth_trying([10, 10], 2) and not overlap_cost.worth_trying([10, 10], 1)
+
+
+def test_the_trial_skips_compiling_runs_and_steps_without_an_update():
+    from jax_mlpo.transforms import overlap_cost
+
+    trial = overlap_cost.OverlapTrial(rounds=2)
+    order = []
+    for seconds in (9.0, 1.0, 1.2):  # the plain step: compiled, then two timed runs
+        order.append(trial.next_overlapped())
+        trial.record(False, seconds)
+    order.append(trial.next_overlapped())
+    trial.record(True, 5.0, applied_update=False)  # gradients only: nothing pending before
+    trial.record(True, 9.0)  # the overlapped program compiled
+    assert trial.overlap is None
+    trial.record(True, 0.9)
+    trial.record(True, 1.1)
+    assert order == [False, False, False, True]
+    assert trial.times == {False: [1.0, 1.2], True: [0.9, 1.1]} and trial.overlap is True

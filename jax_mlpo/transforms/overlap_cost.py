@@ -32,8 +32,13 @@ MAX_GROUPS = 8
 # A group's work is at least this many times its call's fixed cost: the calls then cost at
 # most a tenth of the update they split.
 PAYBACK = 10
+# Below any host call's fixed cost (a thread woken, XLA's callback dispatched; measured at
+# 100-400 us on a 2-core AMD EPYC): an update whose work does not carry two calls at this cost
+# is one group without compiling the calibration's program.
+CALL_FLOOR_S = 10e-6
 # Timed repetitions of each calibration (the fastest kept: pre-emption only adds time); both
-# calibrations together take ~0.1 s, most of it compiling the callback's program.
+# together take ~0.1 s, most of it compiling the callback's program (the element cost alone,
+# all a small update needs, ~10 ms).
 _ROUNDS = 7
 
 
@@ -93,6 +98,8 @@ def auto_groups(elements: int, per_element_s: float | None = None,
       The number of calls.
     """
     work = elements * (element_cost_s() if per_element_s is None else per_element_s)
+    if per_call_s is None and work < 2 * PAYBACK * CALL_FLOOR_S:
+        return 1  # not two groups even at the cheapest call: no need to measure one
     call = call_cost_s() if per_call_s is None else per_call_s
     return int(min(MAX_GROUPS, max(1, work // (PAYBACK * call))))
 
