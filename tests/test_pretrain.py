@@ -345,17 +345,24 @@ import jax
 from experiments import pretrain
 from experiments.job import train
 
-class FailingSteps(train.OverlappedSteps):
-    calls = 0
+steps_for = train.make_step_runner
 
-    def run(self, *args):
-        FailingSteps.calls += 1
-        if jax.process_index() == 1 and FailingSteps.calls == 3:
+
+def failing_steps(*args):
+    steps = steps_for(*args)
+    run, calls = steps.run, [0]
+
+    def failing_run(*args):
+        calls[0] += 1
+        if jax.process_index() == 1 and calls[0] == 3:
             raise RuntimeError("injected failure of process 1 at step 3")
-        return super().run(*args)
+        return run(*args)
+
+    steps.run = failing_run
+    return steps
 
 
-train.OverlappedSteps = FailingSteps
+train.make_step_runner = failing_steps
 pretrain.cli(sys.argv[2:])
 """
 
