@@ -32,6 +32,7 @@ from jax_mlpo.transforms.elementwise import adamw, lion
 from jax_mlpo.transforms.muon import OffloadedMuonState, muon
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
 from jax_mlpo.transforms.overlap import overlapped_step
+from jax_mlpo.transforms.overlapped_loop import OverlappedLoop, PendingUpdateError
 from jax_mlpo.transforms.registry import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
@@ -52,6 +53,8 @@ __all__ = [
     "OffloadedAdamWState",
     "OffloadedMuonState",
     "OffloadedState",
+    "OverlappedLoop",
+    "PendingUpdateError",
     "StaleStateError",
     "StepMetrics",
     "TierLimits",

@@ -116,7 +116,7 @@ def child(system: str, params_mi: int, cache: str, tier: str, steps: int) -> dic
         def step(p, state, i):
             opt_state, pending = state
             p, opt_state, pending, _ = jax_mlpo.overlapped_step(
-                scaled_loss, tx, p, opt_state, pending, i
+                scaled_loss, tx, p, opt_state, pending, i, groups=8
             )
             return p, (opt_state, pending)
 

@@ -175,7 +175,7 @@ def common_tiers(records: list[dict], skip: int) -> list[dict]:
 
 def finish(
     cfg: RunConfig, name: str, records: list[dict], metrics_path: Path,
-    params_sha256: str | None = None,
+    params_sha256: str | None = None, overlapped: bool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Writes the run's summary (markdown and JSON) and plot under ``cfg.run_dir``.
 
@@ -185,6 +185,8 @@ def finish(
       records: every step's record, in step order.
       metrics_path: the metrics file (returned, and logged).
       params_sha256: a digest of the final params (single-process runs), kept in the summary.
+      overlapped: whether the run kept the overlapped step (``overlap: auto`` chooses; None:
+        it had not chosen by the end), kept in the summary.
 
     Returns:
       The run's ``losses``, ``summary`` (``report.summarize``'s, with every process's medians
@@ -231,6 +233,7 @@ def finish(
     if params_sha256 is not None:
         summary["final_step"], summary["params_sha256"] = records[-1]["step"], params_sha256
         logger.info("final params (step %d): sha256 %s", records[-1]["step"], params_sha256)
+    summary["overlapped"] = overlapped
     (run_dir / f"summary-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot = None
     if cfg.report.plot:

@@ -127,10 +127,12 @@ class RunConfig:
     seed: int = 0
     log_every: int = 10
     """Log a line (loss, times, tiers) every this many steps."""
-    overlap: bool = True
-    """Each update beside the next forward pass (jax_mlpo.overlapped_step), the same params."""
-    overlap_groups: int = 8
-    """Host calls an overlapped update is split into (groups of layers)."""
+    overlap: bool | str = "auto"
+    """Each update beside the next forward pass (jax_mlpo.overlapped_step), the same params:
+    true, false, or auto (where it wins: experiments/job/steps.py's AutoSteps)."""
+    overlap_groups: int | str = "auto"
+    """Host calls an overlapped update is split into (groups of layers); auto: as many as each
+    pay for their call (jax_mlpo.transforms.overlap_cost.auto_groups)."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     offload: jax_mlpo.OffloadConfig = dataclasses.field(default_factory=jax_mlpo.OffloadConfig)
     """jax_mlpo's offload config; :func:`load_config` defaults its tiers to <run_dir>/tiers/t0
@@ -320,7 +322,6 @@ def _check(cfg: RunConfig) -> None:
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
         "log_every": cfg.log_every,
-        "overlap_groups": cfg.overlap_groups,
         "optimizer.peak_lr": cfg.optimizer.peak_lr,
         "optimizer.eps": cfg.optimizer.eps,
         "optimizer.clip_norm": cfg.optimizer.clip_norm,
@@ -328,6 +329,13 @@ def _check(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {value!r}")
+    if cfg.overlap not in (True, False, "auto"):
+        raise ConfigError(f"config key 'overlap' must be true, false or auto, got {cfg.overlap!r}")
+    groups = cfg.overlap_groups
+    if groups != "auto" and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
+        raise ConfigError(
+            f"config key 'overlap_groups' must be a positive integer or auto, got {groups!r}"
+        )
     mesh = cfg.mesh
     if not 1 <= len(mesh.axes) <= 2 or len(set(mesh.axes)) != len(mesh.axes):
         raise ConfigError(

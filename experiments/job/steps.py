@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 import jax_mlpo
 from experiments.job.run_config import RunConfig, resolve_model
+from jax_mlpo.transforms import overlap_cost
 from models import Llama, LlamaConfig, loss_fn
 
 
@@ -84,6 +86,8 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> tupl
 class PlainSteps:
     """Forward and backward, then the update: two jitted programs, timed apart."""
 
+    overlapped = False
+
     def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> None:
         self._grad_step, self._update_step = make_steps(graphdef, tx)
 
@@ -130,9 +134,10 @@ class OverlappedSteps:
     """
 
     REFERENCE_ROUNDS = 3
+    overlapped = True
 
     def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 groups: int) -> None:  # fmt: skip
+                 groups: int | str) -> None:  # fmt: skip
         self._grad_step, self._update_step = make_steps(graphdef, tx)
         self._pending: Any = None
         self._overlapped = 0  # steps that applied an update
@@ -172,6 +177,11 @@ class OverlappedSteps:
             timings["update_exposed_s"] = max(0.0, timings["step_s"] - self._fwd_bwd_s)
         return params, opt_state, loss, timings, 1
 
+    @property
+    def pending(self) -> bool:
+        """Whether a step's gradients wait for the next step (or a flush)."""
+        return self._pending is not None
+
     def _time_fwd_bwd(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> float:
         times = []
         for _ in range(self.REFERENCE_ROUNDS):
@@ -192,6 +202,74 @@ class OverlappedSteps:
         pending, self._pending = self._pending, None
         params, opt_state = jax.block_until_ready(self._update_step(pending, opt_state, params))
         return params, opt_state, time.perf_counter() - t0
+
+
+class AutoSteps:
+    """``overlap: auto``: the overlapped step only where it wins, the same params either way.
+
+    An update too small for two groups to each pay for their host call
+    (:func:`jax_mlpo.transforms.overlap_cost.auto_groups`) cannot run beside anything: the plain
+    step, without compiling the overlapped one. Otherwise the run's first steps time both once
+    compiled (:class:`jax_mlpo.transforms.overlap_cost.OverlapTrial`: two plain steps after the
+    first, then two overlapped ones after the one that compiles) and keep the faster.
+
+    Args:
+      graphdef: the model's graph (``nnx.split``).
+      tx: the optimizer.
+      groups: how many host calls an overlapped update is split into (or ``"auto"``).
+      params: the model's params (their sizes).
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                 groups: int | str, params: nnx.State) -> None:  # fmt: skip
+        sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
+        if groups == "auto":
+            groups = overlap_cost.auto_groups(sum(sizes))
+        self.groups = groups
+        self._plain = PlainSteps(graphdef, tx)
+        self._trial = overlap_cost.OverlapTrial()
+        self._over: OverlappedSteps | None = None
+        if overlap_cost.worth_trying(sizes, groups):
+            self._over = OverlappedSteps(graphdef, tx, groups)
+        else:
+            self._trial.decide(False)
+
+    @property
+    def overlapped(self) -> bool | None:
+        """Whether the run keeps the overlapped step (None: still timing both)."""
+        return self._trial.overlap
+
+    def run(self, params: nnx.State, rest: nnx.State, opt_state: Any,
+            tokens: jax.Array) -> tuple[Any, Any, jax.Array, dict[str, float], int]:  # fmt: skip
+        """One training step (:meth:`PlainSteps.run`'s results)."""
+        over = self._trial.next_overlapped()
+        flush_s = 0.0
+        if not over and self._over is not None and self._over.pending:  # the plain step won
+            params, opt_state, flush_s = self._over.flush(params, opt_state)
+        steps = self._over if over else self._plain
+        params, opt_state, loss, timings, updated = steps.run(params, rest, opt_state, tokens)
+        self._trial.record(over, timings["step_s"], applied_update=updated > 0)
+        if flush_s:
+            timings["step_s"] += flush_s
+            timings["flush_s"] = flush_s
+            updated += 1
+        return params, opt_state, loss, timings, updated
+
+    def flush(self, params: nnx.State, opt_state: Any) -> tuple[Any, Any, float]:
+        """:meth:`OverlappedSteps.flush` (nothing pending after a plain step)."""
+        if self._over is None:
+            return params, opt_state, 0.0
+        return self._over.flush(params, opt_state)
+
+
+def make_step_runner(cfg: RunConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                     params: nnx.State) -> PlainSteps | OverlappedSteps | AutoSteps:  # fmt: skip
+    """The steps the config's ``overlap`` asks for."""
+    if cfg.overlap == "auto":
+        return AutoSteps(graphdef, tx, cfg.overlap_groups, params)
+    if cfg.overlap:
+        return OverlappedSteps(graphdef, tx, cfg.overlap_groups)
+    return PlainSteps(graphdef, tx)
 
 
 def abstract_model(model: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

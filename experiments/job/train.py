@@ -39,7 +39,7 @@ from experiments.job.mesh import batch_sharding, build_mesh, shard
 from experiments.job.optimizer import build_optimizer
 from experiments.job.records import earlier_records, finish, progress, step_record
 from experiments.job.run_config import ConfigError, RunConfig, resolve_model
-from experiments.job.steps import OverlappedSteps, PlainSteps
+from experiments.job.steps import AutoSteps, make_step_runner
 from jax_mlpo import checkpoint
 from jax_mlpo.sharding import processes as distributed
 from models import Llama, param_count
@@ -281,8 +281,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     # another; an engine over no leaves (an empty group of muon's) runs no update
     found = [] if use_optax else jax_mlpo.transforms.opt_state.find_offloaded(opt_state)
     engines = [e for e in map(jax_mlpo.engine_of, found) if e.layout.num_params]
-    steps = (OverlappedSteps(graphdef, tx, cfg.overlap_groups) if cfg.overlap
-             else PlainSteps(graphdef, tx))  # fmt: skip
+    steps = make_step_runner(cfg, graphdef, tx, params)
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"
     lead = pid == 0  # writes the metrics, summary and plot
@@ -368,7 +367,11 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
         return {"losses": [r["loss"] for r in records], "summary": None, "metrics": None,
                 "plot": None}  # fmt: skip
     digest = params_sha256(params) if nproc == 1 else None
-    return finish(cfg, name, records, metrics_path, params_sha256=digest)
+    if isinstance(steps, AutoSteps):
+        kept = {True: "overlapped", False: "plain", None: "(undecided)"}[steps.overlapped]
+        logger.info("overlap: auto kept the %s step", kept)
+    return finish(cfg, name, records, metrics_path, params_sha256=digest,
+                  overlapped=steps.overlapped)  # fmt: skip
 
 
 def params_sha256(params: Any) -> str:

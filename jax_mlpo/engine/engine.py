@@ -290,7 +290,13 @@ class Engine:
             self.health.failed = e
             io.abort()
             raise
-        metrics.total_s = time.monotonic() - t_start
+        t_end = time.monotonic()
+        metrics.total_s = t_end - t_start
+        # an update in groups (jax_mlpo.engine.grouped): its time after the first group was
+        # handed back, on the same clock and inside the same span as total_s, so never above it
+        first_done = getattr(leaves, "first_done", None)
+        if first_done is not None:
+            metrics.beside_s = t_end - min(max(first_done, t_start), t_end)
         window.close_into(metrics)
         self.metrics.append(metrics)
         self.step_count += 1

@@ -38,7 +38,8 @@ class StepMetrics:
       tier_busy_s: wall time each tier had at least one request in flight.
       beside_s: in an update beside the forward pass (:mod:`jax_mlpo.transforms.overlap`), its
         time after its first group of layers was handed back to the program: what the forward
-        pass can run beside (0 for an update in one call).
+        pass can run beside (0 for an update in one call). Timed on ``total_s``'s clock
+        and inside its span: never above ``total_s``.
     """
 
     step: int

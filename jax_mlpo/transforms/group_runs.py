@@ -8,7 +8,6 @@ forward pass's order and records its failures (:func:`jax_mlpo.transforms.regist
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import numpy as np
@@ -53,10 +52,10 @@ def calls_of(engine: Engine, mesh: MeshPlan | None = None) -> GroupCalls:
 def _step_in_groups(engine: Engine, count: int, scalars: np.ndarray, leaves: GroupedLeaves,
                     order: list[int]) -> None:  # fmt: skip
     """One update of ``engine`` from its group calls, in the forward pass's order."""
+    # the engine times the update and its part after the first group was handed back
+    # (StepMetrics.beside_s) on one clock, from ``leaves.first_done``
     engine.step_leaves(count, engine.optimizer.hyper(engine.scalars.read(scalars)), leaves,
                        forward=order)  # fmt: skip
-    if leaves.first_done is not None and engine.metrics:
-        engine.metrics[-1].beside_s = time.monotonic() - leaves.first_done
 
 
 # Where a GPU's group sends meet, by XLA's stream (one per device): the engine is known only

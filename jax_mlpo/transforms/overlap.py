@@ -51,13 +51,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo.native.host_update import grouped_on_gpu
+from jax_mlpo.transforms import overlap_cost
 
 __all__ = ["forward_ranks", "group_of_leaf", "leaf_groups", "loss_at_first_use", "overlapped_step"]
 
-# How many calls an update is split into by default: enough that the first group is a small
-# part of the update, few enough that each call's fixed cost (a host callback, ~100 us) is
-# nothing beside its subgroups' work.
-GROUPS = 8
+# How many calls an update is split into at most (``groups="auto"`` takes fewer where the
+# update is too small for each call to pay for itself: jax_mlpo.transforms.overlap_cost).
+GROUPS = overlap_cost.MAX_GROUPS
 
 _ACTIVE = threading.local()
 
@@ -90,7 +90,7 @@ def overlapped_step(
     pending: Any,
     *args: Any,
     has_aux: bool = False,
-    groups: int = GROUPS,
+    groups: int | str = "auto",
     platform: str | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Applies ``pending`` (the last step's gradients) with ``tx``, then the forward and
@@ -114,7 +114,9 @@ def overlapped_step(
       pending: the gradients of the last step (``params``' structure).
       *args: the rest of ``loss_fn``'s arguments (the batch).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      groups: how many calls the offloaded update is split into.
+      groups: how many calls the offloaded update is split into; ``"auto"``: as many as each
+        carry enough work to pay for a call (``overlap_cost.auto_groups``: the params'
+        elements against a call's cost measured in this process).
       platform: ``"cpu"`` or ``"cuda"``: the platform the step is lowered for (None: the
         default backend, split on a GPU only where its handlers are available).
 
@@ -125,8 +127,10 @@ def overlapped_step(
     Raises:
       ValueError: if ``groups`` < 1.
     """
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
+    if groups == "auto":
+        groups = overlap_cost.auto_groups(sum(int(np.size(x)) for x in jax.tree.leaves(params)))
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be >= 1 (or 'auto'), got {groups!r}")
     if platform not in (None, "cpu", "cuda"):
         raise ValueError(f"platform must be None, 'cpu' or 'cuda', got {platform!r}")
     leaves, treedef = jax.tree.flatten(params)

@@ -261,7 +261,7 @@ def overlap_timing(gpu, steps: int, rounds: int, width: int = 2048, layers: int 
 
             @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
             def step(params, state, pending, x):
-                return jax_mlpo.overlapped_step(loss_fn, tx, params, state, pending, x)
+                return jax_mlpo.overlapped_step(loss_fn, tx, params, state, pending, x, groups=8)
 
             pending = jax.jit(jax.grad(loss_fn))(params, x)
             carry = (params, state, pending)
