@@ -24,6 +24,7 @@ from jax_mlpo.errors import (
     NoEngineError,
     StaleStateError,
     TierFullError,
+    UnusedTiersWarning,
 )
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
@@ -58,6 +59,7 @@ __all__ = [
     "TierFullError",
     "TierIOError",
     "TierInUseError",
+    "UnusedTiersWarning",
     "adamw",
     "lion",
     "muon",

@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.engine.plan import StateShape, warn_unused_tiers
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import (
     DEFERRED,
@@ -144,6 +146,46 @@ def is_traced(params: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
 
 
+def made_at_run_time(params: Any) -> bool:
+    """Whether a traced ``init`` of ``params`` makes its engines when the compiled program runs
+    (:func:`handles_at_run_time`): params of one device in one process. On a mesh or across
+    processes the engine is laid out by the params' shards, which a traced init does not see:
+    it returns a template (:func:`template_state`), whose use names the fix."""
+    if distributed.is_multiprocess():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return False
+    for leaf in jax.tree.leaves(params):  # params on a mesh in their types (explicit sharding)
+        leaf_mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if leaf_mesh is not None and not leaf_mesh.empty and leaf_mesh.size > 1:
+            return False
+    return True
+
+
+def stand_ins_of(params: Any) -> Any:
+    """Traced ``params`` as ``ShapeDtypeStruct``s: what an engine is laid out by (the fp32
+    master of bfloat16 params is set from their values by the first update)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+
+
+def handles_at_run_time(make: Callable[[], list[int]], count: int) -> list[jax.Array]:
+    """``count`` int32 handles that ``make`` returns when the compiled program runs.
+
+    A traced ``init`` (``jax.jit(tx.init)``, a linen ``TrainState`` made under ``jit``, an
+    ``nnx.Optimizer`` made under ``nnx.jit``) puts the making of its engines into the program
+    as a host call: every run of it makes new engines (each replacing the engine at its place,
+    as a second eager init does), and ``jax.eval_shape``, which never runs the program, makes
+    nothing and writes nothing.
+    """
+
+    def call() -> np.ndarray:
+        return np.asarray(make(), np.int32).reshape(count)
+
+    out = io_callback(call, jax.ShapeDtypeStruct((count,), jnp.int32))
+    return [out[k] for k in range(count)]
+
+
 def template_state(params: Any) -> OffloadedState:
     """The state's shapes and dtypes for abstract ``params``, with no engine behind it.
 
@@ -229,15 +271,28 @@ def offloaded(
         registry.take_place(place)
         return Engine(layout, config, optimizer, scalar_names), place
 
-    def init_fn(params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None):
+    def init_fn(
+        params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None,
+        host_arrays: bool = False,
+    ):  # fmt: skip
         # part_offload, part_mask: where an optimizer is made of several of these, each over a
-        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask
+        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask;
+        # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
         refuse_discarding_wrappers(name)
         where = offload if part_offload is None else part_offload
         decay = mask if part_mask is None else part_mask
         init_shapes.add(shapes_of(params))
-        if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
+        if not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
             return template_state(params)
+        if is_traced(params):
+            if not made_at_run_time(params):
+                return template_state(params)
+            stand_ins = stand_ins_of(params)
+            (handle,) = handles_at_run_time(
+                lambda: [int(init_fn(stand_ins, part_offload=part_offload, part_mask=part_mask,
+                                     host_arrays=True).handle)], 1,
+            )  # fmt: skip
+            return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
         ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
@@ -249,6 +304,11 @@ def offloaded(
             mesh_plans[key] = plan.mesh
         else:
             handles = [registry.register(engine, place)]
+        if part_offload is None:  # a part's tiers are its optimizer's (jax_mlpo.muon warns)
+            warn_unused_tiers(name, where, [StateShape.of(layout)], [engine.plan])
+        if host_arrays:
+            (handle,) = handles
+            return OffloadedState(count=np.int32(0), handle=np.int32(handle))
         count, handle = plan.arrays(handles)
         return OffloadedState(count=count, handle=handle)
 
