@@ -11,13 +11,12 @@ class AdaBelief(extend.JaxElementwiseOptimizer):
 
     name = "adabelief"
     moment_names = ("mu", "nu")
-    scalar_names = ("lr", "bc1", "bc2")
+    scalar_names = ("lr", "bc1", "bc2", "c1", "c2")
 
     def step(self, moments, grad, param, hyper, *, decay):
         m, s = moments
-        b1, b2 = hyper["b1"], hyper["b2"]
-        m = (1 - b1) * grad + b1 * m
-        s = (1 - b2) * jnp.square(grad - m) + b2 * s + hyper["eps_root"]
+        m = hyper["c1"] * grad + hyper["b1"] * m
+        s = hyper["c2"] * jnp.square(grad - m) + hyper["b2"] * s + hyper["eps_root"]
         u = (m / hyper["bc1"]) / (jnp.sqrt(s / hyper["bc2"]) + hyper["eps"])
         return (m, s), -hyper["lr"] * u
 
@@ -26,8 +25,10 @@ def adabelief(learning_rate, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, off
               update_dtype=None):  # fmt: skip
     """optax.adabelief with its state (fp32 master, mu, nu) offloaded."""
 
-    def device_scalars(count_inc, hp, lr, grads):  # optax's bias corrections, on the device
-        return {"lr": lr, "bc1": 1 - hp["b1"] ** count_inc, "bc2": 1 - hp["b2"] ** count_inc}
+    def device_scalars(count_inc, hp, lr, grads):  # optax's own expressions, on the device
+        b1, b2 = hp["b1"], hp["b2"]  # 1 - b: in double for a float, as optax rounds it
+        return {"lr": lr, "bc1": 1 - b1**count_inc, "bc2": 1 - b2**count_inc, "c1": 1 - b1,
+                "c2": 1 - b2}  # fmt: skip
 
     return extend.offloaded_transformation(
         AdaBelief(), learning_rate=learning_rate, offload=offload,

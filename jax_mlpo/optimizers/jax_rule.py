@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lib import xla_client
 
 from jax_mlpo.engine.quantize import Quantized
 from jax_mlpo.types import BF16, F32
@@ -57,14 +58,14 @@ def chunks(n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
     return out
 
 
-def _to_xla(x: np.ndarray) -> jax.Array:
-    """A host array as an XLA:CPU array: the same memory where it is aligned (dlpack), a copy
-    otherwise. bfloat16 goes as its bits (dlpack has no bfloat16)."""
+def _to_xla(x: np.ndarray, device: jax.Device) -> jax.Array:
+    """A host array as an array of ``device``: the same memory where it is aligned (dlpack), a
+    copy otherwise. bfloat16 goes as its bits (dlpack has no bfloat16)."""
     if x.dtype == BF16:
         x = x.view(np.uint16)
     if x.ctypes.data % _ALIGN == 0 and x.flags.c_contiguous and x.flags.writeable:
-        return jnp.from_dlpack(x)  # (numpy exports no read-only array through dlpack)
-    return jax.device_put(x)
+        return jnp.from_dlpack(x, device=device)  # (numpy exports no read-only array)
+    return jax.device_put(x, device)
 
 
 def _from_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -96,6 +97,10 @@ class RuleRunner:
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # XLA:CPU of its own: the update runs inside a call of the training step's program,
+        # and a program of the same client launched from there may wait behind that very
+        # program (the client runs a device's programs on its own threads).
+        self._device: jax.Device | None = None
 
     def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         with self._lock:
@@ -137,7 +142,10 @@ class RuleRunner:
         hyper: Mapping[str, Any],
     ) -> None:  # fmt: skip
         """One step of ``segments`` (:func:`jax_mlpo.optimizers.segment_calls`' tuples)."""
-        scalars = {k: np.float32(v) for k, v in hyper.items()}
+        if self._device is None:
+            self._device = xla_client.make_cpu_client().devices()[0]
+        device = self._device
+        scalars = jax.device_put({k: np.float32(v) for k, v in hyper.items()}, device)
         tasks = []
         for seg, moments, grad, param, out, base in segments:
             for m in moments:
@@ -149,7 +157,7 @@ class RuleRunner:
                    None if out is None else out.dtype)  # fmt: skip
             program = self._program(key)
             for start, stop in chunks(param.shape[0], self._chunk):
-                tasks.append((program, moments, grad, param, out, base, start, stop))
+                tasks.append((program, device, moments, grad, param, out, base, start, stop))
         if len(tasks) <= 1 or self._threads == 1:
             for task in tasks:
                 self._chunk_step(scalars, *task)
@@ -163,11 +171,13 @@ class RuleRunner:
             future.result()
 
     @staticmethod
-    def _chunk_step(scalars, program, moments, grad, param, out, base, start, stop) -> None:
+    def _chunk_step(
+        scalars, program, device, moments, grad, param, out, base, start, stop
+    ) -> None:  # fmt: skip
         span = slice(start, stop)
         args = (
-            tuple(_to_xla(m[span]) for m in moments), _to_xla(grad[span]),
-            _to_xla(param[span]), None if base is None else _to_xla(base[span]),
+            tuple(_to_xla(m[span], device) for m in moments), _to_xla(grad[span], device),
+            _to_xla(param[span], device), None if base is None else _to_xla(base[span], device),
         )  # fmt: skip
         stored, p_new, u = program(*args, scalars)
         for m, value in zip(moments, stored, strict=True):
