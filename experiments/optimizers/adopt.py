@@ -28,8 +28,8 @@ def adopt(learning_rate, b1=0.9, b2=0.9999, eps=1e-6, *, offload, update_dtype=N
 
     def device_scalars(count_inc, hp, lr, grads):  # optax's step-0 rules, on the device
         count = count_inc - 1
-        return {"lr": lr, "b1_t": jnp.where(count > 0, hp["b1"], 1),
-                "b2_t": jnp.where(count > 0, hp["b2"], 0), "clip": clip_value_fn(count)}  # fmt: skip
+        b1_t, b2_t = jnp.where(count > 0, hp["b1"], 1), jnp.where(count > 0, hp["b2"], 0)
+        return {"lr": lr, "b1_t": b1_t, "b2_t": b2_t, "clip": clip_value_fn(count)}
 
     return extend.offloaded_transformation(
         Adopt(), learning_rate=learning_rate, offload=offload,
