@@ -38,15 +38,13 @@ from jax_mlpo.optimizers.scalars import concrete
 from jax_mlpo.transforms.elementwise import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.transforms.offloaded import (
     EmptyGroup,
-    handles_at_run_time,
     is_traced,
-    made_at_run_time,
     offloaded,
     refuse_discarding_wrappers,
-    stand_ins_of,
     template_state,
 )
 from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.traced_init import handles_at_run_time, made_at_run_time, stand_ins_of
 from jax_mlpo.types import BF16, F32
 
 

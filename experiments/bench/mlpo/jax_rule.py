@@ -92,8 +92,9 @@ def cases(n: int, threads: int, chunk: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=2**24, help="elements of the segment")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (median)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all)")
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         target = TARGETS.get(key)
         print(f"  {key:<28} {value:8.2f}" + (f"   (target >= {target})" if target else ""))
     result = {
-        "figures": figures, "n": args.n, "chunk": args.chunk, "repeats": args.repeats, "threads": threads,
+        "figures": figures, "n": args.n, "chunk": args.chunk, "repeats": args.repeats,
+        "threads": threads,
         "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
