@@ -22,8 +22,10 @@ from jax_mlpo.errors import (
     EngineFailedError,
     JaxMlpoError,
     NoEngineError,
+    PendingUpdateError,
     StaleStateError,
     TierFullError,
+    UnusedTiersWarning,
 )
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
 from jax_mlpo.tiers.lock import TierInUseError
@@ -32,7 +34,7 @@ from jax_mlpo.transforms.elementwise import adamw, lion
 from jax_mlpo.transforms.muon import OffloadedMuonState, muon
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
 from jax_mlpo.transforms.overlap import overlapped_step
-from jax_mlpo.transforms.overlapped_loop import OverlappedLoop, PendingUpdateError
+from jax_mlpo.transforms.overlapped_loop import OverlappedLoop
 from jax_mlpo.transforms.registry import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
@@ -61,6 +63,7 @@ __all__ = [
     "TierFullError",
     "TierIOError",
     "TierInUseError",
+    "UnusedTiersWarning",
     "adamw",
     "lion",
     "muon",

@@ -43,6 +43,18 @@ class NoEngineError(JaxMlpoError, RuntimeError):
     the message says which, and the fix."""
 
 
+class UnusedTiersWarning(UserWarning):
+    """Tiers are configured, but the optimizer state fits in ``host_cache``, so it stays in host
+    memory and the tiers are left unused. ``warnings.filterwarnings("ignore",
+    category=jax_mlpo.UnusedTiersWarning)`` says that host memory alone is fine."""
+
+
+class PendingUpdateError(JaxMlpoError, RuntimeError):
+    """An overlapped loop's pending update is lost or about to be: the loop was dropped or
+    given another model or optimizer before a flush, or a step failed inside its program after
+    taking the params and the state (:class:`jax_mlpo.OverlappedLoop`)."""
+
+
 class CheckpointInProgressError(JaxMlpoError, RuntimeError):
     """An optimizer's state is being read out for a checkpoint, and what was asked (another
     save, a load, an update during a synchronous snapshot) must wait for it to finish."""

@@ -8,12 +8,14 @@ transport. An optimizer gives three things:
    params' size), ``scalar_names`` (what the device computes for each step, by name),
    ``hyper(scalars)`` and ``update(...)`` over one resident subgroup
    (:class:`~jax_mlpo.optimizers.HostOptimizer`). :class:`ElementwiseOptimizer` writes
-   ``update`` for an elementwise rule given as a NumPy function of one segment;
+   ``update`` for an elementwise rule given as a function of one segment: in ``jax.numpy``
+   (:class:`JaxElementwiseOptimizer`, compiled by XLA for the host and run at memory speed)
+   or in NumPy (:class:`ElementwiseOptimizer`, a prototype's speed);
 2. the device's part of a step, ``device_scalars(count_inc, hyperparams, lr, grads)``: a dict of
    the scalars ``scalar_names`` names (optax's own expressions, evaluated under jit);
 3. :func:`offloaded_transformation`, which makes the optax ``GradientTransformationExtraArgs``.
 
-docs/extending.md adds Lion this way, with a NumPy update and with a native kernel.
+docs/extending.md adds Lion this way: in jax.numpy, in NumPy and with a native kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import optax
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.layout import Subgroup, check_moment_dtypes
 from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.native import num_threads
 from jax_mlpo.optimizers import HostOptimizer, segment_calls, write_update
+from jax_mlpo.optimizers.jax_rule import RuleRunner, check_float
 from jax_mlpo.transforms.elementwise import check_offload, check_scalars, check_update_dtype
 from jax_mlpo.transforms.offloaded import DeviceScalars, offloaded
 from jax_mlpo.transforms.opt_state import OffloadedState
@@ -38,6 +42,7 @@ from jax_mlpo.types import F32
 
 __all__ = [
     "ElementwiseOptimizer",
+    "JaxElementwiseOptimizer",
     "HostOptimizer",
     "OffloadedState",
     "offloaded_transformation",
@@ -102,6 +107,50 @@ class ElementwiseOptimizer:
             write_update(np.asarray(u, F32), param, out, base is not None, base, None)
 
 
+class JaxElementwiseOptimizer(ElementwiseOptimizer):
+    """An optimizer whose elementwise rule is written in ``jax.numpy``, run at memory speed.
+
+    Subclass it, set the three names and write :meth:`step` with ``jax.numpy``: the arguments
+    are :class:`ElementwiseOptimizer`'s, and it returns the new moments with the update
+    instead of advancing the moments in place. XLA compiles it for the host (once per chunk
+    shape and variant) into one fused loop, which the engine runs over each segment of a
+    resident subgroup in cache-sized chunks on ``native.num_threads()`` threads
+    (:mod:`jax_mlpo.optimizers.jax_rule`). The hyper-parameters reach it as float32 scalars,
+    so a schedule or ``inject_hyperparams`` compiles nothing new.
+    """
+
+    _runner: RuleRunner | None = None
+
+    def step(
+        self, moments: tuple[jax.Array, ...], grad: jax.Array, param: jax.Array,
+        hyper: Any, *, decay: bool,
+    ) -> tuple[tuple[jax.Array, ...], jax.Array]:  # fmt: skip
+        """One step of one segment, in ``jax.numpy`` (traced once per chunk shape).
+
+        Args:
+          moments: the segment's moments, in ``moment_names``' order and storage dtypes.
+          grad: its float32 gradient.
+          param: its float32 params (the fp32 master of bfloat16 ones).
+          hyper: what :meth:`hyper` returned for the step, each value a float32 scalar.
+          decay: whether weight decay applies to this segment (the ``mask``).
+
+        Returns:
+          ``(moments, update)``: the new moments (stored in their dtypes) and the float32
+          update optax's optimizer would return.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define step()")
+
+    def update(
+        self, sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
+        hyper: Any, *, count: int,
+    ) -> None:  # fmt: skip
+        """:meth:`HostOptimizer.update` through the compiled :meth:`step`."""
+        if self._runner is None:
+            self._runner = RuleRunner(self.step, self.name, num_threads())
+        calls = segment_calls(sg, blob, leaves, grad_blob, init_master=count == 0)
+        self._runner.run(list(calls), hyper)
+
+
 def offloaded_transformation(
     optimizer: HostOptimizer,
     *,
@@ -148,12 +197,15 @@ def offloaded_transformation(
     names = tuple(optimizer.moment_names)
     dtypes = [jnp.float32] * len(names) if moment_dtypes is None else list(moment_dtypes)
     moments = check_moment_dtypes(dtypes, names)
-    if isinstance(optimizer, ElementwiseOptimizer) and (
+    if isinstance(optimizer, JaxElementwiseOptimizer):
+        check_float(moments, optimizer.name)
+    elif isinstance(optimizer, ElementwiseOptimizer) and (
         type(optimizer).update is ElementwiseOptimizer.update
     ):
         warnings.warn(
             f"jax_mlpo.extend: {optimizer.name}'s update runs in NumPy, a segment at a time, "
-            "several times slower than a fused kernel; override update() to call one",
+            "several times slower than a fused kernel; write the rule in jax.numpy "
+            "(extend.JaxElementwiseOptimizer) for memory speed",
             stacklevel=2,
         )
     scalars: Callable[..., dict[str, Any]] = device_scalars or (lambda c, hp, lr, g: {"lr": lr})

@@ -9,6 +9,7 @@ import dataclasses
 import re
 import stat
 import typing
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -584,6 +585,67 @@ def test_pipeline_error_names_the_true_minimum(tmp_path):
         )
         return jax_mlpo.adamw(1e-3, offload=config)
 
-    jax_mlpo.close(make(state_bytes).init(params))  # this much is enough
-    with pytest.raises(ConfigError, match=rf"at least {state_bytes}\b"):
+    # this much is enough, and the tier goes unused: no host cache streams a state smaller
+    # than the pipeline's buffers through it
+    with pytest.warns(jax_mlpo.UnusedTiersWarning, match="lower subgroup_size"):
+        jax_mlpo.close(make(state_bytes).init(params))
+    with pytest.raises(
+        ConfigError,
+        match=rf"at least {state_bytes} \(the whole state: it then stays in host memory and "
+        r"the tiers go unused\), or lower subgroup_size or prefetch_depth",
+    ):
         make(state_bytes - 1).init(params)
+
+
+def test_a_state_that_fits_the_host_cache_warns_that_the_tiers_go_unused(tmp_path):
+    """Tiers configured, a state that fits in host_cache: init warns with the sizes and both
+    fixes; a host cache between the pipeline's buffers and the state uses the tier, silently."""
+    n = 64 * SUBGROUP
+    params = {"w": jnp.zeros((n,), jnp.float32)}
+    state_bytes = 8 * n  # m and v
+    pipeline = (2 * 1 + 2) * 8 * SUBGROUP  # prefetch_depth 2 x 1 tier + 2 buffers
+
+    def make(cache):
+        config = OffloadConfig(host_cache=cache, tiers=[str(tmp_path / "tier")],
+                               subgroup_size=SUBGROUP, placement="even")  # fmt: skip
+        return jax_mlpo.adamw(1e-3, offload=config)
+
+    with pytest.warns(jax_mlpo.UnusedTiersWarning) as caught:
+        state = make(state_bytes).init(params)
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        f"jax_mlpo.adamw: the optimizer state ({state_bytes} bytes) fits in host_cache="
+        f"{state_bytes} bytes, so it stays all in host memory and the 1 configured tier(s) "
+        f"({str(tmp_path / 'tier')!r}) are not used. To put it on the tiers, lower host_cache "
+        f"below {state_bytes} bytes (at least {pipeline}: the pipeline's buffers). To keep it "
+        "in host memory, drop the tiers (tiers=()) or say so with warnings.filterwarnings("
+        '"ignore", category=jax_mlpo.UnusedTiersWarning).'
+    )
+    assert jax_mlpo.engine_of(state).tiers == []
+    jax_mlpo.close(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = make(state_bytes - 1).init(params)
+    assert len(jax_mlpo.engine_of(state).tiers) == 1
+    jax_mlpo.close(state)
+    # the user's word that host memory is fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=jax_mlpo.UnusedTiersWarning)
+        jax_mlpo.close(make(state_bytes).init(params))
+
+
+def test_a_too_small_host_cache_names_both_sizes_and_what_each_means(tmp_path):
+    n = 64 * SUBGROUP
+    params = {"w": jnp.zeros((n,), jnp.float32)}
+    pipeline = (2 * 1 + 2) * 8 * SUBGROUP
+    config = OffloadConfig(host_cache=pipeline - 1, tiers=[str(tmp_path / "tier")],
+                           subgroup_size=SUBGROUP, placement="even")  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"Raise host_cache to at least {pipeline} \(the pipeline's buffers: the state "
+        rf"streams through the tiers; {8 * n} or more holds the whole state in host memory and "
+        r"leaves the tiers unused\)",
+    ):
+        jax_mlpo.adamw(1e-3, offload=config).init(params)
+    TierLock(str(tmp_path / "tier")).release()

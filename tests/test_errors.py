@@ -32,7 +32,11 @@ def test_every_exception_derives_from_one_base_in_errors_py():
     classes = library_exceptions()
     assert len(classes) >= 12  # the base and the eleven the library raises
     assert {c.__module__ for c in classes} == {"jax_mlpo.errors"}
-    assert all(issubclass(c, jax_mlpo.JaxMlpoError) for c in classes)
+    # every error under the one base; a warning (not raised) is a UserWarning, filterable so
+    warnings = [c for c in classes if issubclass(c, Warning)]
+    assert warnings == [jax_mlpo.UnusedTiersWarning]
+    assert all(issubclass(c, UserWarning) for c in warnings)
+    assert all(issubclass(c, jax_mlpo.JaxMlpoError) for c in classes if c not in warnings)
     # the builtin bases callers already catch stay
     assert issubclass(jax_mlpo.TierIOError, OSError)
     assert issubclass(jax_mlpo.ConfigError, ValueError)

@@ -3,6 +3,7 @@ scalar vector by name; jax_mlpo.muon built once."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import warnings
 from pathlib import Path
@@ -22,43 +23,54 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
 # how far each of the page's optimizers may be from optax.lion (float32 params): the kernel
 # computes optax's expressions; NumPy rounds (1 - b) * x + b * m twice where XLA fuses them
-TOLERANCE = {"numpy_lion": 1e-6, "native_lion": 1e-7}
+TOLERANCE = {"jax_lion": 1e-6, "numpy_lion": 1e-6, "native_lion": 1e-7}
 
 
 def _page() -> dict:
-    """The page's definitions (its first two blocks), as a reader would paste them."""
+    """The page's definitions (every block but the last), as a reader would paste them."""
     namespace: dict = {}
-    for block in BLOCKS[:2]:
+    for block in BLOCKS[:-1]:
         exec(compile(block, str(PAGE), "exec"), namespace)
     return namespace
 
 
-def _config(path: Path) -> jax_mlpo.OffloadConfig:
-    # subgroups of 256 elements, most of them on the tier (8 bytes each: m and a master)
-    return jax_mlpo.OffloadConfig(host_cache=3 * 8 * 256, subgroup_size=256, prefetch_depth=1,
-                                  tiers=[jax_mlpo.FileTier(str(path))])  # fmt: skip
+def _config(path: Path, bytes_per_param: int = 4) -> jax_mlpo.OffloadConfig:
+    # subgroups of 256 elements; the host cache is the pipeline's three buffers, so the state
+    # (bytes_per_param: 4 for Lion's m, 8 with a master) lives on the tier
+    tiers = [jax_mlpo.FileTier(str(path))]
+    return jax_mlpo.OffloadConfig(host_cache=3 * bytes_per_param * 256, subgroup_size=256,
+                                  prefetch_depth=1, tiers=tiers)  # fmt: skip
 
 
 def _decay_matrices(params):
     return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
-def test_the_page_has_its_three_blocks_and_its_loop_runs(tmp_path, monkeypatch):
-    assert len(BLOCKS) == 3
+def test_the_page_has_its_five_blocks_and_its_loop_runs_on_its_tier(tmp_path, monkeypatch):
+    assert len(BLOCKS) == 5
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the loop uses the native one: no NumPy warning
-        for block in BLOCKS:
+        warnings.simplefilter("ignore")  # the NumPy Lion's, at its definition only
+        for block in BLOCKS[:-1]:
             exec(compile(block, str(PAGE), "exec"), namespace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the loop's jax.numpy Lion, its tier in use: no warning
+        exec(compile(BLOCKS[-1], str(PAGE), "exec"), namespace)
     assert namespace["state"].count == 3
+    assert len(list((tmp_path / "opt_state").rglob("state-*.blob"))) >= 4
 
 
-CLASSES = {"numpy_lion": "NumpyLion", "native_lion": "NativeLion"}
+def test_the_pages_adabelief_is_the_file():
+    source = Path(__file__).resolve().parents[1] / "experiments" / "optimizers" / "adabelief.py"
+    assert BLOCKS[1] == source.read_text()
+
+
+CLASSES = {"jax_lion": "JaxLion", "numpy_lion": "NumpyLion", "native_lion": "NativeLion"}
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["page", "mask"])
-@pytest.mark.parametrize("factory", ["numpy_lion", "native_lion"])
+@pytest.mark.parametrize("factory", ["jax_lion", "numpy_lion", "native_lion"])
 def test_matches_optax_lion(factory, masked, tmp_path):
     """The page's factory, and ``offloaded_transformation`` with a ``mask`` (the vector not
     decayed, as optax.lion's mask says)."""
@@ -82,7 +94,7 @@ def test_matches_optax_lion(factory, masked, tmp_path):
     jax_mlpo.close(state)
 
 
-@pytest.mark.parametrize("factory", ["numpy_lion", "native_lion"])
+@pytest.mark.parametrize("factory", ["jax_lion", "numpy_lion", "native_lion"])
 def test_bfloat16_params_keep_an_fp32_master(factory, tmp_path):
     """bfloat16 params: the state's fp32 master follows optax.lion on float32 params fed the
     same gradients, and the params are that master rounded (``update_dtype=float32`` makes
@@ -91,7 +103,7 @@ def test_bfloat16_params_keep_an_fp32_master(factory, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tx = extend.offloaded_transformation(
-            optimizer, learning_rate=1e-2, offload=_config(tmp_path / "tier"),
+            optimizer, learning_rate=1e-2, offload=_config(tmp_path / "tier", 8),
             hyperparams={"b1": 0.9, "b2": 0.99, "weight_decay": 0.1},
             update_dtype=jnp.float32,
         )  # fmt: skip
@@ -120,9 +132,10 @@ def test_bfloat16_params_keep_an_fp32_master(factory, tmp_path):
     jax_mlpo.close(state)
 
 
-def test_inject_hyperparams_reaches_the_numpy_update(tmp_path):
+@pytest.mark.parametrize("factory", ["jax_lion", "numpy_lion"])
+def test_inject_hyperparams_reaches_the_host_rule(factory, tmp_path):
     """The learning rate and b1 as per-step arrays, changed mid-run, read by name on the host."""
-    make = _page()["numpy_lion"]
+    make = _page()[factory]
     hp = dict(learning_rate=1e-2, b1=0.8, b2=0.95, weight_decay=0.05)
     changes = {"learning_rate": 3e-3, "b1": 0.5}
     want, _ = run_small(optax.inject_hyperparams(optax.lion)(**hp), 8, change_at=5, changes=changes)
@@ -144,6 +157,79 @@ def test_a_numpy_update_says_it_is_slow_and_a_native_one_does_not(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         page["native_lion"](1e-3, offload=_config(tmp_path / "b"))
+
+
+# ---- AdaBelief and ADOPT in jax.numpy (experiments/optimizers) ---------------------------------
+
+CONTRIB = ["adabelief", "adopt"]
+
+
+def _contrib(name: str):
+    module = importlib.import_module(f"experiments.optimizers.{name}")
+    return getattr(module, name), module.reference
+
+
+def _on_tier(path: Path) -> None:
+    assert len(list(path.rglob("state-*.blob"))) >= 4  # the state lives on the tier
+
+
+@pytest.mark.parametrize("name", CONTRIB)
+def test_a_jax_numpy_optimizer_matches_optax_on_a_file_tier(name, tmp_path):
+    ours, theirs = _contrib(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy warning, and the tier is in use
+        tx = ours(1e-2, offload=_config(tmp_path / "tier", 8))
+        got, state = run_small(tx, 8)
+    want, _ = run_small(theirs(1e-2), 8)
+    _on_tier(tmp_path / "tier")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    jax_mlpo.close(state)
+
+
+@pytest.mark.parametrize("name", CONTRIB)
+def test_a_jax_numpy_optimizer_keeps_an_fp32_master_of_bfloat16_params(name, tmp_path):
+    """bfloat16 params: the update lands on the fp32 master (update_dtype=float32), which
+    follows optax on float32 params fed the same gradients."""
+    ours, theirs = _contrib(name)
+    tx = ours(1e-2, offload=_config(tmp_path / "tier", 12), update_dtype=jnp.float32)
+    ref_tx = theirs(1e-2)
+    master = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), small_params())
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
+    state, ref_state = tx.init(params), ref_tx.init(master)
+    update, ref_update = jax.jit(tx.update), jax.jit(ref_tx.update)
+    ours_master = master
+    for i in range(6):
+        grads = small_grads(i, params)
+        updates, state = update(grads, state, params)
+        ours_master = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
+        params = optax.apply_updates(params, updates)
+        ref_updates, ref_state = ref_update(
+            jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state, master
+        )
+        master = optax.apply_updates(master, ref_updates)
+    _on_tier(tmp_path / "tier")
+    for k in master:  # params + the float32 update is the new master
+        np.testing.assert_allclose(ours_master[k], master[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    jax_mlpo.close(state)
+
+
+@pytest.mark.parametrize("name", CONTRIB)
+def test_a_jax_numpy_optimizer_under_inject_hyperparams(name, tmp_path):
+    ours, theirs = _contrib(name)
+    hp = {"learning_rate": 1e-2, "b1": 0.8, "b2": 0.95}
+    changes = {"learning_rate": 3e-3, "b1": 0.5}
+    static = ("clip_value_fn",) if name == "adopt" else ()  # a function, not a schedule
+    reference = optax.inject_hyperparams(theirs, static_args=static)(**hp)
+    want, _ = run_small(reference, 8, change_at=5, changes=changes)
+    tx = optax.inject_hyperparams(ours, static_args=("offload", *static))(
+        **hp, offload=_config(tmp_path / "tier", 8)
+    )
+    got, state = run_small(tx, 8, change_at=5, changes=changes)
+    _on_tier(tmp_path / "tier")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    jax_mlpo.close(state)
 
 
 # ---- the scalar vector -----------------------------------------------------------------------
@@ -202,7 +288,7 @@ def test_eager_muon_compiles_nothing_after_its_first_step(tmp_path):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
-    config = jax_mlpo.OffloadConfig(host_cache="16MiB", tiers=[jax_mlpo.FileTier(str(tmp_path))])
+    config = jax_mlpo.OffloadConfig(host_cache="16MiB")  # compilations: host memory will do
     tx = jax_mlpo.muon(1e-2, weight_decay=0.1, offload=config)
     params = {"w": jnp.ones((32, 24), jnp.bfloat16), "x": jnp.ones((24, 16), jnp.float32),
               "b": jnp.zeros((24,), jnp.float32)}  # fmt: skip

@@ -194,7 +194,7 @@ PACKAGE_MAY_IMPORT: dict[str, set[str]] = {
         "sharding",
         "transforms",
     },  # fmt: skip
-    "extend": {"errors", "types", "config", "engine", "optimizers", "transforms"},
+    "extend": {"errors", "types", "native", "config", "engine", "optimizers", "transforms"},
     "testing": {"errors", "types", "tiers", "config", "engine", "transforms", "checkpoint"},
 }
 

@@ -4,12 +4,15 @@ behaviour on the same inputs, with the state on a file tier (bytes on it, checke
 - ``update(..., **extra_args)``: accepted and ignored, as optax's optimizers do;
 - ``optax.tree.map_params``, ``optax.tree.get``/``set``, alone and inside wrappers;
 - ``jax.eval_shape(tx.init, params)``: the state's shapes, with nothing written or held;
+- ``jax.jit(tx.init)``, a linen ``TrainState`` made under ``jit``, an ``nnx.Optimizer`` made
+  under ``nnx.jit``: each run makes an engine, and trains as the eager init and as optax;
 - a second ``init`` in one process: it replaces the first state, which then refuses clearly;
 - ``optax.MultiSteps`` refusals that name the optimizer they wrap.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -242,8 +245,8 @@ def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_
     with (
         pytest.raises(
             jax_mlpo.NoEngineError,
-            match=r"made by tx.init under a JAX trace.*tx.init\(params\) on concrete params "
-            "outside jit",
+            match=r"made by tx.init under a JAX trace that makes no engine \(jax.eval_shape.*"
+            r"with tx.init\(params\), eagerly or under jax.jit",
         ),
         jax_mlpo.errors.typed(),
     ):
@@ -282,12 +285,137 @@ def test_schedule_free_around_adamw_follows_optax(tmp_path):
     jax_mlpo.close(state)
 
 
-def test_a_jitted_init_is_refused_at_first_use(tmp_path):
-    tx = jax_mlpo.adamw(LR, offload=file_config(tmp_path))
+JIT_WRAPPERS = ["alone", "chain", "inject"]
+
+
+@pytest.mark.parametrize("wrapper", JIT_WRAPPERS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_jitted_init_trains_as_the_eager_init_and_as_optax(name, wrapper, tmp_path):
+    """jax.jit(tx.init)(params): the compiled init makes the engine when it runs; training from
+    its state is the eager init's bit for bit, and optax's to float32 rounding."""
+    ours, theirs = OPTIMIZERS[name]
+    config = file_config(tmp_path, HOST_CACHE[name])
+    tx = wrappers(lambda learning_rate: ours(learning_rate, offload=config))[wrapper]()
+    open_before = set(registry.open_handles())
     state = jax.jit(tx.init)(make_params())
-    assert list(Path(tmp_path / "t0").rglob("*")) == []
-    with pytest.raises(jax_mlpo.NoEngineError, match="under a JAX trace.*outside jit"):
-        jax_mlpo.engine_of(state)
+    assert set(registry.open_handles()) > open_before  # an engine, made by the program's run
+    jitted, state = train(tx, state=state)
+    assert_on_tier(config)
+    jax_mlpo.close(state)
+    eager, state = train(tx)
+    jax_mlpo.close(state)
+    for a, e in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    assert_close(jitted, train(wrappers(theirs)[wrapper]())[0])
+
+
+def test_each_run_of_a_jitted_init_makes_its_own_engine_and_tier_files(tmp_path):
+    """Two calls of one compiled init: two engines, the second taking the first's place as a
+    second eager init does, each with a set of tier files of its own."""
+    config = file_config(tmp_path)
+    tier = Path(config.tiers[0].path)
+    tx = jax_mlpo.adamw(LR, weight_decay=0.1, offload=config)
+    init = jax.jit(tx.init)
+    first = train(tx, steps=1, state=init(make_params()))[1]
+    blobs = sorted(tier.rglob("state-*.blob"))
+    assert len(blobs) >= 4
+    kept = [tmp_path / f"kept-{k}" for k in range(len(blobs))]
+    for blob, link in zip(blobs, kept, strict=True):
+        link.hardlink_to(blob)  # the first engine's files stay reachable (and their inodes)
+    second = init(make_params())
+    assert registry.key_of(second.handle) != registry.key_of(first.handle)
+    with pytest.raises(jax_mlpo.NoEngineError, match="was replaced: a later tx.init"):
+        jax_mlpo.engine_of(first)
+    params, second = train(tx, state=second)
+    assert_close(params, train(optax.adamw(LR, weight_decay=0.1))[0])
+    now = sorted(tier.rglob("state-*.blob"))
+    assert now and not any(b.samefile(k) for b in now for k in kept)  # a new set of files
+    jax_mlpo.close(second)
+
+
+def test_a_linen_train_state_made_under_jit_trains_as_optax(tmp_path):
+    """linen's idiom: the TrainState (params and optimizer state) made by a jitted function,
+    its out_shardings from jax.eval_shape of the same function."""
+    from flax import linen as nn  # noqa: PLC0415
+    from flax.training import train_state  # noqa: PLC0415
+
+    model = nn.Dense(128)
+    x = jnp.linspace(-1.0, 1.0, 4 * 256, dtype=jnp.float32).reshape(4, 256)
+
+    def create(tx):
+        params = model.init(jax.random.key(0), x)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def loss(params, batch):
+        return jnp.mean(jnp.square(model.apply({"params": params}, batch) - 0.5))
+
+    @jax.jit
+    def step(state, batch):
+        return state.apply_gradients(grads=jax.grad(loss)(state.params, batch))
+
+    def run(tx, jitted):
+        make = functools.partial(create, tx)
+        if jitted:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device, jax.eval_shape(make))
+            state = jax.jit(make, out_shardings=shardings)()
+        else:
+            state = make()
+        for i in range(STEPS):
+            state = step(state, x * (i + 1))
+        return jax.block_until_ready(state)
+
+    config = file_config(tmp_path, 3 * 8 * SUB)
+    tx = jax_mlpo.adamw(LR, weight_decay=0.1, offload=config)
+    jitted = run(tx, jitted=True)
+    assert_on_tier(config)
+    jax_mlpo.close(jitted.opt_state)
+    eager = run(tx, jitted=False)
+    jax_mlpo.close(eager.opt_state)
+    for a, e in zip(jax.tree.leaves(jitted.params), jax.tree.leaves(eager.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    assert_close(jitted.params, run(optax.adamw(LR, weight_decay=0.1), jitted=True).params)
+
+
+def test_an_nnx_optimizer_made_under_nnx_jit_trains_as_optax(tmp_path):
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(256, 128, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    x = jnp.linspace(-1.0, 1.0, 4 * 256, dtype=jnp.float32).reshape(4, 256)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        def loss(model):
+            return jnp.mean(jnp.square(model(batch) - 0.5))
+
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    def run(tx, jitted):
+        def make():
+            model = Model(nnx.Rngs(0))
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        model, optimizer = nnx.jit(make)() if jitted else make()
+        for i in range(STEPS):
+            step(model, optimizer, x * (i + 1))
+        return model, optimizer
+
+    config = file_config(tmp_path, 3 * 8 * SUB)
+    tx = jax_mlpo.adamw(LR, weight_decay=0.1, offload=config)
+    jitted, optimizer = run(tx, jitted=True)
+    assert_on_tier(config)
+    jax_mlpo.close(optimizer.opt_state)
+    eager, optimizer = run(tx, jitted=False)
+    jax_mlpo.close(optimizer.opt_state)
+    got, want = nnx.state(jitted, nnx.Param), nnx.state(eager, nnx.Param)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    expected = nnx.state(run(optax.adamw(LR, weight_decay=0.1), jitted=True)[0], nnx.Param)
+    assert_close(got, expected)
 
 
 # -- re-initialisation -------------------------------------------------------------------------

@@ -14,12 +14,13 @@ rest of the subgroups over the tiers by bandwidth (:mod:`jax_mlpo.engine.placeme
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 from jax_mlpo.config import FileTier, ObjectTier, OffloadConfig
 from jax_mlpo.engine import retention
 from jax_mlpo.engine.layout import Layout
-from jax_mlpo.errors import ConfigError
+from jax_mlpo.errors import ConfigError, UnusedTiersWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,24 +104,87 @@ def host_plan(config: OffloadConfig, shape: StateShape) -> HostPlan:
     if not tiers:
         problem = (
             f"host_cache={config.host_cache} bytes cannot hold the optimizer state "
-            f"({state_bytes} bytes) and no tiers are configured: add a FileTier, or "
-            f"raise host_cache to at least {state_bytes}"
+            f"({state_bytes} bytes) and no tiers are configured: add a FileTier (the state "
+            f"then streams through it), or raise host_cache to at least {state_bytes} (the "
+            "whole state, held in host memory)"
         )
     elif buffers < minimum:
-        # the whole state in host memory needs no pipeline, and may be the smaller fix
-        needed = min(minimum * per_buffer, state_bytes)
+        pipeline = minimum * per_buffer
         problem = (
             f"host_cache={config.host_cache} bytes is smaller than the pipeline's buffers: "
             f"(prefetch_depth {config.prefetch_depth} x {len(tiers)} tier(s) + 2) x "
-            f"{per_buffer} bytes per subgroup = {minimum * per_buffer} bytes: the pipeline "
-            f"needs {minimum}. Raise host_cache to at least {needed}, or lower subgroup_size "
-            "or prefetch_depth."
+            f"{per_buffer} bytes per subgroup = {pipeline} bytes: the pipeline needs "
+            f"{minimum}. {_sizes_to_raise(pipeline, state_bytes)}"
         )
     retained = retention.retained_count(
         config, buffers=buffers, minimum=minimum, subgroups=num_subgroups
     )
     return HostPlan(
         False, state_bytes, tuple(tiers), per_buffer, buffers, minimum, retained, problem
+    )
+
+
+def _sizes_to_raise(pipeline: int, state_bytes: int) -> str:
+    """What each host cache size that would fix a too small one means: the pipeline's buffers
+    keep the tiers in use; the whole state turns them off."""
+    if state_bytes <= pipeline:  # no host cache runs this state through the tiers
+        return (
+            f"Raise host_cache to at least {state_bytes} (the whole state: it then stays in "
+            "host memory and the tiers go unused), or lower subgroup_size or prefetch_depth "
+            f"until the pipeline's buffers are smaller than the state ({state_bytes} bytes) "
+            "to keep the tiers in use."
+        )
+    return (
+        f"Raise host_cache to at least {pipeline} (the pipeline's buffers: the state streams "
+        f"through the tiers; {state_bytes} or more holds the whole state in host memory and "
+        "leaves the tiers unused), or lower subgroup_size or prefetch_depth."
+    )
+
+
+def pipeline_bytes(config: OffloadConfig, shape: StateShape) -> int:
+    """The smallest ``host_cache`` that runs a state of ``shape`` through ``config``'s tiers."""
+    plan = host_plan(dataclasses.replace(config, host_cache=0), shape)
+    return plan.minimum * plan.buffer_bytes
+
+
+def warn_unused_tiers(name: str, config: OffloadConfig, shapes: Sequence[StateShape],
+                      plans: Sequence[HostPlan], *, stacklevel: int = 2) -> None:  # fmt: skip
+    """Warns (:class:`UnusedTiersWarning`) when ``config`` names tiers and every one of an
+    optimizer's engines (``plans``, of states ``shapes``) keeps its state in host memory.
+
+    Args:
+      name: the optimizer's name, for the message.
+      config: the optimizer's configuration (the one the user gave).
+      shapes: its engines' states.
+      plans: their plans.
+      stacklevel: the warning's stack level, counted from the caller.
+    """
+    if not config.tiers or not all(p.host_only for p in plans):
+        return
+    state_bytes = sum(s.state_bytes for s in shapes)
+    if state_bytes == 0:
+        return
+    pipeline = sum(pipeline_bytes(config, s) for s in shapes if s.state_bytes)
+    paths = ", ".join(repr(t.path) for t in config.tiers)
+    if pipeline < state_bytes:
+        fix = (
+            f"To put it on the tiers, lower host_cache below {state_bytes} bytes (at least "
+            f"{pipeline}: the pipeline's buffers)"
+        )
+    else:
+        fix = (
+            f"No host_cache puts it on the tiers: the pipeline's buffers ({pipeline} bytes) are "
+            f"larger than the state; lower subgroup_size (now {config.subgroup_size}) or "
+            "prefetch_depth for that"
+        )
+    warnings.warn(
+        f"jax_mlpo.{name}: the optimizer state ({state_bytes} bytes) fits in host_cache="
+        f"{config.host_cache} bytes, so it stays all in host memory and the "
+        f"{len(config.tiers)} configured tier(s) ({paths}) are not used. {fix}. To keep it in "
+        "host memory, drop the tiers (tiers=()) or say so with warnings.filterwarnings("
+        '"ignore", category=jax_mlpo.UnusedTiersWarning).',
+        UnusedTiersWarning,
+        stacklevel=stacklevel + 1,
     )
 
 
@@ -151,7 +215,8 @@ def split_host_cache(config: OffloadConfig, shapes: Sequence[StateShape]) -> lis
         raise ConfigError(
             f"host_cache={config.host_cache} bytes cannot hold the pipelines of this optimizer's "
             f"{len(shapes)} states ({sum(need)} bytes); raise host_cache to at least "
-            f"{sum(need)}, or lower subgroup_size or prefetch_depth"
+            f"{sum(need)} (each state's pipeline buffers, or the whole state where that is "
+            "smaller, which then stays in host memory), or lower subgroup_size or prefetch_depth"
         )
     rest = [p.state_bytes - n for p, n in zip(plans, need, strict=True)]
     spare = config.host_cache - sum(need)

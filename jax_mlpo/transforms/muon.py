@@ -32,7 +32,7 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.layout import build_layout, check_moment_dtypes, resolve_mask
-from jax_mlpo.engine.plan import StateShape, split_host_cache
+from jax_mlpo.engine.plan import StateShape, layout_plan, split_host_cache, warn_unused_tiers
 from jax_mlpo.engine.scalars import concrete
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
 from jax_mlpo.transforms.elementwise import adamw, check_offload, check_scalars, check_update_dtype
@@ -43,6 +43,8 @@ from jax_mlpo.transforms.offloaded import (
     refuse_discarding_wrappers,
     template_state,
 )
+from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.traced_init import handles_at_run_time, made_at_run_time, stand_ins_of
 from jax_mlpo.types import BF16, F32
 
 
@@ -254,11 +256,19 @@ def muon(
             part_configs[key] = configs
         return part_configs[key]
 
-    def init_fn(params):
+    def init_fn(params, *, host_arrays: bool = False):
+        # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
         refuse_discarding_wrappers("muon")
-        if is_traced(params) or not jax.tree.leaves(params):
-            # jax.eval_shape, or optax.tree.map_params's placeholder: the state's shapes only
+        if not jax.tree.leaves(params) or (is_traced(params) and not made_at_run_time(params)):
+            # optax.tree.map_params's placeholder, a trace on a mesh: the state's shapes only
             return OffloadedMuonState(*(template_state(params) for _ in range(3)))
+        if is_traced(params):  # jax.jit(tx.init): the engines are made when the program runs
+            stand_ins = stand_ins_of(params)
+            handles = handles_at_run_time(
+                lambda: [int(s.handle) for s in init_fn(stand_ins, host_arrays=True)], 3
+            )
+            zero = jnp.zeros([], jnp.int32)
+            return OffloadedMuonState(*(OffloadedState(zero, h) for h in handles))
         groups = _groups(params, muon_weight_dimension_numbers)
         leaves = jax.tree.leaves(params)
         muon_leaves = [leaves[i] for i in groups.muon]
@@ -277,12 +287,16 @@ def muon(
         # so the state's structure does not depend on the params, as optax's partition
         # states do not: optax.tree.map_params inits on a placeholder with no leaves.
         masked = [flags[k] for k in groups.master]
+        held = [n for n, x in parts.items() if x]
+        warn_unused_tiers("muon", offload, [StateShape.of(parts[n]) for n in held],
+                          [layout_plan(configs[n], parts[n]) for n in held])  # fmt: skip
         return OffloadedMuonState(
             momentum=momentum_tx.init(muon_leaves or EmptyGroup(),
-                                      part_offload=configs["momentum"]),
+                                      part_offload=configs["momentum"], host_arrays=host_arrays),
             master=master_tx.init(bf16 or EmptyGroup(), part_offload=configs["master"],
-                                  part_mask=masked if bf16 else None),
-            adam=adam_tx.init(adam_params or EmptyGroup(), part_offload=configs["adam"]),
+                                  part_mask=masked if bf16 else None, host_arrays=host_arrays),
+            adam=adam_tx.init(adam_params or EmptyGroup(), part_offload=configs["adam"],
+                              host_arrays=host_arrays),
         )  # fmt: skip
 
     # Jitted once here: eagerly, optax's Newton-Schulz scan would compile again at every step.

@@ -28,6 +28,7 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.engine.plan import StateShape, warn_unused_tiers
 from jax_mlpo.engine.scalars import ScalarNames
 from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import (
@@ -46,6 +47,7 @@ from jax_mlpo.sharding.mesh import MeshPlan
 from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
 from jax_mlpo.transforms import group_runs, overlap, registry
 from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.traced_init import handles_at_run_time, made_at_run_time, stand_ins_of
 
 
 def refuse_discarding_wrappers(name: str) -> None:
@@ -236,15 +238,28 @@ def offloaded(
         registry.take_place(place)
         return Engine(layout, config, optimizer, scalar_names), place
 
-    def init_fn(params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None):
+    def init_fn(
+        params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None,
+        host_arrays: bool = False,
+    ):  # fmt: skip
         # part_offload, part_mask: where an optimizer is made of several of these, each over a
-        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask
+        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask;
+        # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
         refuse_discarding_wrappers(name)
         where = offload if part_offload is None else part_offload
         decay = mask if part_mask is None else part_mask
         init_shapes.add(shapes_of(params))
-        if is_traced(params) or not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
+        if not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
             return template_state(params)
+        if is_traced(params):
+            if not made_at_run_time(params):
+                return template_state(params)
+            stand_ins = stand_ins_of(params)
+            (handle,) = handles_at_run_time(
+                lambda: [int(init_fn(stand_ins, part_offload=part_offload, part_mask=part_mask,
+                                     host_arrays=True).handle)], 1,
+            )  # fmt: skip
+            return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
         ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
@@ -256,6 +271,11 @@ def offloaded(
             mesh_plans[key] = plan.mesh
         else:
             handles = [registry.register(engine, place)]
+        if part_offload is None:  # a part's tiers are its optimizer's (jax_mlpo.muon warns)
+            warn_unused_tiers(name, where, [StateShape.of(layout)], [engine.plan])
+        if host_arrays:
+            (handle,) = handles
+            return OffloadedState(count=np.int32(0), handle=np.int32(handle))
         count, handle = plan.arrays(handles)
         return OffloadedState(count=count, handle=handle)
 

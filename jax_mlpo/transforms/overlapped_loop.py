@@ -35,7 +35,6 @@ timed once compiled and the faster is kept
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,29 +42,12 @@ import jax
 import numpy as np
 import optax
 
-from jax_mlpo.errors import JaxMlpoError
+from jax_mlpo.errors import PendingUpdateError
 from jax_mlpo.transforms import overlap_cost
 from jax_mlpo.transforms.overlap import overlapped_step
+from jax_mlpo.transforms.overlapped_nnx import OverlappedTrainStep, quiet
 
 __all__ = ["OverlappedLoop", "PendingUpdateError"]
-
-
-class PendingUpdateError(JaxMlpoError, RuntimeError):
-    """An :class:`OverlappedLoop`'s pending update is lost or about to be: the loop was dropped
-    or given another model or optimizer before a flush, or a step failed inside its program
-    after taking the params and the state."""
-
-
-def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` without JAX's warning that donated buffers were not usable: jax_mlpo's update
-    writes into the donated gradients in place, which XLA does not see as a use."""
-
-    def call(*args: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            return fn(*args)
-
-    return call
 
 
 class OverlappedLoop:
@@ -117,8 +99,6 @@ class OverlappedLoop:
         was; its ``flush()`` brings the model and optimizer to the plain loop's state. A
         decorator in place of ``nnx.jit`` (``@jax_mlpo.OverlappedLoop.nnx``, or with
         ``overlap=``/``groups=``)."""
-        from jax_mlpo.transforms.overlapped_nnx import OverlappedTrainStep
-
         if step_fn is None:
             return lambda fn: OverlappedTrainStep(fn, overlap=overlap, groups=groups)
         return OverlappedTrainStep(step_fn, overlap=overlap, groups=groups)
@@ -305,7 +285,7 @@ class OverlappedLoop:
                 return params, opt_state, grads, rest, value, aux
 
             found = jax.jit(step, donate_argnums=(0, 1, 2))
-        self._programs[name] = found = _quiet(found)
+        self._programs[name] = found = quiet(found)
         return found
 
     def _resolve_groups(self) -> int:

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
+from jax_mlpo.errors import PendingUpdateError
 from jax_mlpo.transforms import overlap_cost
 from jax_mlpo.transforms.overlap import (
     Grouping,
@@ -86,9 +87,11 @@ class _UpdateTaker:
         )
 
 
-def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
+def quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` without JAX's warning that donated buffers were not usable: jax_mlpo's update
+    writes into the donated gradients in place, which XLA does not see as a use."""
+
     def call(*args: Any) -> Any:
-        # jax_mlpo's update writes into donated gradients in place, which XLA does not see
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             return fn(*args)
@@ -197,8 +200,6 @@ class OverlappedTrainStep:
 
     def __del__(self) -> None:
         if getattr(self, "_pending", None) is not None and self._failed is None:
-            from jax_mlpo.transforms.overlapped_loop import PendingUpdateError
-
             raise PendingUpdateError(
                 "an overlapped NNX train step was dropped with an update pending: the model and "
                 "optimizer lack the last step's update. Call train_step.flush() before the "
@@ -211,8 +212,6 @@ class OverlappedTrainStep:
         if self._bound is None:
             self._bound = (model, optimizer)
         elif model is not self._bound[0] or optimizer is not self._bound[1]:
-            from jax_mlpo.transforms.overlapped_loop import PendingUpdateError
-
             raise PendingUpdateError(
                 "an overlapped NNX train step was called with another model or optimizer than "
                 "its first call's; make one per model (jax_mlpo.OverlappedLoop.nnx(step))"
@@ -321,12 +320,11 @@ class OverlappedTrainStep:
                 return out, jax.tree.unflatten(treedef, new), opt_state, rest, (grads, kwargs)
 
             found = jax.jit(overlapped, donate_argnums=(0, 1, 2))
-        self._programs[name] = found = _quiet(found)
+        self._programs[name] = found = quiet(found)
         return found
 
 
 def _failed_error(cause: BaseException) -> BaseException:
-    from jax_mlpo.transforms.overlapped_loop import PendingUpdateError
 
     error = PendingUpdateError(
         "an earlier step failed inside its program, which had taken the model's params and the "

@@ -61,16 +61,17 @@ _first_failure: BaseException | None = None  # the first update that raised in t
 _MESH_PLANS: dict[tuple[Any, ...], MeshPlan] = {}
 _LOCK = threading.Lock()
 
-# The handle of a state made by tx.init under a trace (jax.eval_shape, jax.jit): a template
-# with the state's shapes and no engine. Real handles are drawn from [1, 2**31 - 1].
+# The handle of a state made by tx.init under a trace that makes no engine (jax.eval_shape):
+# a template with the state's shapes and no engine. Real handles are drawn from [1, 2**31 - 1].
 TEMPLATE = 0
 
 _TEMPLATE = (
-    "this jax_mlpo optimizer state was made by tx.init under a JAX trace (jax.eval_shape, "
-    "nnx.eval_shape, jax.jit or nnx.jit): it is a template with the state's shapes and dtypes "
-    "and no host state behind it. Use it as an abstract restore target's shapes only; make the "
-    "state to train and to restore into with tx.init(params) on concrete params outside jit "
-    "(with flax.nnx: create the nnx.Optimizer outside nnx.jit)"
+    "this jax_mlpo optimizer state was made by tx.init under a JAX trace that makes no engine "
+    "(jax.eval_shape or nnx.eval_shape; or jax.jit with params on a mesh or across processes): "
+    "it is a template with the state's shapes and dtypes and no host state behind it. Use it "
+    "as an abstract restore target's shapes only; make the state to train and to restore into "
+    "with tx.init(params), eagerly or under jax.jit / nnx.jit for params on one device (on a "
+    "mesh or across processes: eagerly, on the placed params)"
 )
 
 _NOT_FOUND = (

@@ -1,0 +1,203 @@
+"""An elementwise update rule written in ``jax.numpy``, run by the engine at host memory speed.
+
+:class:`jax_mlpo.extend.JaxElementwiseOptimizer` hands its rule here. The rule is compiled by
+XLA for the CPU (once per chunk shape and variant: weight decay or not, fp32 master or not, the
+dtypes) into one fused loop that reads the moments, the gradient and the params and writes the
+new moments and the update, as the native kernels do. The engine's subgroups live in its own
+host buffers, not in XLA's, so each segment is cut into chunks small enough for the caches
+(:data:`CHUNK` elements, a few hundred KiB per array): a chunk's inputs reach XLA without a
+copy where they are 64-byte aligned (``dlpack``), its fresh outputs stay in the cache, and they
+are copied into the state at once. Memory sees the bytes the rule must move, once; the
+chunks are spread over ``native.num_threads()`` threads (XLA releases the GIL while it runs).
+
+Why not the alternatives (measured in ``experiments/bench/mlpo/kernels.py``, docs/extending.md):
+one XLA call over a whole segment writes fresh outputs of the segment's size, which are then
+copied: twice the memory traffic, and the first touch of the fresh pages; donating the
+engine's buffers to XLA is refused for memory XLA does not own (the donation copies); and
+NumPy evaluates one expression at a time with a temporary each, on one core.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lib import xla_client
+
+from jax_mlpo.engine.quantize import Quantized
+from jax_mlpo.types import BF16, F32
+
+CHUNK = 1 << 16  # elements per XLA call: 7 arrays of 256 KiB stay in a core's L2
+MIN_CHUNK = 1 << 10  # the smallest compiled chunk; a shorter tail gets its own shape
+_ALIGN = 64  # bytes: XLA:CPU takes a buffer without a copy from this alignment
+
+# a rule: (moments, grad, param, hyper, *, decay) -> (new moments, update), in jax.numpy
+Rule = Callable[..., tuple[tuple[jax.Array, ...], jax.Array]]
+
+
+def chunks(n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """``[start, stop)`` pieces of ``n`` elements: whole chunks, then the tail in powers of two
+    down to :data:`MIN_CHUNK` and one last piece, so that few shapes are ever compiled."""
+    out, start = [], 0
+    while n - start >= chunk:
+        out.append((start, start + chunk))
+        start += chunk
+    size = chunk // 2
+    while size >= MIN_CHUNK:
+        if n - start >= size:
+            out.append((start, start + size))
+            start += size
+        size //= 2
+    if start < n:
+        out.append((start, n))
+    return out
+
+
+def _to_xla(x: np.ndarray, device: jax.Device) -> jax.Array:
+    """A host array as an array of ``device``: the same memory where it is aligned (dlpack), a
+    copy otherwise. bfloat16 goes as its bits (dlpack has no bfloat16)."""
+    if x.dtype == BF16:
+        x = x.view(np.uint16)
+    if x.ctypes.data % _ALIGN == 0 and x.flags.c_contiguous and x.flags.writeable:
+        return jnp.from_dlpack(x, device=device)  # (numpy exports no read-only array)
+    return jax.device_put(x, device)
+
+
+def _from_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if dtype == BF16 else x
+
+
+def _to_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    x = x.astype(jnp.bfloat16 if dtype == BF16 else jnp.float32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if dtype == BF16 else x
+
+
+def _store(dst: np.ndarray, value: jax.Array) -> None:
+    np.copyto(dst.view(np.uint16) if dst.dtype == BF16 else dst, np.asarray(value))
+
+
+class RuleRunner:
+    """Runs one optimizer's ``jax.numpy`` rule over segments of the engine's state.
+
+    Args:
+      rule: the rule (:meth:`jax_mlpo.extend.JaxElementwiseOptimizer.step`).
+      name: the optimizer's name, for messages.
+      threads: the threads the chunks are spread over.
+      chunk: elements per XLA call.
+    """
+
+    def __init__(self, rule: Rule, name: str, threads: int, chunk: int = CHUNK) -> None:
+        self._rule, self._name, self._chunk = rule, name, chunk
+        self._threads = max(1, threads)
+        self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # XLA:CPU of its own: the update runs inside a call of the training step's program,
+        # and a program of the same client launched from there may wait behind that very
+        # program (the client runs a device's programs on its own threads).
+        self._device: jax.Device | None = None
+
+    def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
+        with self._lock:
+            found = self._programs.get(key)
+            if found is None:
+                found = self._programs[key] = jax.jit(self._build(*key))
+            return found
+
+    def _build(self, decay: bool, moment_dtypes: tuple[np.dtype, ...], grad_dtype: np.dtype,
+               master: bool, out_dtype: np.dtype | None) -> Callable[..., Any]:  # fmt: skip
+        rule = self._rule
+
+        def program(moments, grad, param, base, hyper):
+            moments = tuple(_from_bits(m, d) for m, d in zip(moments, moment_dtypes, strict=True))
+            g = _from_bits(grad, grad_dtype).astype(jnp.float32)
+            new, u = rule(moments, g, param, hyper, decay=decay)
+            new = tuple(new)
+            if len(new) != len(moment_dtypes):
+                raise ValueError(f"{self._name}.step returned {len(new)} moments, it keeps "
+                                 f"{len(moment_dtypes)}")  # fmt: skip
+            stored = tuple(_to_bits(m, d) for m, d in zip(new, moment_dtypes, strict=True))
+            u = jnp.asarray(u, jnp.float32)
+            if not master:
+                return stored, None, u if out_dtype is not None else None
+            p_new = param + u
+            if out_dtype is None:
+                out = None
+            elif out_dtype == BF16:  # write_update's bfloat16(master_new) - params
+                b = _from_bits(base, BF16).astype(jnp.float32)
+                out = _to_bits(p_new.astype(jnp.bfloat16).astype(jnp.float32) - b, BF16)
+            else:
+                out = p_new - _from_bits(base, BF16).astype(jnp.float32)
+            return stored, p_new, out
+
+        return program
+
+    def run(
+        self, segments: list[tuple[Any, tuple[Any, ...], np.ndarray, np.ndarray, Any, Any]],
+        hyper: Mapping[str, Any],
+    ) -> None:  # fmt: skip
+        """One step of ``segments`` (:func:`jax_mlpo.optimizers.segment_calls`' tuples)."""
+        if self._device is None:
+            self._device = xla_client.make_cpu_client().devices()[0]
+        device = self._device
+        scalars = jax.device_put({k: np.float32(v) for k, v in hyper.items()}, device)
+        tasks = []
+        for seg, moments, grad, param, out, base in segments:
+            for m in moments:
+                if isinstance(m, Quantized):
+                    raise ValueError(f"{self._name}: a jax.numpy rule takes float32 or bfloat16 "
+                                     "moments, not q8")  # fmt: skip
+            master = base is not None
+            key = (bool(seg.decay), tuple(m.dtype for m in moments), grad.dtype, master,
+                   None if out is None else out.dtype)  # fmt: skip
+            program = self._program(key)
+            for start, stop in chunks(param.shape[0], self._chunk):
+                tasks.append((program, device, moments, grad, param, out, base, start, stop))
+        if len(tasks) <= 1 or self._threads == 1:
+            for task in tasks:
+                self._chunk_step(scalars, *task)
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._threads, thread_name_prefix=f"jax_mlpo-{self._name}"
+            )
+        futures = [self._pool.submit(self._chunk_step, scalars, *task) for task in tasks]
+        for future in futures:
+            future.result()
+
+    @staticmethod
+    def _chunk_step(
+        scalars, program, device, moments, grad, param, out, base, start, stop
+    ) -> None:  # fmt: skip
+        span = slice(start, stop)
+        args = (
+            tuple(_to_xla(m[span], device) for m in moments), _to_xla(grad[span], device),
+            _to_xla(param[span], device), None if base is None else _to_xla(base[span], device),
+        )  # fmt: skip
+        stored, p_new, u = program(*args, scalars)
+        for m, value in zip(moments, stored, strict=True):
+            _store(m[span], value)
+        if p_new is not None:
+            _store(param[span], p_new)
+        if u is not None:
+            _store(out[span], u)
+
+    def close(self) -> None:
+        """Stops the threads (a later :meth:`run` starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def check_float(moment_dtypes: tuple[np.dtype, ...], name: str) -> None:
+    """Refuses q8 moments for a ``jax.numpy`` rule, naming the fix."""
+    for d in moment_dtypes:
+        if d not in (F32, BF16):
+            raise ValueError(
+                f"{name}: a jax.numpy rule keeps its moments in float32 or bfloat16, not {d}"
+            )
