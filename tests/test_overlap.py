@@ -491,3 +491,66 @@ def test_linen_train_state_overlapped_follows_the_plain_loop_and_optax(tmp_path)
     jax_mlpo.close(state.opt_state)
     assert_bits_equal(state.params, expected.params)
     assert_close(state.params, linen_run(optax.adamw(LR, weight_decay=WD), overlap=False).params)
+
+
+def test_a_bf16_llama_runs_its_first_block_beside_the_last_subgroup(tmp_path):
+    """A 6-block bf16 LLaMA, its new params materialized where the forward pass needs them:
+    the read of the last subgroup in forward order (the head's) is held until the first
+    block's forward pass has run, and that happens before the read ends. Had the forward pass
+    waited for the whole update (a buffer of the calls reused by its temporaries), the read
+    would have ended at its limit first."""
+    from models.llama import Llama, LlamaConfig, _run_block
+
+    config = LlamaConfig(vocab_size=256, hidden=128, layers=6, heads=4, kv_heads=2, ffn=384,
+                         max_seq_len=64, param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
+    graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.to_pure_dict(params)
+    armed: dict[str, Any] = {"plan": None, "last": None}
+    unfinished: list[bool] = []
+
+    def first_block_ran(_):
+        plan = armed["plan"]
+        if plan is not None:
+            started = any(e.op == "read" and e.slot == armed["last"] for e in plan.trace)
+            unfinished.append(plan.hanging > 0 or not started)
+            plan.release()
+
+    def loss(p, tokens, probe=False):
+        model = nnx.merge(graphdef, p)
+        x = model.embed(tokens[:, :-1])
+        for i, block in enumerate(model.blocks):
+            x = _run_block(block, x)
+            if probe and i == 0:
+                jax.debug.callback(first_block_ran, x)
+        logits = model.lm_head(model.final_norm(x)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def tokens(i: int) -> jax.Array:
+        return jax.random.randint(jax.random.key(i), (4, 65), 0, 256)
+
+    config = jax_mlpo.OffloadConfig(
+        host_cache="1MiB", subgroup_size=16384, prefetch_depth=1, read_ahead=False,
+        overlap_order="forward", tiers=[jax_mlpo.FileTier(str(tmp_path / "t"), sync=False)],
+    )  # fmt: skip
+    tx = jax_mlpo.adamw(1e-3, weight_decay=0.1, offload=config)
+    state = tx.init(params)
+    step = jax.jit(
+        lambda p, s, g, b: jax_mlpo.overlapped_step(
+            functools.partial(loss, probe=True), tx, p, s, g, b, groups=8
+        ),
+        donate_argnums=(0, 1, 2),
+    )
+    pending = jax.jit(jax.grad(loss))(params, tokens(0))
+    params, state, pending, _ = step(params, state, pending, tokens(1))  # the order learned
+    jax.block_until_ready(pending)
+    engine = jax_mlpo.engine_of(state)
+    armed["last"] = engine.order.forward[-1]
+    with tier_faults(state) as plan:
+        plan.hang("read", slot=armed["last"], limit_s=60)
+        armed["plan"] = plan
+        params, state, pending, _ = step(params, state, pending, tokens(2))
+        jax.block_until_ready((params, pending))
+        armed["plan"] = None
+        assert "hung" in " ".join(plan.outcomes("read"))
+    jax_mlpo.close(state)
+    assert unfinished == [True]
