@@ -45,12 +45,12 @@ import optax
 from jax_mlpo.errors import PendingUpdateError
 from jax_mlpo.transforms import overlap_cost
 from jax_mlpo.transforms.overlap import overlapped_step
-from jax_mlpo.transforms.overlapped_nnx import OverlappedTrainStep, quiet
+from jax_mlpo.transforms.overlapped_nnx import FlushOnExit, OverlappedTrainStep, quiet
 
 __all__ = ["OverlappedLoop", "PendingUpdateError"]
 
 
-class OverlappedLoop:
+class OverlappedLoop(FlushOnExit):
     """A training loop's steps with each update beside the next forward pass (module doc).
 
     Made with the constructor for a plain optax loop (the loop holds ``params`` and
@@ -68,6 +68,12 @@ class OverlappedLoop:
       groups: how many calls the update is split into (``"auto"``: from its size and a call's
         measured cost, :func:`~jax_mlpo.transforms.overlap_cost.auto_groups`).
     """
+
+    _dropped = (
+        "an OverlappedLoop was dropped with an update pending: the params and optimizer state "
+        "lack the last step's update. Call loop.flush() (or read loop.params / loop.state) "
+        "before the end, or run the loop inside 'with loop:'"
+    )
 
     def __init__(self, loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                  params: Any, opt_state: Any, *, has_aux: bool = False,
@@ -198,23 +204,6 @@ class OverlappedLoop:
             self._after_failure(e)
             raise
         self._pending = None
-
-    def __enter__(self) -> OverlappedLoop:
-        return self
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
-        # an error in the loop body leaves the last step's update pending: applied here, so
-        # that what the caller keeps is the plain loop's state at the last step that ran
-        if self._failed is None:
-            self.flush()
-
-    def __del__(self) -> None:
-        if getattr(self, "_pending", None) is not None and self._failed is None:
-            raise PendingUpdateError(
-                "an OverlappedLoop was dropped with an update pending: the params and optimizer "
-                "state lack the last step's update. Call loop.flush() (or read loop.params / "
-                "loop.state) before the end, or run the loop inside 'with loop:'"
-            )
 
     # -- the programs ---------------------------------------------------------------------
 

@@ -99,7 +99,31 @@ def quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class OverlappedTrainStep:
+class FlushOnExit:
+    """What owns a pending update: ``with`` flushes it at the block's end (an error in the
+    body included: what the caller keeps is then the plain loop's state at the last step that
+    ran), and dropping the owner with it still pending reports :class:`PendingUpdateError`."""
+
+    _pending: Any = None
+    _failed: BaseException | None = None
+    _dropped = "was dropped with an update pending"  # the report's subject and fix
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if self._failed is None:
+            self.flush()
+
+    def __del__(self) -> None:
+        if getattr(self, "_pending", None) is not None and self._failed is None:
+            raise PendingUpdateError(self._dropped)
+
+
+class OverlappedTrainStep(FlushOnExit):
     """``step(model, optimizer, *args)``, the plain NNX step, with each update beside the next
     forward pass (module doc); made by :meth:`jax_mlpo.OverlappedLoop.nnx`.
 
@@ -110,6 +134,12 @@ class OverlappedTrainStep:
       overlap: ``"auto"`` (overlapped where it wins), True, False (``nnx.jit(step_fn)``).
       groups: how many calls the update is split into (``"auto"``: from its size).
     """
+
+    _dropped = (
+        "an overlapped NNX train step was dropped with an update pending: the model and "
+        "optimizer lack the last step's update. Call train_step.flush() before the end, or run "
+        "the loop inside 'with train_step:'"
+    )
 
     def __init__(self, step_fn: Callable[..., Any], *, overlap: bool | str = "auto",
                  groups: int | str = "auto") -> None:  # fmt: skip
@@ -190,21 +220,6 @@ class OverlappedTrainStep:
         self._pending, self._held = None, None
         self._updates += 1
         self._give_back(model, optimizer, params, opt_state, rest)
-
-    def __enter__(self) -> OverlappedTrainStep:
-        return self
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
-        if self._failed is None:
-            self.flush()
-
-    def __del__(self) -> None:
-        if getattr(self, "_pending", None) is not None and self._failed is None:
-            raise PendingUpdateError(
-                "an overlapped NNX train step was dropped with an update pending: the model and "
-                "optimizer lack the last step's update. Call train_step.flush() before the "
-                "end, or run the loop inside 'with train_step:'"
-            )
 
     # -- internals -------------------------------------------------------------------------
 
