@@ -123,16 +123,6 @@ class OverlappedLoop(FlushOnExit):
     # -- the state, flushed ---------------------------------------------------------------
 
     @property
-    def pending(self) -> bool:
-        """Whether gradients wait to be applied (a flush would run an update)."""
-        return self._pending is not None
-
-    @property
-    def overlapped(self) -> bool | None:
-        """Whether the loop runs the overlapped step (None: still timing both)."""
-        return self._trial.overlap
-
-    @property
     def params(self) -> Any:
         """The params, flushed: the plain loop's after as many steps."""
         self.flush()

@@ -108,8 +108,20 @@ class FlushOnExit:
     _failed: BaseException | None = None
     _dropped = "was dropped with an update pending"  # the report's subject and fix
 
+    _trial: Any = None  # overlap_cost's trial of the plain and the overlapped step
+
     def flush(self) -> None:
         raise NotImplementedError
+
+    @property
+    def pending(self) -> bool:
+        """Whether gradients wait to be applied (a flush would run an update)."""
+        return self._pending is not None
+
+    @property
+    def overlapped(self) -> bool | None:
+        """Whether the steps run overlapped (None: still timing both)."""
+        return self._trial.overlap
 
     def __enter__(self) -> Any:
         return self
@@ -162,16 +174,6 @@ class OverlappedTrainStep(FlushOnExit):
         self._pending: Any = None
         self._updates = 0
         self._failed: BaseException | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether gradients wait to be applied (a flush would run an update)."""
-        return self._pending is not None
-
-    @property
-    def overlapped(self) -> bool | None:
-        """Whether the step runs overlapped (None: still timing both)."""
-        return self._trial.overlap
 
     def __call__(self, model: Any, optimizer: Any, *args: Any) -> Any:
         self._bind(model, optimizer)
