@@ -6,8 +6,11 @@ pyproject.toml, for ``models`` and ``experiments``.)
 """
 
 import os
+import shutil
 import subprocess
+import tempfile
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -21,6 +24,57 @@ def pytest_runtest_makereport(item, call):
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
+
+
+# The persistent compilation cache's settings: every program, however quick to compile.
+_CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache for the whole run: this process, the pytest-xdist
+    workers and every subprocess a test starts (they inherit the environment) compile a
+    program once and load it after that, where each would compile it again.
+
+    A cache directory given in the environment is used as it is; otherwise the first process
+    (pytest-xdist's controller, or a plain run) makes one, and removes it at the end.
+    """
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        config.jax_cache_made = tempfile.mkdtemp(prefix="jax_mlpo-tests-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = config.jax_cache_made
+    for name, value in _CACHE_ENV.items():
+        os.environ.setdefault(name, value)
+    # jax read the environment when this file imported it: tell this process too
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    min_s = float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
+    min_bytes = int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"])
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_bytes)
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "jax_cache_made", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the marks
+def pytest_collection_modifyitems(config, items):
+    """Keeps the tests that share a module-scoped fixture on one pytest-xdist worker.
+
+    Such a fixture is the module's expensive set-up (a training run in subprocesses, an S3
+    server, a compilation cache): under ``--dist loadgroup`` the tests using it form one unit
+    of work, so it is built once, as in a serial run; every other test is scheduled alone.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group"):
+            continue
+        defs = info.name2fixturedefs
+        if any(d[-1].scope in ("module", "package") for d in defs.values() if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(autouse=True)
@@ -65,16 +119,10 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-@pytest.fixture(scope="module")
-def worker_env(tmp_path_factory) -> dict[str, str]:
-    """Subprocess environment: CPU, and a compilation cache shared by the workers."""
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+@pytest.fixture(scope="session")
+def worker_env() -> dict[str, str]:
+    """Subprocess environment: CPU, and the run's compilation cache (``pytest_configure``)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")
