@@ -50,10 +50,13 @@ class ReadAhead:
         self.stop()
         self._stopping.clear()
         self._wake.clear()
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, args=(list(order),), name="jax_mlpo-read-ahead", daemon=True
         )
-        self._thread.start()
+        # started before it is published: a stop() on another thread (the engine closing)
+        # joins only a thread that has started
+        thread.start()
+        self._thread = thread
 
     def stop(self) -> None:
         """Stops issuing reads and returns once the pipeline is the caller's again; the reads
