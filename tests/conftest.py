@@ -119,7 +119,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def worker_env() -> dict[str, str]:
     """Subprocess environment: CPU, and the run's compilation cache (``pytest_configure``)."""
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
