@@ -1,9 +1,10 @@
 """docs/design.md's map of the package, checked against the code.
 
-Each principle of MLP-Offload has exactly one home: the module or package the principles
-table names, whose docstring names the principle, and no other module's docstring does. Every
-module appears in the module map, and no module outgrows one concept (400 lines; the engine
-class 300, with collaborators rather than mixin bases).
+The layers diagram draws exactly the packages' imports. Each principle of MLP-Offload has
+exactly one home: the module or package the principles table names, whose docstring names the
+principle, and no other module's docstring does. Every module appears in the module map, and no
+module outgrows one concept (400 lines; the engine class 300, with collaborators rather than
+mixin bases).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+
+from test_imports import module_files, package_edges
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jax_mlpo"
@@ -114,6 +117,35 @@ def test_the_engine_is_one_class_with_collaborators_not_mixins():
     assert not engine.bases, f"Engine has base classes {[ast.unparse(b) for b in engine.bases]}"
     lines = engine.end_lineno - engine.lineno + 1
     assert lines <= MAX_ENGINE_LINES, f"class Engine has {lines} lines"
+
+
+# every layer imports these; the diagram leaves them out
+UNDRAWN = {"errors", "types"}
+
+
+def _arrows(section: str) -> set[tuple[str, str]]:
+    """The ``a --> b`` arrows of the section's mermaid flowchart."""
+    block = re.search(r"```mermaid\n(flowchart .*?)```", section, re.S)
+    assert block, "no mermaid flowchart in the section"
+    return set(re.findall(r"^\s*(\w+) --> (\w+)\s*$", block.group(1), re.M))
+
+
+def test_the_layers_diagram_draws_the_imports_of_the_code():
+    """An import between packages added or removed in the code fails here until the diagram in
+    docs/design.md's "Layers" follows it (``errors`` and ``types`` left out)."""
+    imports = {
+        edge for edge in package_edges(module_files(ROOT, "jax_mlpo")) if not set(edge) & UNDRAWN
+    }
+    drawn = _arrows(_section("Layers"))
+    assert drawn == imports, (
+        f"imported but not drawn: {sorted(imports - drawn)}; "
+        f"drawn but not imported: {sorted(drawn - imports)}"
+    )
+
+
+def test_the_arrow_parser_reads_a_flowchart():
+    section = "## L\n```mermaid\nflowchart TD\n    a[a/]\n    a --> b\n    b --> c\n```\n"
+    assert _arrows(section) == {("a", "b"), ("b", "c")}
 
 
 def test_the_table_parser_reads_the_rows():
