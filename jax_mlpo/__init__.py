@@ -35,7 +35,7 @@ from jax_mlpo.transforms.muon import OffloadedMuonState, muon
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
 from jax_mlpo.transforms.overlap import overlapped_step
 from jax_mlpo.transforms.overlapped_loop import OverlappedLoop
-from jax_mlpo.transforms.registry import close, closing, engine_of, metrics
+from jax_mlpo.transforms.runtime import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
 

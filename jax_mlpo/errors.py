@@ -117,6 +117,13 @@ def tag(error: BaseException) -> str:
     return f"[jax_mlpo error #{number}]"
 
 
+def forget_raised() -> None:
+    """Drops the record of raised exceptions (at exit: their tracebacks' frames hold the
+    failed calls' views of XLA's buffers, which must not outlive the interpreter)."""
+    with _LOCK:
+        _RAISED.clear()
+
+
 def cause(error: BaseException) -> BaseException | None:
     """The exception a jax_mlpo update raised inside XLA, from the error that reports it.
 

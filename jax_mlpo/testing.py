@@ -51,7 +51,7 @@ from jax_mlpo.checkpoint import file_io
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.tiers.faults import FaultEvent, FaultPlan
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.transforms.registry import engine_of
+from jax_mlpo.transforms.runtime import engine_of
 
 __all__ = [
     "FaultEvent",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_mlpo.transforms import registry
+from jax_mlpo.transforms import runtime
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState
 
 
@@ -85,11 +85,11 @@ def no_optimizer_left_open(request):
     tier directory's lock could make a later test fail for the wrong reason. A test that failed
     anyway is not failed twice: its optimizers are closed quietly.
     """
-    before = set(registry.open_handles())  # module fixtures' optimizers stay open
+    before = set(runtime.RUNTIME.open_handles())  # module fixtures' optimizers stay open
     yield
-    left = set(registry.open_handles()) - before
+    left = set(runtime.RUNTIME.open_handles()) - before
     for handle in left:
-        registry.close(
+        runtime.close(
             OffloadedAdamWState(count=jnp.zeros([], jnp.int32), handle=jnp.asarray(handle))
         )
     call = getattr(request.node, "report_call", None)

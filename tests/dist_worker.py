@@ -211,7 +211,7 @@ def main() -> None:
         "tiers": [t.tier.path for t in engine.tiers],
         "tier_bytes": {t.tier.path: t.bytes_written for t in engine.tiers},
         "step_count": engine.step_count,
-        "engines": len({id(e) for e in jax_mlpo.transforms.registry._ENGINES.values()}),
+        "engines": len({id(e) for e in jax_mlpo.transforms.runtime.RUNTIME.open_engines()}),
         "losses": losses,
         "host_only": engine.host_only,
         "beside_s": [m.beside_s for m in engine.metrics],

@@ -163,7 +163,7 @@ def run_nnx(optimizer_name: str, phase: str, workdir: str, mesh) -> dict:
     out = {"params": _flat(params), "losses": losses, "steps": mngr.all_steps()}
     if optimizer_name.startswith("mlpo"):  # the host updates and engines of this process
         out["updates_run"] = len(jax_mlpo.metrics(optimizer.opt_state))
-        out["engines"] = len({id(e) for e in jax_mlpo.transforms.registry._ENGINES.values()})
+        out["engines"] = len({id(e) for e in jax_mlpo.transforms.runtime.RUNTIME.open_engines()})
     mngr.close()
     return out
 

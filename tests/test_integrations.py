@@ -27,7 +27,7 @@ from flax import nnx
 from helpers import run_small, small_grads, small_params
 
 import jax_mlpo
-from jax_mlpo.transforms import registry
+from jax_mlpo.transforms import runtime
 
 WORKER = Path(__file__).parent / "integration_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,12 +194,12 @@ def test_inject_hyperparams_matches_optax(form, jit, tmp_path):
         change_at=5,
         changes=LR_CHANGE,
     )
-    engines_before = len(set(map(id, registry._ENGINES.values())))
+    engines_before = len(set(map(id, runtime.RUNTIME.open_engines())))
     tx = optax.inject_hyperparams(jax_mlpo.adamw, static_args=static)(
         **hp, offload=_config(tmp_path / "tier")
     )
     got, got_state = run_small(tx, 8, jit=jit, change_at=5, changes=LR_CHANGE)
-    assert len(set(map(id, registry._ENGINES.values()))) == engines_before + 1
+    assert len(set(map(id, runtime.RUNTIME.open_engines()))) == engines_before + 1
     assert len(jax_mlpo.metrics(got_state)) == 8
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)

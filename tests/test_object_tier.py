@@ -187,7 +187,7 @@ def test_wrong_credentials_fail_at_init(server):
 
 def test_a_second_run_on_the_same_prefix_is_refused(server, tmp_path):
     """Another run's lock object on the prefix refuses the init, naming its owner; a second
-    init in this process replaces the first (jax_mlpo.transforms.registry.take_place)."""
+    init in this process replaces the first (jax_mlpo.transforms.runtime.Runtime.take_place)."""
     cfg = config(server, tmp_path, "s3", jnp.float32)
     params = {"w": jnp.zeros(4 * SUBGROUP, jnp.float32)}
     state = jax_mlpo.adamw(1e-3, offload=cfg).init(params)

@@ -29,7 +29,7 @@ import pytest
 from flax import nnx
 
 import jax_mlpo
-from jax_mlpo.transforms import registry
+from jax_mlpo.transforms import runtime
 
 SUB = 4096  # elements per subgroup
 LR = 1e-2
@@ -162,7 +162,7 @@ def test_map_params_maps_what_optax_maps_and_keeps_the_engine(name, wrapper, tmp
     reference = wrappers(theirs)[wrapper]()
     params, state = train(tx, steps=1)
     expected_params, expected_state = train(reference, steps=1)
-    open_before = registry.open_handles()
+    open_before = runtime.RUNTIME.open_handles()
 
     def double(x):
         return 2 * x
@@ -184,7 +184,7 @@ def test_map_params_maps_what_optax_maps_and_keeps_the_engine(name, wrapper, tmp
     for a, b in zip(jax.tree.leaves(mapped), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(a, b)
     # the live engine is still this state's: no engine was made or closed by the placeholder
-    assert set(registry.open_handles()) >= set(open_before)
+    assert set(runtime.RUNTIME.open_handles()) >= set(open_before)
     params, state = train(tx, steps=2, params=params, state=state, start=1)
     expected, _ = train(reference, steps=2, params=expected_params, state=expected_state, start=1)
     assert_close(params, expected)
@@ -232,9 +232,9 @@ def test_eval_shape_of_init_writes_nothing_and_holds_nothing(name, wrapper, tmp_
     tx = wrappers(lambda learning_rate: ours(learning_rate, offload=config))[wrapper]()
     reference = wrappers(theirs)[wrapper]()
     params = make_params()
-    open_before = registry.open_handles()
+    open_before = runtime.RUNTIME.open_handles()
     abstract = jax.eval_shape(tx.init, params)
-    assert registry.open_handles() == open_before  # no engine
+    assert runtime.RUNTIME.open_handles() == open_before  # no engine
     assert sorted(p.name for p in tier.rglob("*")) == before  # no lock, no blob, no directory
     expected = jax.eval_shape(reference.init, params)
     assert shapes(expected) == shapes(reference.init(params))  # optax's own contract
@@ -266,9 +266,9 @@ def test_nnx_eval_shape_of_an_optimizer_writes_nothing(tmp_path):
             self.linear = nnx.Linear(128, 256, rngs=rngs)
 
     tx = jax_mlpo.adamw(LR, offload=config)
-    open_before = registry.open_handles()
+    open_before = runtime.RUNTIME.open_handles()
     abstract = nnx.eval_shape(lambda: nnx.Optimizer(Model(nnx.Rngs(0)), tx, wrt=nnx.Param))
-    assert registry.open_handles() == open_before
+    assert runtime.RUNTIME.open_handles() == open_before
     assert list(tier.rglob("*")) == []
     real = nnx.Optimizer(Model(nnx.Rngs(0)), tx, wrt=nnx.Param)
     assert shapes(nnx.state(abstract)) == shapes(nnx.state(real))
@@ -296,9 +296,9 @@ def test_a_jitted_init_trains_as_the_eager_init_and_as_optax(name, wrapper, tmp_
     ours, theirs = OPTIMIZERS[name]
     config = file_config(tmp_path, HOST_CACHE[name])
     tx = wrappers(lambda learning_rate: ours(learning_rate, offload=config))[wrapper]()
-    open_before = set(registry.open_handles())
+    open_before = set(runtime.RUNTIME.open_handles())
     state = jax.jit(tx.init)(make_params())
-    assert set(registry.open_handles()) > open_before  # an engine, made by the program's run
+    assert set(runtime.RUNTIME.open_handles()) > open_before  # an engine, made by the program's run
     jitted, state = train(tx, state=state)
     assert_on_tier(config)
     jax_mlpo.close(state)
@@ -323,7 +323,7 @@ def test_each_run_of_a_jitted_init_makes_its_own_engine_and_tier_files(tmp_path)
     for blob, link in zip(blobs, kept, strict=True):
         link.hardlink_to(blob)  # the first engine's files stay reachable (and their inodes)
     second = init(make_params())
-    assert registry.key_of(second.handle) != registry.key_of(first.handle)
+    assert runtime.key_of(second.handle) != runtime.key_of(first.handle)
     with pytest.raises(jax_mlpo.NoEngineError, match="was replaced: a later tx.init"):
         jax_mlpo.engine_of(first)
     params, second = train(tx, state=second)
@@ -430,9 +430,9 @@ def test_a_second_init_replaces_the_first_and_trains_as_optax(name, tmp_path):
     config = file_config(tmp_path, HOST_CACHE[name])
     tx = ours(LR, offload=config)
     first = train(tx, steps=2)[1]
-    engines_before = len(registry.open_handles())
+    engines_before = len(runtime.RUNTIME.open_handles())
     second = tx.init(make_params())
-    assert len(registry.open_handles()) == engines_before  # replaced, not added
+    assert len(runtime.RUNTIME.open_handles()) == engines_before  # replaced, not added
     with (
         pytest.raises(
             jax_mlpo.NoEngineError,

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.transforms.opt_state import OffloadedState
-from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
+from jax_mlpo.transforms.runtime import engine_of, mesh_plan_of
 
 Index = tuple[tuple[int, int], ...]  # a block of an array: [start, stop) per dimension
 

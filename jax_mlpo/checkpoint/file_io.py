@@ -21,12 +21,11 @@ import numpy as np
 
 from jax_mlpo.tiers.faults import FaultPlan
 from jax_mlpo.tiers.submit import pread_full, pwrite_full
+from jax_mlpo.transforms.runtime import RUNTIME
 
 STATE = "state"  # a piece of an offloaded state's streamed array
 ARRAY = "array"  # a piece of a large host array (the params) written by jax_mlpo itself
 MANIFEST = "manifest"  # an item's checksum manifest
-
-_faults: FaultPlan | None = None  # every checkpoint request of this process consults it
 
 
 def attach_faults(plan: FaultPlan | None) -> None:
@@ -35,10 +34,10 @@ def attach_faults(plan: FaultPlan | None) -> None:
     Raises:
       RuntimeError: a plan is attached already (detach it first, with None).
     """
-    global _faults
-    if plan is not None and _faults is not None:
+    checkpoints = RUNTIME.checkpoints
+    if plan is not None and checkpoints.faults is not None:
         raise RuntimeError("the checkpoint's I/O already has a fault plan attached")
-    _faults = plan
+    checkpoints.faults = plan
 
 
 class _Piece:
@@ -76,7 +75,7 @@ def request(op: str, kind: str, path: str, slot: int, offset: int, nbytes: int) 
     Raises:
       OSError: a failure the plan injects.
     """
-    plan = _faults
+    plan = RUNTIME.checkpoints.faults
     if plan is not None:
         plan.before(_Piece(path, offset, nbytes), op, slot, kind)
 

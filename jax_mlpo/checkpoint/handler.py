@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,10 +41,7 @@ from jax_mlpo.checkpoint.snapshot import OffloadedStream, snapshot
 from jax_mlpo.checkpoint.space import check_space
 from jax_mlpo.checkpoint.stream import write_streams
 from jax_mlpo.checkpoint.tree import leaves
-
-# Set unless a save that returns before its streams end is being started (streams_held).
-_STREAMS_MAY_START = threading.Event()
-_STREAMS_MAY_START.set()
+from jax_mlpo.transforms.runtime import RUNTIME
 
 
 @contextlib.contextmanager
@@ -57,11 +53,11 @@ def streams_held() -> Iterator[None]:
     the training loop waits. Only around a save that returns before its streams end: a
     synchronous manager runs them inside ``save``.
     """
-    _STREAMS_MAY_START.clear()
+    RUNTIME.checkpoints.streams_may_start.clear()
     try:
         yield
     finally:
-        _STREAMS_MAY_START.set()
+        RUNTIME.checkpoints.streams_may_start.set()
 
 
 class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -131,7 +127,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         try:
             if hasattr(directory, "await_creation"):  # orbax creates it asynchronously
                 directory = await directory.await_creation()
-            await asyncio.to_thread(_STREAMS_MAY_START.wait)
+            await asyncio.to_thread(RUNTIME.checkpoints.streams_may_start.wait)
             with failures.explained(directory):
                 # in a thread: the stream blocks on tier reads and tensorstore writes
                 streamed = await asyncio.to_thread(write_streams, directory, streams, spares)

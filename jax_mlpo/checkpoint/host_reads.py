@@ -21,6 +21,7 @@ import numpy as np
 
 from jax_mlpo.checkpoint import file_io
 from jax_mlpo.tiers.submit import aligned_empty, open_direct, round_up_pages
+from jax_mlpo.transforms.runtime import RUNTIME
 
 # Arrays of at least this many bytes are written by host_arrays itself, and read back here;
 # smaller ones are orbax's both ways (a copy costs little there). One figure for both sides.
@@ -92,10 +93,6 @@ def read_all(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> list[np
     return out
 
 
-_prefetched: dict[str, concurrent.futures.Future] = {}  # data file -> its array, being read
-_prefetched_lock = threading.Lock()
-
-
 def prefetch(item: str) -> Callable[[], None]:
     """Starts reading the arrays of the item directory ``item`` that :func:`read_all` reads, in
     a background thread, for ``DirectNumpyHandler`` to take when orbax asks for them.
@@ -123,15 +120,15 @@ def prefetch(item: str) -> Callable[[], None]:
                 if not future.done():
                     future.set_exception(e)
 
-    with _prefetched_lock:
-        _prefetched.update(futures)
+    with RUNTIME.checkpoints.lock:
+        RUNTIME.checkpoints.prefetched.update(futures)
     if arrays:
         threading.Thread(target=read, name="jax_mlpo-params-prefetch", daemon=True).start()
 
     def drop() -> None:
-        with _prefetched_lock:
+        with RUNTIME.checkpoints.lock:
             for data in futures:
-                _prefetched.pop(data, None)
+                RUNTIME.checkpoints.prefetched.pop(data, None)
 
     return drop
 
@@ -141,8 +138,8 @@ def take_or_read(arrays: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> lis
     for it), or, where it did not (or failed: this read then says why), read now."""
     out: list[np.ndarray | None] = []
     for data, _, _ in arrays:
-        with _prefetched_lock:
-            future = _prefetched.pop(data, None)
+        with RUNTIME.checkpoints.lock:
+            future = RUNTIME.checkpoints.prefetched.pop(data, None)
         ok = future is not None and future.exception() is None
         out.append(future.result() if ok else None)
     unread = [k for k, array in enumerate(out) if array is None]

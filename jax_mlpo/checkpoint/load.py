@@ -20,7 +20,7 @@ from jax_mlpo.checkpoint.restore_plan import StreamPlan
 from jax_mlpo.checkpoint.state_reader import StateReader
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, path_name
 from jax_mlpo.transforms.opt_state import count_of, with_count
-from jax_mlpo.transforms.registry import engine_of
+from jax_mlpo.transforms.runtime import engine_of
 
 
 def load(

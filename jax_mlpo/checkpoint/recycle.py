@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 
 from jax_mlpo.tiers.submit import round_up_pages
+from jax_mlpo.transforms.runtime import RUNTIME
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +132,16 @@ class SpareFiles:
         return k if k < len(self._files) and self._files[k][0] <= 2 * nbytes else None
 
 
-_deletions: list[threading.Thread] = []  # listing and deleting (spare_files)
-
-
 def wait_for_deletions() -> bool:
     """Waits until the leftovers :func:`spare_files` deletes in the background are gone.
 
     Returns:
       Whether there were any deletions to wait for.
     """
-    waited = bool(_deletions)
-    while _deletions:
-        _deletions.pop().join()
+    deletions = RUNTIME.checkpoints.deletions  # listing and deleting (spare_files)
+    waited = bool(deletions)
+    while deletions:
+        deletions.pop().join()
     return waited
 
 
@@ -182,8 +181,9 @@ def spare_files(root: str | os.PathLike) -> SpareFiles:
 
     newest = os.path.join(recycled, steps[-1][1])
     spares = SpareFiles(listing=lambda: _large_files(newest), then=delete_older)
-    _deletions[:] = [t for t in _deletions if t.is_alive()]  # not one per save forever
-    _deletions.append(spares.thread)
+    deletions = RUNTIME.checkpoints.deletions
+    deletions[:] = [t for t in deletions if t.is_alive()]  # not one per save forever
+    deletions.append(spares.thread)
     return spares
 
 

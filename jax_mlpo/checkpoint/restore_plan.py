@@ -29,7 +29,7 @@ from jax_mlpo.checkpoint.stream import quantities
 from jax_mlpo.checkpoint.tree import is_key, is_offloaded, leaves, path_name
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.transforms.opt_state import OffloadedState
-from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
+from jax_mlpo.transforms.runtime import engine_of, mesh_plan_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.errors import EngineFailedError, StaleStateError, wait_for_updates
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.transforms.opt_state import OffloadedState, count_of
-from jax_mlpo.transforms.registry import engine_of, mesh_plan_of
+from jax_mlpo.transforms.runtime import engine_of, mesh_plan_of
 
 
 def check_savable(tree: Any) -> None:

@@ -18,7 +18,7 @@ import jax
 
 from jax_mlpo.checkpoint.tree import is_offloaded
 from jax_mlpo.errors import CheckpointSpaceError
-from jax_mlpo.transforms.registry import engine_of
+from jax_mlpo.transforms.runtime import engine_of
 
 
 def _existing(path: str) -> str:

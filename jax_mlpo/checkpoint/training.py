@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import weakref
 from typing import Any, NamedTuple
 
 import orbax.checkpoint as ocp
@@ -24,13 +23,9 @@ from jax_mlpo.checkpoint.manifest import CorruptCheckpointError
 from jax_mlpo.checkpoint.recycle import RECYCLED, SpareFiles, spare_files, wait_for_deletions
 from jax_mlpo.checkpoint.snapshot import check_savable
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
+from jax_mlpo.transforms.runtime import RUNTIME
 
 logger = logging.getLogger(__name__)
-
-# The options of the managers :func:`manager` made (orbax keeps a manager's options private).
-_OPTIONS: weakref.WeakKeyDictionary[ocp.CheckpointManager, ocp.CheckpointManagerOptions] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 class Restored(NamedTuple):
@@ -71,13 +66,13 @@ def manager(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, **options
     )
     mngr = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=made)
-    _OPTIONS[mngr] = made
+    RUNTIME.checkpoints.manager_options[mngr] = made
     return mngr
 
 
 def _options_of(mngr: ocp.CheckpointManager) -> ocp.CheckpointManagerOptions:
     """The options :func:`manager` made ``mngr`` with; orbax's defaults for another manager."""
-    return _OPTIONS.get(mngr) or ocp.CheckpointManagerOptions()
+    return RUNTIME.checkpoints.manager_options.get(mngr) or ocp.CheckpointManagerOptions()
 
 
 def save(

@@ -2,7 +2,7 @@
 
 :func:`host_update_call` emits a side-effecting custom call, ``jax_mlpo_host_update``, whose
 C++ handler (``jax_mlpo/ffi/host_update.cc``) hands every gradient, param and update buffer to
-the function given to :func:`set_host_update`, as numpy views: the engine reads
+the function given to :func:`connect_cpu`, as numpy views: the engine reads
 the gradients and params and writes the update in place, with no staging copy. The update
 results are aliased onto the gradients wherever dtype and shape allow (inside a jitted train
 step the gradients are intermediates, so XLA reuses their buffers), so an update costs no
@@ -23,9 +23,8 @@ of them (:mod:`jax_mlpo.sharding.mesh`).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +36,8 @@ from jax_mlpo.native.copies import cuda_module
 from jax_mlpo.native.library import NATIVE
 
 __all__ = [
-    "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "ensure_platform", "group_receive_call",
-    "group_send_call", "grouped_on_gpu", "host_update_call", "set_group_send", "set_host_update",
+    "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "check_platform", "connect_cpu",
+    "connect_cuda", "group_receive_call", "group_send_call", "grouped_on_gpu", "host_update_call",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -102,7 +101,6 @@ HostUpdate = Callable[
      Completion | None],
     str | None,
 ]  # fmt: skip
-_runner: HostUpdate | None = None
 
 
 def _message(error: BaseException) -> str:
@@ -130,66 +128,99 @@ def _device(view, *, writable: bool) -> DeviceBuffer:
     return DeviceBuffer(view.address, view.nbytes, _dtype(view))
 
 
-def _handler(handle, count, scalars, group, grads, params, updates, stream, pending) -> bool:
-    # Runs on an XLA thread, with the GIL (the C++ handler takes it); returns whether the runner
-    # deferred the call. Every exception becomes the message of the ffi::Error the custom call
-    # fails with: its str() is _message's text, the exception's mark ahead of the rest.
-    try:
-        if _runner is None:
-            raise RuntimeError("no jax_mlpo host update runner is registered")
-        leaf = _array if stream is None else _device
-        completion = Completion(pending) if pending is not None else None
-        outcome = _runner(
-            handle, count, scalars, CallGroup(*group),
-            [leaf(v, writable=False) for v in grads],
-            [leaf(v, writable=False) for v in params],
-            [leaf(v, writable=True) for v in updates], stream, completion,
-        )  # fmt: skip
-        if outcome == DEFERRED:
-            if completion is None:
-                raise RuntimeError("a jax_mlpo update on a GPU cannot be deferred")
-            return True
-        return False
-    except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
-        # the C++ handler takes str() of what escapes as the failed call's message
-        raise RuntimeError(_message(e)) from None
+def _handler(runner: HostUpdate) -> Callable[..., bool]:
+    """What the C++ handler calls (``host_update_bindings.cc``): ``runner`` on the call's
+    views."""
 
+    def handle_call(handle, count, scalars, group, grads, params, updates, stream, pending):
+        # Runs on an XLA thread, with the GIL (the C++ handler takes it); returns whether the
+        # runner deferred the call. Every exception becomes the message of the ffi::Error the
+        # custom call fails with: its str() is _message's text, the exception's mark first.
+        try:
+            leaf = _array if stream is None else _device
+            completion = Completion(pending) if pending is not None else None
+            outcome = runner(
+                handle, count, scalars, CallGroup(*group),
+                [leaf(v, writable=False) for v in grads],
+                [leaf(v, writable=False) for v in params],
+                [leaf(v, writable=True) for v in updates], stream, completion,
+            )  # fmt: skip
+            if outcome == DEFERRED:
+                if completion is None:
+                    raise RuntimeError("a jax_mlpo update on a GPU cannot be deferred")
+                return True
+            return False
+        except BaseException as e:  # noqa: BLE001 - reported through XLA, see above
+            # the C++ handler takes str() of what escapes as the failed call's message
+            raise RuntimeError(_message(e)) from None
 
-NATIVE.set_host_update(_handler)
+    return handle_call
+
 
 # send(stream, group, grads, params, updates, ticket): a grouped update's send on a GPU
 GroupSend = Callable[[int, CallGroup, list[np.ndarray], list[np.ndarray], list[np.ndarray],
                       object], None]  # fmt: skip
-_group_send: GroupSend | None = None
 
 
-def _group_handler(stream, group, grads, params, updates, ticket) -> None:
-    # Runs on XLA's launching thread, with the GIL (ffi/cuda_grouped_bindings.cc); the views
-    # are the group's pinned staging, host memory. Errors are reported as _handler's are.
-    try:
-        if _group_send is None:
-            raise RuntimeError("no jax_mlpo group send runner is registered")
-        _group_send(
-            stream, CallGroup(*group), [_array(v, writable=False) for v in grads],
-            [_array(v, writable=False) for v in params],
-            [_array(v, writable=True) for v in updates], ticket,
-        )  # fmt: skip
-    except BaseException as e:  # noqa: BLE001 - reported through XLA, see _handler
-        raise RuntimeError(_message(e)) from None
+def _group_handler(send: GroupSend) -> Callable[..., None]:
+    """What the CUDA module's group send calls (``ffi/cuda_grouped_bindings.cc``): ``send``
+    on the group's views."""
+
+    def handle_send(stream, group, grads, params, updates, ticket) -> None:
+        # Runs on XLA's launching thread, with the GIL; the views are the group's pinned
+        # staging, host memory. Errors are reported as handle_call's are.
+        try:
+            send(
+                stream, CallGroup(*group), [_array(v, writable=False) for v in grads],
+                [_array(v, writable=False) for v in params],
+                [_array(v, writable=True) for v in updates], ticket,
+            )  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - reported through XLA, see _handler
+            raise RuntimeError(_message(e)) from None
+
+    return handle_send
 
 
-def set_group_send(runner: GroupSend) -> None:
-    """Sets the function every ``jax_mlpo_group_send`` call (a GPU update in groups) runs.
+def connect_cpu(runner: HostUpdate) -> None:
+    """Sets the function every CPU ``jax_mlpo_host_update`` call runs (the process's runtime
+    does, when it is made).
 
     Args:
-      runner: ``runner(stream, group, grads, params, updates, ticket)``: the group's leaves as
-        numpy views of its pinned host staging, valid until its ticket is released; the grads
-        and params are there once ``ticket.wait(timeout_s)`` returns True; the runner writes
-        the updates, then calls ``ticket.release(next_count)``. It must return at once (the
-        stream copies the inputs after it returns) and raises to fail the call.
+      runner: ``runner(handle, count, scalars, group, grads, params, updates, stream,
+        completion)``: ``scalars`` is ``float32[NUM_SCALARS]``, the optimizer's (its
+        :meth:`~jax_mlpo.optimizers.HostOptimizer.hyper` reads them); ``group`` a
+        :class:`CallGroup`, which of the engine's leaves the call carries; the three lists hold
+        XLA's buffers per leaf, valid until the call completes (``updates[k]`` may share
+        ``grads[k]``'s memory): flat numpy views on CPU (``stream`` None),
+        :class:`DeviceBuffer` s on a GPU (``stream`` is XLA's ``cudaStream_t``; copy through it
+        and synchronize before returning). It raises to fail the call. On CPU ``completion``
+        is a :class:`Completion`: returning :data:`DEFERRED` leaves the call pending until it
+        is called; otherwise the call completes when the runner returns.
     """
-    global _group_send
-    _group_send = runner
+    NATIVE.set_host_update(_handler(runner))
+
+
+def connect_cuda(runner: HostUpdate, send: GroupSend) -> None:
+    """Sets the functions the CUDA module's calls run and registers its FFI targets (once per
+    process: the runtime calls it at the first init on a GPU).
+
+    Args:
+      runner: as :func:`connect_cpu`'s, for the CUDA ``jax_mlpo_host_update``.
+      send: ``send(stream, group, grads, params, updates, ticket)``, every
+        ``jax_mlpo_group_send`` (an update in groups on a GPU): the group's leaves as numpy
+        views of its pinned host staging, valid until its ticket is released; the grads and
+        params are there once ``ticket.wait(timeout_s)`` returns True; it writes the updates,
+        then calls ``ticket.release(next_count)``. It must return at once (the stream copies
+        the inputs after it returns) and raises to fail the call.
+
+    Raises:
+      ImportError: if the CUDA module was not built, with how to build it.
+    """
+    cuda = _cuda()
+    cuda.set_host_update(_handler(runner))
+    cuda.set_group_send(_group_handler(send))
+    for name, target in cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, target, platform="CUDA")
 
 
 def grouped_on_gpu() -> bool:
@@ -201,58 +232,31 @@ def grouped_on_gpu() -> bool:
         return False
 
 
-def set_host_update(runner: HostUpdate) -> None:
-    """Sets the function every ``jax_mlpo_host_update`` call runs.
-
-    Args:
-      runner: ``runner(handle, count, scalars, group, grads, params, updates, stream,
-        completion)``: ``scalars`` is ``float32[NUM_SCALARS]``, the optimizer's (its
-        :meth:`~jax_mlpo.optimizers.HostOptimizer.hyper` reads them); ``group`` a
-        :class:`CallGroup`, which of the engine's leaves the call carries; the three
-        lists hold XLA's buffers per leaf, valid until the call completes (``updates[k]`` may share
-        ``grads[k]``'s memory): flat numpy views on CPU (``stream`` None), :class:`DeviceBuffer`
-        s on a GPU (``stream`` is XLA's ``cudaStream_t``; copy through it and synchronize before
-        returning). It raises to fail the call. On CPU ``completion`` is a :class:`Completion`:
-        returning :data:`DEFERRED` leaves the call pending until it is called; otherwise the
-        call completes when the runner returns.
-    """
-    global _runner
-    _runner = runner
-
-
-_CUDA_LOCK = threading.Lock()
-_cuda_ready = False
-
-
-def ensure_platform(platform: str) -> None:
-    """Makes the host update callable on ``platform`` (``"cpu"``, or ``"gpu"``/``"cuda"``).
+def check_platform(platform: str) -> None:
+    """Checks that the host update has handlers on ``platform`` (``"cpu"``, or
+    ``"gpu"``/``"cuda"``).
 
     Raises:
       ImportError: on a GPU, if the CUDA module was not built, with how to build it.
       NotImplementedError: for any other platform.
     """
-    global _cuda_ready
     if platform == "cpu":
         return
     if platform not in ("gpu", "cuda"):
         raise NotImplementedError(
             f"jax_mlpo's update transport has handlers for CPU and CUDA, not {platform!r}"
         )
-    with _CUDA_LOCK:
-        if _cuda_ready:
-            return
-        try:
-            cuda = cuda_module()
-        except ImportError as e:
-            raise ImportError(
-                f"{e}. On a GPU jax_mlpo needs its CUDA handlers: rebuild with "
-                "JAX_MLPO_ENABLE_CUDA=ON (pip install --no-build-isolation -e . with nvcc on PATH)"
-            ) from None
-        cuda.set_host_update(_handler)
-        cuda.set_group_send(_group_handler)
-        for name, target in cuda.registrations().items():
-            jax.ffi.register_ffi_target(name, target, platform="CUDA")
-        _cuda_ready = True
+    _cuda()
+
+
+def _cuda() -> Any:
+    try:
+        return cuda_module()
+    except ImportError as e:
+        raise ImportError(
+            f"{e}. On a GPU jax_mlpo needs its CUDA handlers: rebuild with "
+            "JAX_MLPO_ENABLE_CUDA=ON (pip install --no-build-isolation -e . with nvcc on PATH)"
+        ) from None
 
 
 def host_update_call(

@@ -19,14 +19,15 @@ from jax_mlpo.engine.layout import check_moment_dtypes
 from jax_mlpo.engine.quantize import Q8
 from jax_mlpo.optimizers.adamw import AdamW
 from jax_mlpo.optimizers.lion import Lion
-from jax_mlpo.transforms.offloaded import offloaded, validate_once
+from jax_mlpo.transforms.offloaded import offloaded
+from jax_mlpo.transforms.runtime import RUNTIME
 
 
 def check_offload(offload: Any) -> None:
     """Raises unless ``offload`` is an ``OffloadConfig``; checks its tiers once."""
     if not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload must be a jax_mlpo.OffloadConfig, got {type(offload).__name__}")
-    validate_once(offload)
+    RUNTIME.validate_once(offload)
 
 
 def check_scalars(scalars: dict[str, Any]) -> None:

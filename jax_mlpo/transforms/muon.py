@@ -35,6 +35,7 @@ from jax_mlpo.engine.layout import build_layout, check_moment_dtypes, resolve_ma
 from jax_mlpo.engine.plan import StateShape, layout_plan, split_host_cache, warn_unused_tiers
 from jax_mlpo.engine.scalars import concrete
 from jax_mlpo.optimizers.muon import MuonMaster, MuonMomentum
+from jax_mlpo.transforms import overlap
 from jax_mlpo.transforms.elementwise import adamw, check_offload, check_scalars, check_update_dtype
 from jax_mlpo.transforms.offloaded import (
     EmptyGroup,
@@ -235,7 +236,7 @@ def muon(
     # Each engine's config, by the engines' state shapes: made (and its tier directories
     # probed) once, so that a second init of this optimizer takes its engines' places by the
     # same configs (a place without tiers is its config object:
-    # jax_mlpo.transforms.registry.place_of).
+    # jax_mlpo.transforms.runtime.place_of).
     # An empty group's engine holds nothing (no share of the host cache, no blob in its
     # tier subdirectories); its subdirectories are its place, for the next init to replace.
     part_configs: dict[tuple[Any, ...], dict[str, OffloadConfig]] = {}
@@ -313,7 +314,10 @@ def muon(
         return [_scale_by_shape(x, d, consistent_rms) for x, d in zip(out, dims, strict=True)]
 
     def update_fn(updates, state, params=None, **extra_args):
-        del extra_args  # accepted and ignored, as optax.contrib.muon's update does
+        # other extra arguments are accepted and ignored, as optax.contrib.muon's update does;
+        # an overlapped step's grouping goes on to the offloaded parts
+        grouping = overlap.Grouping.given(extra_args)
+        parts = {} if grouping is None else {overlap.OVERLAP_ARG: grouping}
         if params is None:
             raise ValueError(
                 "jax_mlpo.muon needs params in update (tx.update(grads, state, params)): they "
@@ -328,7 +332,7 @@ def muon(
             muon_params = [leaves[i] for i in groups.muon]
             count = momentum.count
             mu_hat, momentum = momentum_tx.update(
-                [grads[i] for i in groups.muon], momentum, muon_params
+                [grads[i] for i in groups.muon], momentum, muon_params, **parts
             )
             directions = orthogonalize(mu_hat, tuple(groups.dims))
             flags = decay_flags(params, groups)
@@ -351,13 +355,13 @@ def muon(
             if groups.master:
                 applied, master = master_tx.update(
                     [directions[k] for k in groups.master], master,
-                    [muon_params[k] for k in groups.master],
+                    [muon_params[k] for k in groups.master], **parts,
                 )  # fmt: skip
                 for k, u in zip(groups.master, applied, strict=True):
                     out[groups.muon[k]] = u
         if groups.adam:
             adam_updates, adam = adam_tx.update(
-                [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam]
+                [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam], **parts
             )
             for i, u in zip(groups.adam, adam_updates, strict=True):
                 out[i] = u

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,26 +26,21 @@ import optax
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
-from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
 from jax_mlpo.engine.plan import StateShape, warn_unused_tiers
 from jax_mlpo.engine.scalars import ScalarNames
-from jax_mlpo.native.copies import CudaCopier, cuda_host_register, cuda_host_unregister
 from jax_mlpo.native.host_update import (
-    DEFERRED,
     CallGroup,
-    ensure_platform,
     group_receive_call,
     group_send_call,
     host_update_call,
-    set_group_send,
-    set_host_update,
 )
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.mesh import MeshPlan
-from jax_mlpo.sharding.plan import NO_GPU_MESH, plan_of_update, shard_plan, update_key
-from jax_mlpo.transforms import group_runs, overlap, registry
+from jax_mlpo.sharding.plan import plan_of_update, shard_plan, update_key
+from jax_mlpo.transforms import overlap
 from jax_mlpo.transforms.opt_state import OffloadedState
+from jax_mlpo.transforms.runtime import RUNTIME, TEMPLATE, Place, place_of
 from jax_mlpo.transforms.traced_init import handles_at_run_time, made_at_run_time, stand_ins_of
 
 
@@ -64,75 +58,6 @@ def refuse_discarding_wrappers(name: str) -> None:
                 "inner update run only on the micro-step that applies it."
             )
         frame = frame.f_back
-
-
-def _run_update(handle, count, scalars, group, grads, params, updates, stream, completion):
-    """The host side of every ``jax_mlpo_host_update`` call (on an XLA thread, with the GIL):
-    XLA's buffers in place on CPU, staged a subgroup at a time through XLA's stream on a GPU;
-    with params on a mesh, each device's call meets the others' and all but the last are
-    deferred (:mod:`jax_mlpo.sharding.mesh`); an update in one call per group of layers defers
-    every call and completes each as its subgroups are done (:mod:`jax_mlpo.engine.grouped`)."""
-    try:
-        if not group.whole:
-            if completion is None:  # a GPU's groups have handlers of their own (_send_group)
-                raise RuntimeError("a jax_mlpo update in groups reached the GPU's one-call handler")
-            engine = registry.engine(handle)
-            on_mesh = registry.slot(handle)
-            mesh, k = (None, 0) if on_mesh is None else (on_mesh[0].plan, on_mesh[1])
-            group_runs.calls_of(engine, mesh).arrive(count, scalars, group, grads, params,
-                                                     updates, completion, slot=k)  # fmt: skip
-            return DEFERRED
-        slot = registry.slot(handle)
-        if slot is not None:
-            if stream is not None:
-                raise NotImplementedError(NO_GPU_MESH)
-            calls, k = slot
-            deferred = calls.arrive(k, (count, scalars, grads, params, updates), completion)
-            return DEFERRED if deferred else None
-        _step(registry.engine(handle), count, scalars, grads, params, updates, stream)
-        return None
-    except BaseException as e:
-        registry.update_failed(e)
-        raise
-
-
-def run_on(engine: Engine):
-    """The runner of a mesh engine's update, once every device's call has arrived."""
-
-    def run(count: int, scalars: np.ndarray, grads: list, params: list, updates: list) -> None:
-        _step(engine, count, scalars, grads, params, updates, None)
-
-    return run
-
-
-# The configs already checked against the file systems and object stores, by id (with a weak
-# reference, so that a new config at a recycled id is checked again).
-_VALIDATED: dict[int, weakref.ref] = {}
-
-
-def validate_once(offload: OffloadConfig) -> None:
-    """Checks ``offload``'s tiers once per config object: optax.inject_hyperparams re-creates
-    the transformation inside every update, and a check writes to every tier."""
-    ref = _VALIDATED.get(id(offload))
-    if ref is not None and ref() is offload:
-        return
-    offload.validate()
-    _VALIDATED[id(offload)] = weakref.ref(offload)
-
-
-def _step(engine, count, scalars, grads, params, updates, stream) -> None:
-    """One update of ``engine`` on XLA's buffers: in place on CPU (``stream`` None), staged a
-    subgroup at a time through XLA's stream on a GPU."""
-    if stream is None:
-        leaves = HostLeaves(grads, params, updates)
-    else:
-        staging = engine.subgroup_staging(cuda_host_register, cuda_host_unregister)
-        leaves = StagedLeaves(grads, params, updates, CudaCopier(stream), staging)
-    engine.step_leaves(count, engine.optimizer.hyper(engine.scalars.read(scalars)), leaves)
-
-
-set_host_update(_run_update)
-set_group_send(group_runs.send_group)
 
 
 class EmptyGroup(NamedTuple):
@@ -153,7 +78,7 @@ def template_state(params: Any) -> OffloadedState:
 
     ``jax.eval_shape(tx.init, params)`` (and ``nnx.eval_shape`` of an ``nnx.Optimizer``) is how
     Flax and orbax make restore targets' shapes: this writes nothing and allocates nothing. Its
-    handle is :data:`jax_mlpo.transforms.registry.TEMPLATE`, which every use of the state refuses,
+    handle is :data:`jax_mlpo.transforms.TEMPLATE`, which every use of the state refuses,
     naming the fix: a state to train or restore into comes from ``tx.init`` on concrete params.
     """
     shape: tuple[int, ...] = ()
@@ -164,7 +89,7 @@ def template_state(params: Any) -> OffloadedState:
         if mesh is not None and not mesh.empty and mesh.size > 1:
             shape = tuple(mesh.axis_sizes)
             break
-    template = jnp.full(shape, registry.TEMPLATE, jnp.int32)
+    template = jnp.full(shape, TEMPLATE, jnp.int32)
     return OffloadedState(count=jnp.zeros([], jnp.int32), handle=template)
 
 
@@ -212,12 +137,13 @@ def offloaded(
       The ``GradientTransformationExtraArgs``; its ``update`` requires ``params`` and ignores
       extra keyword arguments. ``init`` under a trace (``jax.eval_shape``) returns a template
       of the state (:func:`template_state`) and makes nothing; otherwise it replaces the
-      engine of this process at the same place (:func:`jax_mlpo.transforms.registry.take_place`).
+      engine of this process at the same place
+      (:meth:`jax_mlpo.transforms.runtime.Runtime.take_place`).
     """
     # The plans of the states this transformation initialised on a mesh, by what an update
     # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
     # not visible under jit. A transformation re-created inside update (inject_hyperparams)
-    # finds them in the registry.
+    # finds them in the runtime.
     mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
 
     # The params' leaf shapes at each init, checked by every update this transformation traces:
@@ -232,10 +158,10 @@ def offloaded(
     moments = (moment_dtypes, optimizer.moment_names, keeps_master)
     scalar_names = ScalarNames.of(optimizer.scalar_names, hyperparams)  # checked once, here
 
-    def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, registry.Place]:
+    def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, Place]:
         # it replaces the engine of this process at its place (a second init)
-        place = registry.place_of(config)
-        registry.take_place(place)
+        place = place_of(config)
+        RUNTIME.take_place(place)
         return Engine(layout, config, optimizer, scalar_names), place
 
     def init_fn(
@@ -260,17 +186,17 @@ def offloaded(
                                      host_arrays=True).handle)], 1,
             )  # fmt: skip
             return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
-        ensure_platform(jax.default_backend())
+        RUNTIME.ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
         layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments)
         engine, place = new_engine(layout, plan.engine_config(where))
         if plan.mesh is not None:  # a handle per device, whose calls meet before the engine runs
             key = plan.key(params)
-            handles = registry.register_mesh(engine, plan.mesh, run_on(engine), key, place)
+            handles = RUNTIME.register_mesh(engine, plan.mesh, key, place)
             mesh_plans[key] = plan.mesh
         else:
-            handles = [registry.register(engine, place)]
+            handles = [RUNTIME.register(engine, place)]
         if part_offload is None:  # a part's tiers are its optimizer's (jax_mlpo.muon warns)
             warn_unused_tiers(name, where, [StateShape.of(layout)], [engine.plan])
         if host_arrays:
@@ -280,7 +206,8 @@ def offloaded(
         return OffloadedState(count=count, handle=handle)
 
     def update_fn(updates, state, params=None, **extra_args):
-        del extra_args  # accepted and ignored, as optax's optimizers do (value=, ...)
+        # other extra arguments are accepted and ignored, as optax's optimizers do (value=, ...)
+        grouping = overlap.Grouping.given(extra_args)
         if params is None:
             raise ValueError(
                 f"jax_mlpo.{name} needs params in update (tx.update(grads, state, params)): they "
@@ -298,31 +225,33 @@ def offloaded(
         # of the jitted update; Python floats stay constants of it, in double precision.
         lr = None if callable(learning_rate) else learning_rate
         arrays = {k: v for k, v in hyperparams.items() if not isinstance(v, int | float)}
-        groups = groups_of(params, state)
-        if groups is not None:  # traced by overlapped_step, into its program (overlap.hold)
-            return update_body(updates, state, params, lr, arrays, groups)
+        groups = groups_of(params, state, grouping)
+        if groups is not None:  # traced by overlapped_step, into its program (grouping.hold)
+            return update_body(updates, state, params, lr, arrays, groups, grouping)
         return jitted_update(updates, state, params, lr, arrays, None)
 
-    def groups_of(params: Any, state: OffloadedState) -> tuple[int, ...] | None:
+    def groups_of(params: Any, state: OffloadedState, grouping: overlap.Grouping | None
+                  ) -> tuple[int, ...] | None:  # fmt: skip
         """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call), on a
-        platform the overlapped step splits for (overlap.split_platform: a CPU, or a GPU with
+        platform the overlapped step splits for (``grouping.platform``: a CPU, or a GPU with
         the grouped handlers). A mesh's or several processes' calls are split on CPU, where
         every device makes each group's call (:class:`jax_mlpo.engine.grouped.Shards`)."""
-        groups = tuple(overlap.group_of_leaf(p) for p in jax.tree.leaves(params))
-        platform = overlap.split_platform()
-        if (not groups or None in groups or len(set(groups)) == 1 or platform is None
-                or (np.ndim(state.handle) and platform != "cpu")):  # fmt: skip
+        if grouping is None or grouping.platform is None:
+            return None
+        groups = tuple(grouping.group_of(p) for p in jax.tree.leaves(params))
+        if (not groups or None in groups or len(set(groups)) == 1
+                or (np.ndim(state.handle) and grouping.platform != "cpu")):  # fmt: skip
             return None
         return groups
 
-    def update_body(updates, state, params, lr, arrays, groups):
+    def update_body(updates, state, params, lr, arrays, groups, grouping=None):
         count_inc = optax.safe_increment(state.count)
         if lr is None:
             lr = learning_rate(state.count)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         key = update_key(np.shape(state.handle), param_leaves)
-        plan = plan_of_update(state.handle, mesh_plans.get(key) or registry.mesh_plan_for(key))
+        plan = plan_of_update(state.handle, mesh_plans.get(key) or RUNTIME.mesh_plan_for(key))
         computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
         if max_grad_norm is not None:
             g_norm = plan.global_norm(grads)
@@ -333,11 +262,12 @@ def offloaded(
             # says why); the barrier keeps XLA from fusing the held scalars' producer into the
             # hold, which would recompute them there and free the calls' buffer early
             scalars = jax.lax.optimization_barrier(scalars)
+            gpu = grouping.platform == "cuda"
             counts, outs = plan.update(
-                functools.partial(grouped_update, groups=groups), grads, param_leaves,
+                functools.partial(grouped_update, groups=groups, gpu=gpu), grads, param_leaves,
                 state.handle, state.count, scalars,
             )  # fmt: skip
-            overlap.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
+            grouping.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
             count_out = jnp.max(counts)
         else:
             count_out, outs = plan.update(
@@ -358,7 +288,7 @@ def offloaded(
             handle, count, scalars, grads, param_leaves, update_dtypes(param_leaves)
         )
 
-    def grouped_update(grads, param_leaves, handle, count, scalars, *, groups):
+    def grouped_update(grads, param_leaves, handle, count, scalars, *, groups, gpu):
         # One call per group present, renumbered 0.. in forward order; each call's operands are
         # its own leaves. Every call's next count is a value the program uses (the caller holds
         # them to the step's end): an unused result's buffer is one slice that all the calls
@@ -369,7 +299,6 @@ def offloaded(
         dtypes = update_dtypes(param_leaves)
         ids_of = [[k for k, gk in enumerate(groups) if gk == g] for g in present]
         calls = [CallGroup(rank, len(present), tuple(ids)) for rank, ids in enumerate(ids_of)]
-        gpu = overlap.split_platform() == "cuda"
         tokens = [
             group_send_call(handle, count, scalars, [grads[k] for k in call.leaf_ids],
                             [param_leaves[k] for k in call.leaf_ids], call,

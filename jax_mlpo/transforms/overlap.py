@@ -36,10 +36,8 @@ the plain loop's, and the next step starts again with no pending gradients.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,13 +51,19 @@ from jax.sharding import PartitionSpec as P
 from jax_mlpo.native.host_update import grouped_on_gpu
 from jax_mlpo.transforms import overlap_cost
 
-__all__ = ["forward_ranks", "group_of_leaf", "leaf_groups", "loss_at_first_use", "overlapped_step"]
+__all__ = [
+    "OVERLAP_ARG", "Grouping", "forward_ranks", "leaf_groups", "loss_at_first_use",
+    "overlapped_step", "update_in_groups",
+]  # fmt: skip
 
 # How many calls an update is split into at most (``groups="auto"`` takes fewer where the
 # update is too small for each call to pay for itself: jax_mlpo.transforms.overlap_cost).
 GROUPS = overlap_cost.MAX_GROUPS
 
-_ACTIVE = threading.local()
+# The keyword argument that hands an update traced inside overlapped_step its Grouping: optax
+# passes extra keyword arguments to every transformation of a chain and through its wrappers
+# (inject_hyperparams, masked, MultiSteps); jax_mlpo's transformations read it, others ignore it.
+OVERLAP_ARG = "jax_mlpo_overlap"
 
 
 @dataclasses.dataclass
@@ -67,6 +71,7 @@ class Grouping:
     """What an update traced inside :func:`overlapped_step` reads and leaves behind.
 
     Attributes:
+      leaves: the traced param leaves (kept, so no other object takes their ids meanwhile).
       groups: each param leaf's group, by ``id`` of the traced leaf.
       platform: the platform the split calls are emitted for (``"cpu"``: one call per group;
         ``"cuda"``: a send and a receive per group, ``ffi/cuda_grouped.h``), or None: the
@@ -77,9 +82,42 @@ class Grouping:
         make the forward pass wait for every call).
     """
 
+    leaves: list[Any]
     groups: dict[int, int]
     platform: str | None = "cpu"
     held: list[Any] = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def of(leaves: Sequence[Any], group: Sequence[int], platform: str | None) -> Grouping:
+        """The grouping of traced ``leaves``, leaf ``k`` in group ``group[k]``."""
+        return Grouping(list(leaves), {id(x): g for x, g in zip(leaves, group, strict=True)},
+                        platform)  # fmt: skip
+
+    @staticmethod
+    def given(extra_args: Mapping[str, Any]) -> Grouping | None:
+        """The grouping an update's extra keyword arguments carry (None: not inside
+        :func:`overlapped_step`)."""
+        return extra_args.get(OVERLAP_ARG)
+
+    def group_of(self, leaf: Any) -> int | None:
+        """A traced param leaf's group; None for a leaf it does not know (one of a
+        ``lax.cond`` branch's own tracers)."""
+        return self.groups.get(id(leaf))
+
+    def hold(self, *values: Any) -> None:
+        """Keeps ``values`` alive to the end of the step being traced."""
+        self.held.extend(values)
+
+
+def update_in_groups(
+    tx: optax.GradientTransformation, grouping: Grouping, grads: Any, opt_state: Any,
+    params: Any, **extra_args: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """``tx.update`` traced inside an overlapped step, handed ``grouping``: a transformation
+    without extra keyword arguments updates in one call."""
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+        extra_args = {**extra_args, OVERLAP_ARG: grouping}
+    return tx.update(grads, opt_state, params, **extra_args)
 
 
 def overlapped_step(
@@ -137,10 +175,8 @@ def overlapped_step(
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     ranks = forward_ranks(closed.jaxpr)[: len(leaves)]
     group = leaf_groups(ranks, [int(np.size(x)) for x in leaves], groups)
-    grouping = Grouping({id(x): g for x, g in zip(leaves, group, strict=True)},
-                        platform or _default_split())  # fmt: skip
-    with _grouping(grouping):
-        updates, opt_state = tx.update(pending, opt_state, params)
+    grouping = Grouping.of(leaves, group, platform or default_split())
+    updates, opt_state = update_in_groups(tx, grouping, pending, opt_state, params)
     out_tree = jax.tree.structure(out_shape)
     arg_leaves = jax.tree.leaves(args)
 
@@ -169,17 +205,7 @@ def overlapped_step(
     return params, opt_state, jax.tree.unflatten(treedef, grads), value
 
 
-@contextlib.contextmanager
-def _grouping(grouping: Grouping) -> Iterator[Grouping]:
-    previous = getattr(_ACTIVE, "grouping", None)
-    _ACTIVE.grouping = grouping
-    try:
-        yield grouping
-    finally:
-        _ACTIVE.grouping = previous
-
-
-def _default_split() -> str | None:
+def default_split() -> str | None:
     """Where the default backend's update splits: on CPU, and on a GPU that has the grouped
     handlers (``ffi/cuda_grouped.h``); None: in one call."""
     backend = jax.default_backend()
@@ -188,27 +214,6 @@ def _default_split() -> str | None:
     if backend == "gpu" and grouped_on_gpu():
         return "cuda"
     return None
-
-
-def split_platform() -> str | None:
-    """The platform the update being traced inside :func:`overlapped_step` splits for (None:
-    outside it, or not split)."""
-    grouping = getattr(_ACTIVE, "grouping", None)
-    return None if grouping is None else grouping.platform
-
-
-def group_of_leaf(leaf: Any) -> int | None:
-    """The group of a param leaf traced inside :func:`overlapped_step`; None outside it, or for
-    a leaf it does not know (one of a ``lax.cond`` branch's own tracers)."""
-    grouping = getattr(_ACTIVE, "grouping", None)
-    return None if grouping is None else grouping.groups.get(id(leaf))
-
-
-def hold(*values: Any) -> None:
-    """Keeps ``values`` alive to the end of the :func:`overlapped_step` being traced."""
-    grouping = getattr(_ACTIVE, "grouping", None)
-    if grouping is not None:
-        grouping.held.extend(values)
 
 
 def forward_ranks(jaxpr: jex_core.Jaxpr) -> list[int]:

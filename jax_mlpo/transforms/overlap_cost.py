@@ -16,13 +16,14 @@ faster kept. Either step trains the same params, bit for bit, so a trial changes
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_mlpo.transforms.runtime import RUNTIME
 
 __all__ = ["OverlapTrial", "auto_groups", "call_cost_s", "element_cost_s", "worth_trying"]
 
@@ -42,12 +43,15 @@ CALL_FLOOR_S = 10e-6
 _ROUNDS = 7
 
 
-@functools.cache
 def call_cost_s() -> float:
     """The fixed cost of one host call inside a jitted program: a program of one no-op
     callback, the fastest of ``_ROUNDS`` runs (measured once per process; a run pre-empted by
     other work only takes longer; the program's own dispatch, ~10 us, is counted in, erring
     toward fewer calls)."""
+    return RUNTIME.measured_once("call_cost_s", _measure_call_cost)
+
+
+def _measure_call_cost() -> float:
     x = jnp.zeros((8,), jnp.float32)
 
     def noop(v: np.ndarray) -> np.ndarray:
@@ -58,12 +62,15 @@ def call_cost_s() -> float:
     return max(_fastest_s(with_call, x), 1e-6)
 
 
-@functools.cache
 def element_cost_s() -> float:
     """The host update's time per element: the engine's own fused AdamW kernel
     (:func:`jax_mlpo.native.adamw.adamw_step`) over 256K float32 elements in memory, the
     fastest of ``_ROUNDS`` runs (measured once per process). An update that waits for its
     tiers costs more per element, so this errs toward fewer calls."""
+    return RUNTIME.measured_once("element_cost_s", _measure_element_cost)
+
+
+def _measure_element_cost() -> float:
     from jax_mlpo.native.adamw import adamw_step
     from jax_mlpo.types import AdamWHyper
 

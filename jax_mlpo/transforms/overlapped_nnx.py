@@ -33,11 +33,11 @@ from jax_mlpo.transforms import overlap_cost
 from jax_mlpo.transforms.overlap import (
     Grouping,
     _apply_update,
-    _default_split,
-    _grouping,
+    default_split,
     leaf_groups,
     loss_at_first_use,
     negative_zero,
+    update_in_groups,
 )
 
 __all__ = ["OverlappedTrainStep", "activation_ranks"]
@@ -320,11 +320,10 @@ class OverlappedTrainStep(FlushOnExit):
                 closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(params, rest, *args)
                 ranks = activation_ranks(closed.jaxpr, len(leaves))
                 group = leaf_groups(ranks, sizes, self._resolve_groups(sizes))
-                grouping = Grouping({id(x): g for x, g in zip(leaves, group, strict=True)},
-                                    _default_split())  # fmt: skip
+                grouping = Grouping.of(leaves, group, default_split())
                 grads, kwargs = pending
-                with _grouping(grouping):
-                    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+                updates, opt_state = update_in_groups(tx, grouping, grads, opt_state, params,
+                                                      **kwargs)  # fmt: skip
                 others = jax.tree.leaves((rest, args))  # the jaxpr's inputs after the params
                 outs, new = loss_at_first_use(closed, leaves, treedef.flatten_up_to(updates),
                                               others, _apply_update)  # fmt: skip
