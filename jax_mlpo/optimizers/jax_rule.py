@@ -1,20 +1,39 @@
-"""An elementwise update rule written in ``jax.numpy``, run by the engine at host memory speed.
+"""An elementwise update rule written in ``jax.numpy``, run by the engine over its host state.
 
 :class:`jax_mlpo.extend.JaxElementwiseOptimizer` hands its rule here. The rule is compiled by
 XLA for the CPU (once per chunk shape and variant: weight decay or not, fp32 master or not, the
-dtypes) into one fused loop that reads the moments, the gradient and the params and writes the
-new moments and the update, as the native kernels do. The engine's subgroups live in its own
-host buffers, not in XLA's, so each segment is cut into chunks small enough for the caches
-(:data:`CHUNK` elements, a few hundred KiB per array): a chunk's inputs reach XLA without a
-copy where they are 64-byte aligned (``dlpack``), its fresh outputs stay in the cache, and they
-are copied into the state at once. Memory sees the bytes the rule must move, once; the
-chunks are spread over ``native.num_threads()`` threads (XLA releases the GIL while it runs).
+dtypes) into vectorised loops, one per output (XLA:CPU does not fuse several outputs into one
+loop; each recomputes what it needs from the inputs). The engine's subgroups live in its own
+host buffers, not in XLA's, so each segment is cut into chunks of :data:`CHUNK` elements, each
+one call of the jitted rule on a synchronous XLA:CPU client of the runner's own: the chunk's
+inputs become XLA arrays without a copy (jaxlib's dlpack import; an unaligned chunk is first
+copied into a reused aligned buffer), and the fresh outputs are copied into the state. The
+chunks are spread over ``native.num_threads()`` threads, one job each (XLA and the copies
+release the GIL).
 
-Why not the alternatives (measured in ``experiments/bench/mlpo/kernels.py``, docs/extending.md):
-one XLA call over a whole segment writes fresh outputs of the segment's size, which are then
-copied: twice the memory traffic, and the first touch of the fresh pages; donating the
-engine's buffers to XLA is refused for memory XLA does not own (the donation copies); and
-NumPy evaluates one expression at a time with a temporary each, on one core.
+Where a chunk's time goes, and why not the alternatives (``python -m
+experiments.bench.mlpo.jax_rule_costs``, ``experiments/results/jax_rule_costs.json``: AMD EPYC,
+2 cores shared with other jobs, load average 7, 2026-12-06; microseconds, min/median):
+
+- the call: the fixed cost of one call is 11/12 on a synchronous client and 21/50 on an
+  asynchronous one (jax's default, which hands each call to a thread of its own and waits for
+  it); ``jax.jit`` costs no more than the ahead-of-time ``lower().compile()`` executable
+  (11.7/12.3) or its ``execute`` (15.5/16.2), so the runner keeps ``jax.jit``;
+- the inputs: jaxlib's import takes 3.3/3.5 per array, ``jnp.from_dlpack(x, device=d)`` 68/73
+  (it imports onto the default client, then moves the array) and ``jax.device_put(x, d,
+  may_alias=True)`` 25/26, more than a small chunk's arithmetic;
+- the outputs: XLA writes them into buffers of its own. An input donated to the call would
+  take them in place for a buffer XLA allocated, but a dlpack view of the engine's memory is
+  copied instead (measured: the output is not in the view), so the outputs are copied;
+- the chunk: per 2^18-element chunk of AdaBelief, importing 4 inputs 25, the call 260 and the
+  3 copies 106, 15.9 GB/s on one thread at best; 2^16 elements pay the fixed costs 4 times as
+  often (11.7 GB/s), and 2^20 elements' fresh 4 MiB outputs are new pages on most calls
+  (12.2 GB/s at best, 6.4 at the median); one call over a whole segment, its outputs then
+  copied, is slower still (``experiments/bench/mlpo/jax_rule.py``'s ``jax_whole_segment``).
+
+NumPy evaluates one expression at a time with a temporary each, on one core. The native
+kernels read and write each array once in one loop; this path also writes the outputs once
+more and recomputes within XLA's loops, so it stays below them (docs/extending.md).
 """
 
 from __future__ import annotations
