@@ -113,8 +113,8 @@ class JaxElementwiseOptimizer(ElementwiseOptimizer):
     Subclass it, set the three names and write :meth:`step` with ``jax.numpy``: the arguments
     are :class:`ElementwiseOptimizer`'s, and it returns the new moments with the update
     instead of advancing the moments in place. XLA compiles it for the host (once per chunk
-    shape and variant) into one fused loop, which the engine runs over each segment of a
-    resident subgroup in cache-sized chunks on ``native.num_threads()`` threads
+    shape and variant) into vectorised loops, which the engine runs over each segment of a
+    resident subgroup in chunks of 2^18 elements on ``native.num_threads()`` threads
     (:mod:`jax_mlpo.optimizers.jax_rule`). The hyper-parameters reach it as float32 scalars,
     so a schedule or ``inject_hyperparams`` compiles nothing new.
     """

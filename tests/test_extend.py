@@ -232,6 +232,52 @@ def test_a_jax_numpy_optimizer_under_inject_hyperparams(name, tmp_path):
     jax_mlpo.close(state)
 
 
+def _adabelief_state(n: int, offset: int) -> list[np.ndarray]:
+    """m, s, g, p, u: float32[n] starting ``offset`` elements past a 64-byte boundary."""
+    rng = np.random.default_rng(0)
+    out = []
+    for k in range(5):
+        raw = np.empty(n + 32, np.float32)
+        start = (-raw.ctypes.data % 64) // 4 + offset
+        x = raw[start : start + n]
+        x[...] = rng.standard_normal(n, dtype=np.float32) if k < 4 else 0.0
+        out.append(x)
+    out[1] = np.abs(out[1])  # s: a variance
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_jax_rule_gives_unaligned_and_read_only_chunks_the_values_of_aligned_ones(threads):
+    """The runner takes aligned chunks as they are and copies the others into its staging
+    buffers: the state it writes is the same, and what NumPy computes from the same rule."""
+    from types import SimpleNamespace
+
+    from jax_mlpo.optimizers.jax_rule import RuleRunner
+
+    ours, _ = _contrib("adabelief")
+    hyper = {"lr": 1e-3, "bc1": 0.19, "bc2": 0.002, "c1": 0.1, "c2": 0.001, "b1": 0.9,
+             "b2": 0.999, "eps": 1e-16, "eps_root": 1e-16}  # fmt: skip
+    n = 5 * 1024 + 7  # whole chunks, a power-of-two tail and a last short piece
+    results = []
+    for offset, read_only in ((0, False), (1, False), (0, True)):
+        m, s, g, p, u = _adabelief_state(n, offset)
+        f = {k: np.float32(v) for k, v in hyper.items()}
+        want_m = f["c1"] * g + f["b1"] * m
+        want_s = f["c2"] * np.square(g - want_m) + f["b2"] * s + f["eps_root"]
+        want_u = -f["lr"] * ((want_m / f["bc1"]) / (np.sqrt(want_s / f["bc2"]) + f["eps"]))
+        g.flags.writeable = not read_only
+        runner = RuleRunner(importlib.import_module(ours.__module__).AdaBelief().step,
+                            "adabelief", threads, chunk=2048)  # fmt: skip
+        runner.run([(SimpleNamespace(decay=False), (m, s), g, p, u, None)], hyper)
+        runner.close()
+        for got, want in ((m, want_m), (s, want_s), (u, want_u)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)  # XLA fuses: FMAs
+        results.append([m.copy(), s.copy(), u.copy()])
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 # ---- the scalar vector -----------------------------------------------------------------------
 
 

@@ -1,20 +1,39 @@
-"""An elementwise update rule written in ``jax.numpy``, run by the engine at host memory speed.
+"""An elementwise update rule written in ``jax.numpy``, run by the engine over its host state.
 
 :class:`jax_mlpo.extend.JaxElementwiseOptimizer` hands its rule here. The rule is compiled by
 XLA for the CPU (once per chunk shape and variant: weight decay or not, fp32 master or not, the
-dtypes) into one fused loop that reads the moments, the gradient and the params and writes the
-new moments and the update, as the native kernels do. The engine's subgroups live in its own
-host buffers, not in XLA's, so each segment is cut into chunks small enough for the caches
-(:data:`CHUNK` elements, a few hundred KiB per array): a chunk's inputs reach XLA without a
-copy where they are 64-byte aligned (``dlpack``), its fresh outputs stay in the cache, and they
-are copied into the state at once. Memory sees the bytes the rule must move, once; the
-chunks are spread over ``native.num_threads()`` threads (XLA releases the GIL while it runs).
+dtypes) into vectorised loops, one per output (XLA:CPU does not fuse several outputs into one
+loop; each recomputes what it needs from the inputs). The engine's subgroups live in its own
+host buffers, not in XLA's, so each segment is cut into chunks of :data:`CHUNK` elements, each
+one call of the jitted rule on a synchronous XLA:CPU client of the runner's own: the chunk's
+inputs become XLA arrays without a copy (jaxlib's dlpack import; an unaligned chunk is first
+copied into a reused aligned buffer), and the fresh outputs are copied into the state. The
+chunks are spread over ``native.num_threads()`` threads, one job each (XLA and the copies
+release the GIL).
 
-Why not the alternatives (measured in ``experiments/bench/mlpo/kernels.py``, docs/extending.md):
-one XLA call over a whole segment writes fresh outputs of the segment's size, which are then
-copied: twice the memory traffic, and the first touch of the fresh pages; donating the
-engine's buffers to XLA is refused for memory XLA does not own (the donation copies); and
-NumPy evaluates one expression at a time with a temporary each, on one core.
+Where a chunk's time goes, and why not the alternatives (``python -m
+experiments.bench.mlpo.jax_rule_costs``, ``experiments/results/jax_rule_costs.json``: AMD EPYC,
+2 cores shared with other jobs, load average 7, 2026-12-06; microseconds, min/median):
+
+- the call: the fixed cost of one call is 11/12 on a synchronous client and 21/50 on an
+  asynchronous one (jax's default, which hands each call to a thread of its own and waits for
+  it); ``jax.jit`` costs no more than the ahead-of-time ``lower().compile()`` executable
+  (11.7/12.3) or its ``execute`` (15.5/16.2), so the runner keeps ``jax.jit``;
+- the inputs: jaxlib's import takes 3.3/3.5 per array, ``jnp.from_dlpack(x, device=d)`` 68/73
+  (it imports onto the default client, then moves the array) and ``jax.device_put(x, d,
+  may_alias=True)`` 25/26, more than a small chunk's arithmetic;
+- the outputs: XLA writes them into buffers of its own. An input donated to the call would
+  take them in place for a buffer XLA allocated, but a dlpack view of the engine's memory is
+  copied instead (measured: the output is not in the view), so the outputs are copied;
+- the chunk: per 2^18-element chunk of AdaBelief, importing 4 inputs 25, the call 260 and the
+  3 copies 106, 15.9 GB/s on one thread at best; 2^16 elements pay the fixed costs 4 times as
+  often (11.7 GB/s), and 2^20 elements' fresh 4 MiB outputs are new pages on most calls
+  (12.2 GB/s at best, 6.4 at the median); one call over a whole segment, its outputs then
+  copied, is slower still (``experiments/bench/mlpo/jax_rule.py``'s ``jax_whole_segment``).
+
+NumPy evaluates one expression at a time with a temporary each, on one core. The native
+kernels read and write each array once in one loop; this path also writes the outputs once
+more and recomputes within XLA's loops, so it stays below them (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -32,9 +51,10 @@ from jax._src.lib import xla_client
 from jax_mlpo.engine.quantize import Quantized
 from jax_mlpo.types import BF16, F32
 
-CHUNK = 1 << 16  # elements per XLA call: 7 arrays of 256 KiB stay in a core's L2
+CHUNK = 1 << 18  # elements per XLA call: 1 MiB per float32 array (the docstring says why)
 MIN_CHUNK = 1 << 10  # the smallest compiled chunk; a shorter tail gets its own shape
 _ALIGN = 64  # bytes: XLA:CPU takes a buffer without a copy from this alignment
+_DL_CPU = 1  # dlpack's device type of host memory
 
 # a rule: (moments, grad, param, hyper, *, decay) -> (new moments, update), in jax.numpy
 Rule = Callable[..., tuple[tuple[jax.Array, ...], jax.Array]]
@@ -58,14 +78,53 @@ def chunks(n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
     return out
 
 
-def _to_xla(x: np.ndarray, device: jax.Device) -> jax.Array:
-    """A host array as an array of ``device``: the same memory where it is aligned (dlpack), a
-    copy otherwise. bfloat16 goes as its bits (dlpack has no bfloat16)."""
-    if x.dtype == BF16:
-        x = x.view(np.uint16)
-    if x.ctypes.data % _ALIGN == 0 and x.flags.c_contiguous and x.flags.writeable:
-        return jnp.from_dlpack(x, device=device)  # (numpy exports no read-only array)
-    return jax.device_put(x, device)
+def _dlpack_import() -> Callable[[np.ndarray, jax.Device], jax.Array] | None:
+    """jaxlib's own dlpack import onto a given device, a few microseconds; None where this
+    jaxlib lacks it. (``jnp.from_dlpack(x, device=d)`` imports onto the default client, then
+    moves the array to ``d``'s: some 70 microseconds, more than a chunk's arithmetic.)"""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version
+    except ImportError:
+        return None
+    convert = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+    if convert is None:
+        return None
+    if jaxlib_extension_version >= 467:
+        return lambda x, device: convert(x.__dlpack__(), device, None, False, _DL_CPU)
+    return lambda x, device: convert(x.__dlpack__(), device, None, False)
+
+
+_IMPORT = _dlpack_import()
+
+
+def _view(x: np.ndarray, device: jax.Device) -> jax.Array:
+    """A 64-byte aligned, contiguous, writeable host array (or bfloat16 bits) as an array of
+    ``device``, without a copy."""
+    if _IMPORT is not None:
+        return _IMPORT(x, device)
+    return jax.device_put(x, device, may_alias=True)  # zero-copy too, at ~25 microseconds
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint16) if x.dtype == BF16 else x  # dlpack has no bfloat16
+
+
+def _viewable(x: np.ndarray) -> bool:
+    """Whether XLA can take ``x``'s chunks as they are: every chunk starts a multiple of
+    :data:`MIN_CHUNK` elements from ``x``, so it is aligned where ``x`` is."""
+    return x.ctypes.data % _ALIGN == 0 and x.flags.c_contiguous and x.flags.writeable
+
+
+def _staged(x: np.ndarray, staging: dict[int, np.ndarray], slot: int) -> np.ndarray:
+    """A copy of ``x`` in the thread's aligned buffer for argument ``slot``, which the next
+    chunk reuses (in the cache, where a fresh XLA buffer would be a new allocation)."""
+    buf = staging.get(slot)
+    if buf is None or buf.nbytes < x.nbytes:
+        raw = np.empty(x.nbytes + _ALIGN, np.uint8)
+        staging[slot] = buf = raw[-raw.ctypes.data % _ALIGN :][: x.nbytes]
+    dst = buf[: x.nbytes].view(x.dtype)
+    np.copyto(dst, x)
+    return dst
 
 
 def _from_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -96,10 +155,13 @@ class RuleRunner:
         self._threads = max(1, threads)
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's staging buffers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         # XLA:CPU of its own: the update runs inside a call of the training step's program,
         # and a program of the same client launched from there may wait behind that very
-        # program (the client runs a device's programs on its own threads).
+        # program (the client runs a device's programs on its own threads). Synchronous: a
+        # call runs on the calling thread, where an asynchronous client hands each one to a
+        # thread of its own and waits for it (some 40 microseconds a call on a busy host).
         self._device: jax.Device | None = None
 
     def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
@@ -110,10 +172,12 @@ class RuleRunner:
             return found
 
     def _build(self, decay: bool, moment_dtypes: tuple[np.dtype, ...], grad_dtype: np.dtype,
-               master: bool, out_dtype: np.dtype | None) -> Callable[..., Any]:  # fmt: skip
+               master: bool, out_dtype: np.dtype | None, names: tuple[str, ...],
+               ) -> Callable[..., Any]:  # fmt: skip
         rule = self._rule
 
-        def program(moments, grad, param, base, hyper):
+        def program(moments, grad, param, base, scalars):
+            hyper = {k: scalars[i] for i, k in enumerate(names)}  # one argument, not one each
             moments = tuple(_from_bits(m, d) for m, d in zip(moments, moment_dtypes, strict=True))
             g = _from_bits(grad, grad_dtype).astype(jnp.float32)
             new, u = rule(moments, g, param, hyper, decay=decay)
@@ -143,49 +207,50 @@ class RuleRunner:
     ) -> None:  # fmt: skip
         """One step of ``segments`` (:func:`jax_mlpo.optimizers.segment_calls`' tuples)."""
         if self._device is None:
-            self._device = xla_client.make_cpu_client().devices()[0]
+            self._device = xla_client.make_cpu_client(asynchronous=False).devices()[0]
         device = self._device
-        scalars = jax.device_put({k: np.float32(v) for k, v in hyper.items()}, device)
+        names = tuple(sorted(hyper))
+        scalars = jax.device_put(np.array([hyper[k] for k in names], F32), device)
         tasks = []
         for seg, moments, grad, param, out, base in segments:
             for m in moments:
                 if isinstance(m, Quantized):
                     raise ValueError(f"{self._name}: a jax.numpy rule takes float32 or bfloat16 "
                                      "moments, not q8")  # fmt: skip
-            master = base is not None
-            key = (bool(seg.decay), tuple(m.dtype for m in moments), grad.dtype, master,
-                   None if out is None else out.dtype)  # fmt: skip
+            key = (bool(seg.decay), tuple(m.dtype for m in moments), grad.dtype,
+                   base is not None, None if out is None else out.dtype, names)  # fmt: skip
             program = self._program(key)
+            inputs = [_bits(x) for x in (*moments, grad, param, base) if x is not None]
+            viewable = [_viewable(x) for x in inputs]
+            stores = [*moments, param if base is not None else None, out]
             for start, stop in chunks(param.shape[0], self._chunk):
-                tasks.append((program, device, moments, grad, param, out, base, start, stop))
+                span = slice(start, stop)
+                tasks.append((program, len(moments), inputs, viewable, stores, span))
         if len(tasks) <= 1 or self._threads == 1:
-            for task in tasks:
-                self._chunk_step(scalars, *task)
+            self._chunk_steps(device, scalars, tasks)
             return
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._threads, thread_name_prefix=f"jax_mlpo-{self._name}"
             )
-        futures = [self._pool.submit(self._chunk_step, scalars, *task) for task in tasks]
+        # one job per thread over every threads-th chunk: no task objects or futures per chunk
+        futures = [self._pool.submit(self._chunk_steps, device, scalars, tasks[k :: self._threads])
+                   for k in range(self._threads)]  # fmt: skip
         for future in futures:
             future.result()
 
-    @staticmethod
-    def _chunk_step(
-        scalars, program, device, moments, grad, param, out, base, start, stop
-    ) -> None:  # fmt: skip
-        span = slice(start, stop)
-        args = (
-            tuple(_to_xla(m[span], device) for m in moments), _to_xla(grad[span], device),
-            _to_xla(param[span], device), None if base is None else _to_xla(base[span], device),
-        )  # fmt: skip
-        stored, p_new, u = program(*args, scalars)
-        for m, value in zip(moments, stored, strict=True):
-            _store(m[span], value)
-        if p_new is not None:
-            _store(param[span], p_new)
-        if u is not None:
-            _store(out[span], u)
+    def _chunk_steps(self, device: jax.Device, scalars: jax.Array, tasks: list[tuple]) -> None:
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = {}
+        for program, n, inputs, viewable, stores, span in tasks:
+            views = [_view(x[span] if ok else _staged(x[span], staging, k), device)
+                     for k, (x, ok) in enumerate(zip(inputs, viewable, strict=True))]  # fmt: skip
+            base = views[n + 2] if len(views) > n + 2 else None
+            stored, p_new, u = program(tuple(views[:n]), views[n], views[n + 1], base, scalars)
+            for dst, value in zip(stores, (*stored, p_new, u), strict=True):
+                if value is not None:
+                    _store(dst[span], value)
 
     def close(self) -> None:
         """Stops the threads (a later :meth:`run` starts them again)."""

@@ -5,35 +5,38 @@ The rule is experiments/optimizers/adabelief.py's AdaBelief (reads m, s, g; writ
 6 x 4 bytes per element; AdamW's kernel moves 7 x 4). The ways a jax.numpy rule could run are
 measured side by side:
 
-- ``jax_rule``: what jax_mlpo.extend does (:mod:`jax_mlpo.optimizers.jax_rule`): cache-sized
-  chunks, each one XLA:CPU call, inputs by dlpack, outputs copied into the state, the chunks
-  spread over the kernels' threads;
+- ``jax_rule``: what jax_mlpo.extend does (:mod:`jax_mlpo.optimizers.jax_rule`): chunks of
+  ``--chunk`` elements, each one call of the jitted rule on a synchronous XLA:CPU client, its
+  inputs taken by dlpack without a copy, its outputs copied into the state, the chunks spread
+  over the kernels' threads;
 - ``jax_rule_one_thread``: the same on one thread;
 - ``jax_whole_segment``: one XLA call over the whole segment, its fresh outputs then copied
   into the state;
 - ``numpy``: the rule in NumPy (extend.ElementwiseOptimizer).
 
-Every case runs interleaved, one warm-up each, median of ``--repeats`` rounds.
+Every case runs interleaved, one warm-up each; a figure is the median of ``--repeats`` rounds,
+and a ratio the median of its per-round ratios, with their min and max. Where each call's time
+goes, and why the other ways a chunk could reach XLA lose, is
+``experiments/bench/mlpo/jax_rule_costs.py``.
 
-    python -m experiments.bench.mlpo.jax_rule --n 16777216 --repeats 7
+    python -m experiments.bench.mlpo.jax_rule --n 8388608 --repeats 7 --chunk 262144 \
+        --json experiments/results/jax_rule.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import time
 from types import SimpleNamespace
 
 import jax
 import numpy as np
 
-from experiments.bench.harness import round_robin, write_json
+from experiments.bench.harness import format_spread, ratio_spread, round_robin, write_json
 from experiments.optimizers.adabelief import AdaBelief
 from jax_mlpo import native
-from jax_mlpo.optimizers.jax_rule import CHUNK, RuleRunner, _store, _to_xla
+from jax_mlpo.optimizers.jax_rule import CHUNK, RuleRunner, _store, _view
 from jax_mlpo.types import F32, AdamWHyper
 
 ADAMW = AdamWHyper(bc1=0.19, bc2=0.002, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -78,7 +81,8 @@ def cases(n: int, threads: int, chunk: int) -> dict:
     hyper32 = jax.device_put({k: np.float32(x) for k, x in HYPER.items()}, device)
 
     def whole_segment():
-        outs = whole_program(_to_xla(m, device), _to_xla(s, device), _to_xla(g, device), hyper32)
+        views = [_view(x, device) for x in (m, s, g)]  # aligned: no copy
+        outs = whole_program(*views, hyper32)
         for dst, out in zip((m, s, u), outs, strict=True):
             _store(dst, out)
 
@@ -106,18 +110,23 @@ def main(argv: list[str] | None = None) -> dict:
     table = cases(args.n, threads, args.chunk)
     times = round_robin({k: fn for k, (_, fn) in table.items()}, args.repeats)
     figures = {k: b * args.n / statistics.median(times[k]) / 1e9 for k, (b, _) in table.items()}
-    figures["ratio_jax_rule_over_adamw"] = figures["jax_rule_gbps"] / figures["adamw_gbps"]
-    figures["ratio_jax_rule_over_numpy"] = figures["jax_rule_gbps"] / figures["numpy_gbps"]
+    # a round's ratio compares the cases under the same load: a time ratio, scaled by the bytes
+    jax_key, spreads = "jax_rule_gbps", {}
+    for other in ("adamw", "numpy"):
+        scale = table[jax_key][0] / table[f"{other}_gbps"][0]
+        per_round = ratio_spread(times[f"{other}_gbps"], times[jax_key])
+        spreads[f"ratio_jax_rule_over_{other}"] = {k: v * scale for k, v in per_round.items()}
+    figures |= {k: v["median"] for k, v in spreads.items()}
     print(f"n={args.n} chunk={args.chunk} threads={threads} load before {load_before[0]:.1f}, "
           f"after {os.getloadavg()[0]:.1f}")  # fmt: skip
     for key, value in figures.items():
         target = TARGETS.get(key)
-        print(f"  {key:<28} {value:8.2f}" + (f"   (target >= {target})" if target else ""))
+        shown = format_spread(spreads[key]) if key in spreads else f"{value:8.2f}"
+        print(f"  {key:<28} {shown}" + (f"   (target >= {target})" if target else ""))
     result = {
-        "figures": figures, "n": args.n, "chunk": args.chunk, "repeats": args.repeats,
-        "threads": threads,
-        "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_before": load_before,
+        "figures": figures, "ratio_spreads": spreads, "n": args.n, "chunk": args.chunk,
+        "repeats": args.repeats, "threads": threads, "jax": jax.__version__,
+        "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
     }  # fmt: skip
     write_json(args.json, result)
