@@ -55,6 +55,11 @@ Place = tuple[Any, ...]
 _PLACES: dict[int, Place] = {}
 _REPLACED: dict[int, Place] = {}
 _first_failure: BaseException | None = None  # the first update that raised in this process
+# The inits that failed inside a compiled program on several devices (an error raised there
+# would leave the other devices waiting in a collective): by the handle their state got, and
+# by the key an update of it is traced with (:func:`init_failed`).
+_FAILED: dict[int, BaseException] = {}
+_FAILED_KEYS: dict[tuple[Any, ...], BaseException] = {}
 # The mesh plans of the states initialised on a mesh, by what an update sees of them when
 # traced (the handle's and the leaves' shapes: shardings are not visible under jit), so that a
 # transformation re-created inside update (optax.inject_hyperparams) finds its state's plan.
@@ -67,11 +72,11 @@ TEMPLATE = 0
 
 _TEMPLATE = (
     "this jax_mlpo optimizer state was made by tx.init under a JAX trace that makes no engine "
-    "(jax.eval_shape or nnx.eval_shape; or jax.jit with params on a mesh or across processes): "
-    "it is a template with the state's shapes and dtypes and no host state behind it. Use it "
-    "as an abstract restore target's shapes only; make the state to train and to restore into "
-    "with tx.init(params), eagerly or under jax.jit / nnx.jit for params on one device (on a "
-    "mesh or across processes: eagerly, on the placed params)"
+    "(jax.eval_shape or nnx.eval_shape; or jax.jit across processes, or of jax_mlpo.muon with "
+    "params on a mesh): it is a template with the state's shapes and dtypes and no host state "
+    "behind it. Use it as an abstract restore target's shapes only; make the state to train "
+    "and to restore into with tx.init(params), eagerly or under jax.jit / nnx.jit in one "
+    "process (across processes, and jax_mlpo.muon on a mesh: eagerly, on the placed params)"
 )
 
 _NOT_FOUND = (
@@ -160,6 +165,36 @@ def register_mesh(
     return handles
 
 
+def init_failed(error: BaseException, key: tuple[Any, ...]) -> int:
+    """A handle naming ``error``, raised by an init in a compiled program on several devices,
+    whose state an update traced with ``key`` (:func:`check_init`) or any use refuses."""
+    logger.error("jax_mlpo: a jitted tx.init failed when its program ran: %r", error)
+    with _LOCK:
+        handle = _new_handle()
+        _FAILED[handle] = error
+        _CLOSED.add(handle)  # never drawn again
+        _FAILED_KEYS[key] = error
+    return handle
+
+
+def init_succeeded(key: tuple[Any, ...]) -> None:
+    """Forgets the failure of an earlier init of the same key."""
+    with _LOCK:
+        _FAILED_KEYS.pop(key, None)
+
+
+def check_init(key: tuple[Any, ...]) -> None:
+    """Raises the error of the last init of ``key`` if it failed inside its program."""
+    error = _FAILED_KEYS.get(key)
+    if error is not None:
+        raise NoEngineError(_failed_message(error)) from error
+
+
+def _failed_message(error: BaseException) -> str:
+    return (f"the jitted tx.init that made this optimizer state failed when its program ran: "
+            f"{type(error).__name__}: {error}")  # fmt: skip
+
+
 def mesh_plan_for(key: tuple[Any, ...]) -> MeshPlan | None:
     """The plan of the mesh state an update traced with ``key`` updates, or None."""
     return _MESH_PLANS.get(key)
@@ -182,6 +217,8 @@ def engine(key: int) -> Engine:
     try:
         return _ENGINES[key]
     except KeyError:
+        if key in _FAILED:
+            raise NoEngineError(_failed_message(_FAILED[key])) from _FAILED[key]
         if key == TEMPLATE:
             raise NoEngineError(_TEMPLATE) from None
         if key in _REPLACED:
