@@ -258,8 +258,12 @@ def offloaded(
         if is_traced(params):
             if not made_at_run_time(params):
                 return template_state(params)
-            handle = handle_at_run_time(params, functools.partial(
-                init_fn, part_offload=part_offload, part_mask=part_mask, host_arrays=True))
+            handle = handle_at_run_time(
+                params,
+                functools.partial(
+                    init_fn, part_offload=part_offload, part_mask=part_mask, host_arrays=True
+                ),
+            )
             return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
         ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
