@@ -18,6 +18,7 @@ from ``jax.set_mesh``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -231,7 +232,8 @@ def wait_for_traced_inits(key: tuple[Any, ...]) -> None:
       NoEngineError: the last init of ``key`` failed inside its program.
     """
     if _init_traced:
-        jax.effects_barrier()
+        with contextlib.suppress(Exception):  # a failed program's error: its caller's to see
+            jax.effects_barrier()
         registry.check_init(key)
 
 
