@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.plan import update_key
@@ -161,11 +161,6 @@ class CompiledShardings:
                 "the mesh set by jax.set_mesh"
             )
         return named
-
-
-def explicit(mesh: Any) -> bool:
-    """Whether every axis of ``mesh`` is Explicit (shardings in the types, checked by JAX)."""
-    return bool(mesh.axis_names) and all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def stand_ins_of(params: Any) -> Any:
