@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.sharding import processes
@@ -140,8 +141,43 @@ def shard_plan(params: Any, *, backend: str) -> ShardPlan:
     return ShardPlan(mesh=on_mesh, processes=multiprocess)
 
 
-def plan_of_update(handle: jax.Array, mesh: MeshPlan | None) -> ShardPlan:
+def plan_of_update(
+    handle: jax.Array, mesh: MeshPlan | None, params: Sequence[Any] = ()
+) -> ShardPlan:
     """The plan of a traced update whose state has ``handle``: on ``mesh`` (found by the
-    update's key), else by the handle's shape (one element per process, or a scalar)."""
+    update's key), else by the handle's shape (one element per process, or a scalar).
+
+    Raises:
+      ValueError: ``params`` with Explicit mesh axes whose types name other shardings than the
+        state was laid out by (its init saw them sharded otherwise).
+    """
+    if mesh is not None:
+        check_explicit_shardings(mesh, params)
     # an update needs only where the calls go: the mesh's devices, or one call per process
     return ShardPlan(mesh=mesh, processes=mesh is None and bool(np.ndim(handle)))
+
+
+def check_explicit_shardings(mesh: MeshPlan, params: Sequence[Any]) -> None:
+    """Checks that the params' shardings in their types (Explicit mesh axes) are those the
+    state's engine was laid out by: another layout would reshard the gradients into the
+    engine's shards, and the updates out of them, at every step."""
+    for k, leaf in enumerate(params):
+        typed = jax.typeof(leaf).sharding
+        typed_mesh = getattr(typed, "mesh", None)
+        if typed_mesh is None or typed_mesh.empty or not all(
+            t == AxisType.Explicit for t in typed_mesh.axis_types
+        ) or typed_mesh.axis_names != mesh.mesh.axis_names:  # fmt: skip
+            continue
+        ndim = len(mesh.shapes[k])
+        if not NamedSharding(mesh.mesh, typed.spec).is_equivalent_to(
+            NamedSharding(mesh.mesh, mesh.specs[k]), ndim
+        ):
+            raise ValueError(
+                f"param leaf {k} is sharded {typed.spec} in update, but the optimizer state "
+                f"was laid out at init by params sharded {mesh.specs[k]}: init the optimizer on "
+                "the params as they are trained. Under jax.jit (a TrainState made by a jitted "
+                "function, an nnx.Optimizer under nnx.jit), the init sees the params as they "
+                "are inside the function, not as out_shardings places them: shard them there "
+                "before tx.init (jax.sharding.reshard, or jax.lax.with_sharding_constraint "
+                "with Auto axes)"
+            )

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo.config import OffloadConfig
@@ -176,6 +176,11 @@ def sharded_update(
     def body(grads, params, handle, *rest):
         return host_update(list(grads), list(params), handle.reshape(()), *rest)
 
+    # a state made under jit has its handle and count as out_shardings placed them (a TrainState's
+    # are often replicated): with Explicit axes, shard_map takes only args typed as its in_specs
+    handle = _typed_as(handle, mesh, P(*mesh.axis_names))
+    replicated_args = tuple(_typed_as(x, mesh, P()) for x in replicated_args)
+
     return jax.shard_map(
         body,
         mesh=mesh,
@@ -183,3 +188,15 @@ def sharded_update(
         out_specs=(P(), specs),
         check_vma=False,  # an FFI call; replicated leaves and the counts give equal results
     )(list(grads), list(params), handle, *replicated_args)
+
+
+def _typed_as(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    """``x`` resharded to ``spec`` where its type carries another sharding (Explicit axes)."""
+    typed = jax.typeof(x).sharding
+    typed_mesh = getattr(typed, "mesh", None)
+    if typed_mesh is None or typed_mesh.empty or AxisType.Explicit not in typed_mesh.axis_types:
+        return x
+    wanted = NamedSharding(mesh, spec)
+    if NamedSharding(mesh, typed.spec).is_equivalent_to(wanted, x.ndim):
+        return x
+    return jax.sharding.reshard(x, wanted)

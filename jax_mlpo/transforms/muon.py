@@ -260,13 +260,14 @@ def muon(
     def init_fn(params, *, host_arrays: bool = False):
         # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
         refuse_discarding_wrappers("muon")
-        if not jax.tree.leaves(params) or (is_traced(params) and not made_at_run_time(params)):
-            # optax.tree.map_params's placeholder, a trace on a mesh: the state's shapes only
+        if not jax.tree.leaves(params) or (
+            is_traced(params) and not made_at_run_time(params, on_mesh=False)
+        ):  # optax.tree.map_params's placeholder, a trace on a mesh: the state's shapes only
             return OffloadedMuonState(*(template_state(params) for _ in range(3)))
         if is_traced(params):  # jax.jit(tx.init): the engines are made when the program runs
             stand_ins = stand_ins_of(params)
             handles = handles_at_run_time(
-                lambda: [int(s.handle) for s in init_fn(stand_ins, host_arrays=True)], 3
+                lambda: [s.handle for s in init_fn(stand_ins, host_arrays=True)], [()] * 3
             )
             zero = jnp.zeros([], jnp.int32)
             return OffloadedMuonState(*(OffloadedState(zero, h) for h in handles))

@@ -41,7 +41,11 @@ from jax_mlpo.sharding.plan import plan_of_update, shard_plan, update_key
 from jax_mlpo.transforms import overlap
 from jax_mlpo.transforms.opt_state import OffloadedState
 from jax_mlpo.transforms.runtime import RUNTIME, TEMPLATE, Place, place_of
-from jax_mlpo.transforms.traced_init import handles_at_run_time, made_at_run_time, stand_ins_of
+from jax_mlpo.transforms.traced_init import (
+    handle_at_run_time,
+    made_at_run_time,
+    wait_for_traced_inits,
+)
 
 
 def refuse_discarding_wrappers(name: str) -> None:
@@ -180,17 +184,19 @@ def offloaded(
         if is_traced(params):
             if not made_at_run_time(params):
                 return template_state(params)
-            stand_ins = stand_ins_of(params)
-            (handle,) = handles_at_run_time(
-                lambda: [int(init_fn(stand_ins, part_offload=part_offload, part_mask=part_mask,
-                                     host_arrays=True).handle)], 1,
-            )  # fmt: skip
+            handle = handle_at_run_time(
+                params,
+                functools.partial(
+                    init_fn, part_offload=part_offload, part_mask=part_mask, host_arrays=True
+                ),
+            )
             return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
         RUNTIME.ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
         layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments)
         engine, place = new_engine(layout, plan.engine_config(where))
+        RUNTIME.init_succeeded(plan.key(params))
         if plan.mesh is not None:  # a handle per device, whose calls meet before the engine runs
             key = plan.key(params)
             handles = RUNTIME.register_mesh(engine, plan.mesh, key, place)
@@ -199,9 +205,9 @@ def offloaded(
             handles = [RUNTIME.register(engine, place)]
         if part_offload is None:  # a part's tiers are its optimizer's (jax_mlpo.muon warns)
             warn_unused_tiers(name, where, [StateShape.of(layout)], [engine.plan])
-        if host_arrays:
-            (handle,) = handles
-            return OffloadedState(count=np.int32(0), handle=np.int32(handle))
+        if host_arrays:  # a scalar, or one handle per device in the mesh's shape
+            shape = () if plan.mesh is None else plan.mesh.mesh.devices.shape
+            return OffloadedState(count=np.int32(0), handle=np.reshape(handles, shape))
         count, handle = plan.arrays(handles)
         return OffloadedState(count=count, handle=handle)
 
@@ -251,7 +257,9 @@ def offloaded(
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         key = update_key(np.shape(state.handle), param_leaves)
-        plan = plan_of_update(state.handle, mesh_plans.get(key) or RUNTIME.mesh_plan_for(key))
+        wait_for_traced_inits(key)  # a jitted init registers its plan when it runs
+        plan = plan_of_update(state.handle, mesh_plans.get(key) or RUNTIME.mesh_plan_for(key),
+                              param_leaves)  # fmt: skip
         computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
         if max_grad_norm is not None:
             g_norm = plan.global_norm(grads)

@@ -81,11 +81,11 @@ TEMPLATE = 0
 
 _TEMPLATE = (
     "this jax_mlpo optimizer state was made by tx.init under a JAX trace that makes no engine "
-    "(jax.eval_shape or nnx.eval_shape; or jax.jit with params on a mesh or across processes): "
-    "it is a template with the state's shapes and dtypes and no host state behind it. Use it "
-    "as an abstract restore target's shapes only; make the state to train and to restore into "
-    "with tx.init(params), eagerly or under jax.jit / nnx.jit for params on one device (on a "
-    "mesh or across processes: eagerly, on the placed params)"
+    "(jax.eval_shape or nnx.eval_shape; or jax.jit across processes, or of jax_mlpo.muon with "
+    "params on a mesh): it is a template with the state's shapes and dtypes and no host state "
+    "behind it. Use it as an abstract restore target's shapes only; make the state to train "
+    "and to restore into with tx.init(params), eagerly or under jax.jit / nnx.jit in one "
+    "process (across processes, and jax_mlpo.muon on a mesh: eagerly, on the placed params)"
 )
 
 _NOT_FOUND = (
@@ -113,6 +113,11 @@ def _overlap(a: Place, b: Place) -> bool:
     if a[0] == "host" or b[0] == "host":
         return a == b
     return bool(set(a) & set(b))
+
+
+def _failed_message(error: BaseException) -> str:
+    return (f"the jitted tx.init that made this optimizer state failed when its program ran: "
+            f"{type(error).__name__}: {error}")  # fmt: skip
 
 
 def _describe(place: Place) -> str:
@@ -165,6 +170,14 @@ class Runtime:
         self._places: dict[int, Place] = {}  # each open engine's place, by handle
         self._replaced: dict[int, Place] = {}  # the places of replaced handles
         self._first_failure: BaseException | None = None  # the first update that raised
+        # The inits that failed inside a compiled program on several devices (an error raised
+        # there would leave the other devices waiting in a collective): by the handle their
+        # state got, and by the key an update of it is traced with (:meth:`init_failed`).
+        self._failed: dict[int, BaseException] = {}
+        self._failed_keys: dict[tuple[Any, ...], BaseException] = {}
+        # whether an init was traced in this process: its engine's plan (on a mesh) or its
+        # failure is registered when the program runs, which JAX dispatches asynchronously
+        self.inits_traced = False
         # The mesh plans of the states initialised on a mesh, by what an update sees of them
         # when traced (the handle's and the leaves' shapes: shardings are not visible under
         # jit), so that a transformation re-created inside update (optax.inject_hyperparams)
@@ -226,6 +239,30 @@ class Runtime:
             self._mesh_plans[key] = plan
         return handles
 
+    def init_failed(self, error: BaseException, key: tuple[Any, ...]) -> int:
+        """A handle naming ``error``, raised by an init in a compiled program on several
+        devices, whose state an update traced with ``key`` (:meth:`check_init`) or any use
+        refuses."""
+        logger.error("jax_mlpo: a jitted tx.init failed when its program ran: %r", error)
+        with self._lock:
+            handle = self._new_handle()
+            self._failed[handle] = error
+            self._closed.add(handle)  # never drawn again
+            self._failed_keys[key] = error
+        return handle
+
+    def init_succeeded(self, key: tuple[Any, ...]) -> None:
+        """Forgets the failure of an earlier init of the same key."""
+        with self._lock:
+            self._failed_keys.pop(key, None)
+
+    def check_init(self, key: tuple[Any, ...]) -> None:
+        """Raises the error of the last init of ``key`` if it failed inside its program."""
+        with self._lock:
+            error = self._failed_keys.get(key)
+        if error is not None:
+            raise NoEngineError(_failed_message(error)) from error
+
     def engine(self, key: int) -> Engine:
         """The engine of handle ``key``.
 
@@ -235,8 +272,11 @@ class Runtime:
         with self._lock:
             found = self._engines.get(key)
             replaced, closed = self._replaced.get(key), key in self._closed
+            failed = self._failed.get(key)
         if found is not None:
             return found
+        if failed is not None:
+            raise NoEngineError(_failed_message(failed)) from failed
         if key == TEMPLATE:
             raise NoEngineError(_TEMPLATE)
         if replaced is not None:
