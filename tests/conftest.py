@@ -129,7 +129,7 @@ def worker_env() -> dict[str, str]:
 def server():
     """A real S3 server (moto_server) for the module, with dummy credentials in the
     environment."""
-    from experiments.s3_server import S3Server, dummy_credentials
+    from jax_mlpo.testing.s3_server import S3Server, dummy_credentials
 
     with dummy_credentials():
         s3 = S3Server().start()

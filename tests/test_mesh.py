@@ -54,7 +54,7 @@ def test_parity_on_four_devices(case, tmp_path):
 def test_parity_on_two_processes_of_two_devices(dtype, clip, tmp_path):
     """A (2, 2) fsdp x tensor mesh over 2 processes x 2 devices: each process stores the state
     of the distinct shards its devices hold (jax's own addressable shards, deduplicated), once."""
-    from experiments.processes import free_port, run_local
+    from jax_mlpo.testing.processes import free_port, run_local
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
            "MESH_WORKER_PROCESSES": "2", "MESH_WORKER_PORT": str(free_port())}  # fmt: skip
@@ -84,7 +84,7 @@ CHECKPOINTS = Path(__file__).parent / "mesh_checkpoint_worker.py"
 
 def _checkpoint_worker(root: Path, devices: int, processes: int, *args: str) -> list[dict]:
     """tests/mesh_checkpoint_worker.py on ``processes`` processes of ``devices`` each."""
-    from experiments.processes import free_port, run_local
+    from jax_mlpo.testing.processes import free_port, run_local
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
     argv = [sys.executable, str(CHECKPOINTS), *args, str(root)]
@@ -262,7 +262,7 @@ def test_tiny_job_on_a_2x2_mesh_follows_the_single_device_run(one_device_run, tm
 
 def test_tiny_job_on_two_processes_of_two_devices(one_device_run, tmp_path):
     """The same on 2 processes x 2 devices, batch 4 per process (the same global batch)."""
-    from experiments.processes import free_port, run_local
+    from jax_mlpo.testing.processes import free_port, run_local
 
     cache, reference = one_device_run
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}

@@ -24,7 +24,7 @@ import jax_mlpo
 from experiments import pretrain
 from experiments.job import host_memory, optimizer, report, run_config, train
 from experiments.job.dry_run import dry_run, optimizer_plan
-from experiments.processes import free_port
+from jax_mlpo.testing.processes import free_port
 from models import get_preset, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
