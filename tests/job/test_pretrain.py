@@ -27,7 +27,7 @@ from experiments.job.dry_run import dry_run, optimizer_plan
 from jax_mlpo.testing.processes import free_port
 from models import get_preset, param_count
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
 NODE = str(ROOT / "experiments" / "configs" / "7b-node.yaml")
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
@@ -606,8 +606,12 @@ def test_q8_moments_in_the_config(tmp_path):
     cfg = run_config.load_config(TINY, sets)
     n = param_count(get_preset("tiny"))
     plan = dry_run(cfg, 1)
-    assert plan["state_bytes_per_process"] == math.ceil(n * (2 + 8 / 256))
+    assert plan["state_bytes_per_process"] == pytest.approx(n * (2 + 8 / 256), rel=1e-4)
     assert plan["state_parts"] == "m q8, v q8"
+    state = optimizer.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((n,))})
+    # the engine's bytes, each subgroup's padding to whole words and scales included
+    assert jax_mlpo.engine_of(state).layout.state_bytes == plan["state_bytes_per_process"]
+    jax_mlpo.close(state)
     state = optimizer.build_optimizer(cfg, use_optax=False).init({"w": jnp.zeros((64, 1000))})
     engine = jax_mlpo.engine_of(state)
     assert engine.optimizer.stochastic_rounding
@@ -663,3 +667,29 @@ def test_dry_run_prints_the_training_plan_and_refusals(tmp_path, caplog):
                    "--set", f"run_dir={tmp_path / 'never'}", "--dry-run"])  # fmt: skip
     assert "train on CPU, optax: host memory" in caplog.text
     assert not (tmp_path / "never").exists()
+
+
+# -- experiments/pretrain.py --resume --------------------------------------------------------
+
+
+def test_pretrain_resume_continues_the_run_exactly(tmp_path):
+    def main(*extra: str) -> dict:
+        config = ROOT / "experiments" / "configs" / "tiny.yaml"
+        sets = [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'data'}", "steps=6"]
+        sets += ["checkpoint.every=3", "report.plot=false", "model_overrides={layers: 1}"]
+        sets += ["seq_len=32", "batch_size=2"]
+        return pretrain.main(["--config", str(config), *[a for s in sets for a in ("--set", s)],
+                              *extra])  # fmt: skip
+
+    full = main()
+    ckpt = tmp_path / "run" / "checkpoints-offload"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
+    with pytest.raises(SystemExit, match="pass --resume to continue it"):
+        main()
+    shutil.rmtree(ckpt / "6")  # as if the run had died after step 5
+    resumed = main("--resume")
+    assert resumed["losses"] == full["losses"]  # steps 1-3 from the metrics, 4-6 recomputed
+    assert resumed["summary"]["params_sha256"] == full["summary"]["params_sha256"]
+    records = [json.loads(line) for line in resumed["metrics"].read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert "checkpoint_s" in records[2] and "checkpoint_s" in records[5]

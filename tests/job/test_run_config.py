@@ -1,6 +1,6 @@
 """Tests for experiments/job/run_config.py: how the YAML file and ``--set`` overrides are read.
 
-The errors for bad values and keys are in tests/test_pretrain.py (through the command line).
+The errors for bad values and keys are in tests/job/test_pretrain.py (through the command line).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import jax_mlpo
 from experiments.job import run_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
 BEYOND_RAM = str(ROOT / "experiments" / "configs" / "beyond-ram.yaml")
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
