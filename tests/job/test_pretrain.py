@@ -427,11 +427,11 @@ _BAD = (
     ("paths_not_list", ["data.source=text", "data.paths=3"], r"'data.paths': must be a list"),
     ("paths_string", ["data.source=text", "data.paths=a.txt"], r"'data.paths': must be a list"),
     ("text_without_paths", ["data.source=text"], r"set config key 'data.paths'"),
-    ("bad_source", ["data.source=web"], r"'data.source' must be"),
+    ("bad_source", ["data.source=web"], r"'data.source': Cannot convert 'web'.* default, text"),
     ("negative", ["steps=-1"], r"'steps' must be positive"),
-    ("bad_overlap", ["overlap=sometimes"], r"'overlap' must be true, false or auto"),
+    ("bad_overlap", ["overlap=sometimes"], r"(?s)'overlap': .*'sometimes' into a bool.*: auto"),
     ("bad_groups", ["overlap_groups=0"], r"'overlap_groups' must be a positive integer or auto"),
-    ("groups_word", ["overlap_groups=many"], r"'overlap_groups' must be a positive integer"),
+    ("groups_word", ["overlap_groups=many"], r"(?s)'overlap_groups': .*'many' into an int.*auto"),
     ("offload_size", ["offload.host_cache=lots"], r"config key 'offload': host_cache='lots'"),
     ("offload_type", ["offload.prefetch_depth=x"], r"'offload.prefetch_depth': Couldn't parse 'x'"),
     ("tiers_string", ["offload.tiers=/x"], r"config key 'offload': tiers='/x' must be a list"),
@@ -553,7 +553,8 @@ def test_moment_dtypes_in_the_config_set_the_bytes_and_the_optimizer(tmp_path):
     jax_mlpo.close(state)
     with pytest.raises(run_config.ConfigError, match="nu_dtype=bfloat16 is jax_mlpo's"):
         optimizer.build_optimizer(cfg, use_optax=True)
-    with pytest.raises(run_config.ConfigError, match="'optimizer.mu_dtype' must be"):
+    with pytest.raises(run_config.ConfigError, match="'optimizer.mu_dtype': Cannot convert "
+                       "'float16'.* into one of: float32, bfloat16, q8"):  # fmt: skip
         run_config.load_config(TINY, ["optimizer.mu_dtype=float16"])
 
 
@@ -570,7 +571,10 @@ def test_lion_in_the_config_trains_beside_optax_lion(data_cache, tmp_path):
     optax = _main(tmp_path, data_cache, *sets, "--optimizer", "optax")
     assert np.mean(offload["losses"][-3:]) < offload["losses"][0] - 0.2  # it learns
     np.testing.assert_allclose(offload["losses"], optax["losses"], rtol=0, atol=1e-4)
-    with pytest.raises(run_config.ConfigError, match="'optimizer.name' must be"):
+    with pytest.raises(
+        run_config.ConfigError,
+        match="'optimizer.name': Cannot convert 'sgd'.* one of: adamw, lion, muon",
+    ):
         run_config.load_config(TINY, ["optimizer.name=sgd"])
     with pytest.raises(run_config.ConfigError, match="not q8"):
         run_config.load_config(TINY, ["optimizer.name=lion", "optimizer.mu_dtype=q8"])
@@ -619,7 +623,10 @@ def test_q8_moments_in_the_config(tmp_path):
     jax_mlpo.close(state)
     with pytest.raises(run_config.ConfigError, match="mu_dtype=q8 is jax_mlpo's"):
         optimizer.build_optimizer(run_config.load_config(TINY, sets[:1]), use_optax=True)
-    with pytest.raises(run_config.ConfigError, match="'optimizer.q8_rounding' must be"):
+    with pytest.raises(
+        run_config.ConfigError,
+        match="'optimizer.q8_rounding': Cannot convert 'up'.* stochastic, nearest",
+    ):
         run_config.load_config(TINY, ["optimizer.q8_rounding=up"])
 
 
