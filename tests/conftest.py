@@ -2,7 +2,7 @@
 ``small_disk``; ``worker_env``; ``server`` (an S3 server).
 
 (The repository root is on ``sys.path`` through pytest's ``pythonpath`` setting in
-pyproject.toml, for ``models`` and ``experiments``.)
+pyproject.toml, for ``models``, and for ``experiments`` in the job's tests under ``tests/job``.)
 """
 
 import os
