@@ -32,6 +32,7 @@ from jax_mlpo.tiers.lock import TierInUseError
 from jax_mlpo.transforms.accumulation import MultiSteps
 from jax_mlpo.transforms.elementwise import adamw, lion
 from jax_mlpo.transforms.muon import OffloadedMuonState, muon
+from jax_mlpo.transforms.offload_plan import EnginePlan, OffloadPlan, TierPlan, plan_offload
 from jax_mlpo.transforms.opt_state import OffloadedAdamWState, OffloadedState
 from jax_mlpo.transforms.overlap import overlapped_step
 from jax_mlpo.transforms.overlapped_loop import OverlappedLoop
@@ -46,12 +47,14 @@ __all__ = [
     "CorruptBlobError",
     "CorruptCheckpointError",
     "EngineFailedError",
+    "EnginePlan",
     "FileTier",
     "JaxMlpoError",
     "MultiSteps",
     "NoEngineError",
     "ObjectTier",
     "OffloadConfig",
+    "OffloadPlan",
     "OffloadedAdamWState",
     "OffloadedMuonState",
     "OffloadedState",
@@ -61,6 +64,7 @@ __all__ = [
     "StepMetrics",
     "TierLimits",
     "TierFullError",
+    "TierPlan",
     "TierIOError",
     "TierInUseError",
     "UnusedTiersWarning",
@@ -76,5 +80,6 @@ __all__ = [
     "metrics",
     "overlapped_step",
     "parse_size",
+    "plan_offload",
     "return_freed_buffers",
 ]

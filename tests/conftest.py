@@ -2,7 +2,7 @@
 ``small_disk``; ``worker_env``; ``server`` (an S3 server).
 
 (The repository root is on ``sys.path`` through pytest's ``pythonpath`` setting in
-pyproject.toml, for ``models`` and ``experiments``.)
+pyproject.toml, for ``models``, and for ``experiments`` in the job's tests under ``tests/job``.)
 """
 
 import os
@@ -129,7 +129,7 @@ def worker_env() -> dict[str, str]:
 def server():
     """A real S3 server (moto_server) for the module, with dummy credentials in the
     environment."""
-    from experiments.s3_server import S3Server, dummy_credentials
+    from jax_mlpo.testing.s3_server import S3Server, dummy_credentials
 
     with dummy_credentials():
         s3 = S3Server().start()

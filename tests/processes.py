@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments.processes import free_port, run_local
+from jax_mlpo.testing.processes import free_port, run_local
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 DIST_WORKER = pathlib.Path(__file__).with_name("dist_worker.py")

@@ -2,7 +2,7 @@
 errors, hold requests, and counts what it did.
 
 tensorstore's ``s3`` driver talks to :class:`FaultyS3Proxy` as to any S3 endpoint; each request
-is forwarded to the real server (``experiments.s3_server.S3Server``) unless the proxy was told
+is forwarded to the real server (``jax_mlpo.testing.s3_server.S3Server``) unless the proxy was told
 to answer the next ones with a 5xx (:meth:`FaultyS3Proxy.fail_next`) or to hold them
 (:meth:`FaultyS3Proxy.hold`, as a server slower than any timeout) until released.
 """

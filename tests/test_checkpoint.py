@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -450,31 +449,3 @@ def test_every_flipped_byte_is_detected(tmp_path):
     restored = checkpoint.restore(checkpoint.manager(spec["ckpt"]), fresh, opt_state)
     assert_states_equal(logical_state(restored.opt_state), saved_state)
     jax_mlpo.close(opt_state)
-
-
-# -- experiments/pretrain.py --resume --------------------------------------------------------
-
-
-def test_pretrain_resume_continues_the_run_exactly(tmp_path):
-    from experiments import pretrain
-
-    def main(*extra: str) -> dict:
-        config = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "tiny.yaml"
-        sets = [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'data'}", "steps=6"]
-        sets += ["checkpoint.every=3", "report.plot=false", "model_overrides={layers: 1}"]
-        sets += ["seq_len=32", "batch_size=2"]
-        return pretrain.main(["--config", str(config), *[a for s in sets for a in ("--set", s)],
-                              *extra])  # fmt: skip
-
-    full = main()
-    ckpt = tmp_path / "run" / "checkpoints-offload"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
-    with pytest.raises(SystemExit, match="pass --resume to continue it"):
-        main()
-    shutil.rmtree(ckpt / "6")  # as if the run had died after step 5
-    resumed = main("--resume")
-    assert resumed["losses"] == full["losses"]  # steps 1-3 from the metrics, 4-6 recomputed
-    assert resumed["summary"]["params_sha256"] == full["summary"]["params_sha256"]
-    records = [json.loads(line) for line in resumed["metrics"].read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert "checkpoint_s" in records[2] and "checkpoint_s" in records[5]

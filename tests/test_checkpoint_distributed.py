@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from processes import ROOT, run_workers
 
-from experiments.processes import free_port
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint.manifest import CHECKSUMS_FILE
+from jax_mlpo.testing.processes import free_port
 
 WORKER = pathlib.Path(__file__).with_name("ckpt_dist_worker.py")
 STEPS = 6

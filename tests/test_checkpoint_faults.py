@@ -36,9 +36,9 @@ from fault_training import (
 from helpers import assert_bits_equal
 
 import jax_mlpo
-from experiments.s3_server import S3Server
 from jax_mlpo.checkpoint import CheckpointWriteError, CorruptCheckpointError
 from jax_mlpo.testing import checkpoint_faults, tier_faults
+from jax_mlpo.testing.s3_server import S3Server
 
 WORKER = Path(__file__).with_name("ckpt_killed_save_worker.py")
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,6 @@ import re
 import stat
 import typing
 import warnings
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -371,19 +370,6 @@ def test_launch_scripts_tier_loads():
     tier = yaml.safe_load("{path: /pfs/tier, max_concurrency: 1, node_max_concurrency: 1}")
     (got,) = OffloadConfig.from_dict({"tiers": [tier]}).tiers
     assert got == FileTier("/pfs/tier", TierLimits(max_concurrency=1, node_max_concurrency=1))
-
-
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "configs").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_experiment_configs_offload_sections_load(path):
-    section = yaml.safe_load(path.read_text())["offload"]
-    config = OffloadConfig.from_dict(section)
-    assert config.host_cache == parse_size(section["host_cache"], "host_cache")
-    assert len(config.tiers) == len(section.get("tiers", ()))
-    for tier, given in zip(config.tiers, section.get("tiers", ()), strict=True):
-        assert isinstance(tier, FileTier) and tier.path == given["path"]
 
 
 TIER_MAPPING_ERRORS = [

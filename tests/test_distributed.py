@@ -15,7 +15,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from processes import STEPS, run_data_parallel
 
-from experiments.job import metrics
 from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.sharding import processes as distributed
 
@@ -48,29 +47,6 @@ def test_leaf_partition():
     assert distributed.leaf_spec((8,), 1) == P()
     assert distributed.local_shape((64, 3), 4) == (16, 3)
     assert distributed.local_shape((3, 5), 4) == (3, 5)
-
-
-def test_metrics_flatten_and_single_process_aggregate():
-    m = StepMetrics(
-        step=3, total_s=0.5, read_wait_s=0.1, compute_s=0.2, cache_hits=2, subgroups=7,
-        bytes_read={"/nvme/run/proc1": 2**40 + 1, "/pfs/run": 10},
-        bytes_written={"/nvme/run/proc1": 5, "/pfs/run": 6},
-        tier_busy_s={"/nvme/run/proc1": 0.25, "/pfs/run": 0.125},
-    )  # fmt: skip
-    assert metrics.shared_tier_path("/nvme/run/proc12") == "/nvme/run"
-    assert metrics.shared_tier_path("/nvme/process") == "/nvme/process"
-    flat = metrics.flatten(m)
-    assert flat["bytes_read:/nvme/run"] == 2**40 + 1 and flat["total_s"] == 0.5
-    back = metrics.unflatten(3, flat)
-    assert back.bytes_read == {"/nvme/run": 2**40 + 1, "/pfs/run": 10}
-    assert back.total_s == 0.5 and back.cache_hits == 2 and back.subgroups == 7
-    job = metrics.aggregate(m, {"step_s": 1.5}, time_key="step_s")
-    assert job.processes == 1 and job.slowest == 0 and job.step_time_s == 1.5
-    assert job.metrics == back and job.per_process["step_s"] == [1.5]
-    assert job.total("bytes_written:/pfs/run") == 6
-    assert metrics.aggregate(None, {"step_s": 2.0}, time_key="step_s").metrics is None
-    with pytest.raises(KeyError, match="time_key"):
-        metrics.aggregate(None, {"x": 1.0}, time_key="step_s")
 
 
 def test_fused_clipping_takes_the_global_norm_over_processes(reference, tmp_path):
@@ -133,20 +109,17 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
         assert info["state_bytes"] == expected
         assert info["tiers"] == [str(tmp_path / "tiers" / t / f"proc{k}") for t in TIERS]
 
-    # Metrics aggregated across processes: the same on every process, the slowest process's
-    # figures, every process's beside them, exact.
-    aggs = [{k: v for k, v in info["aggregate"].items() if k != "own"} for info in infos]
-    assert all(a == aggs[0] for a in aggs)
-    agg = aggs[0]
-    assert agg["slowest"] == nproc - 1 and agg["step_time_s"] == nproc
-    assert agg["timings"] == {"step_s": nproc, "big": 2.0**40 + nproc - 1}
-    assert agg["per_process"]["big"] == [2.0**40 + k for k in range(nproc)]
-    assert agg["metrics"]["total_s"] == infos[-1]["aggregate"]["own"]["total_s"]
-    for key, value in infos[-1]["aggregate"]["own"].items():
-        assert agg["per_process"][key][-1] == value
+    # Each process's figures of its last update with the keys of every other process: the
+    # per-tier ones under the tier as configured, not the process's directory of it, for a job
+    # to gather (the pre-training job's aggregation: tests/job/test_metrics.py).
+    own = [info["own"] for info in infos]
+    assert all(sorted(o) == sorted(own[0]) for o in own)
     shared = {f"bytes_read:{tmp_path / 'tiers' / t}" for t in TIERS}
-    assert shared <= set(agg["per_process"])  # per-tier figures keyed by the configured tier
-    assert agg["metrics"]["bytes_read"].keys() == {k.partition(":")[2] for k in shared}
+    assert shared <= set(own[0])
+    for o in own:
+        back = StepMetrics.from_flat(STEPS, o)
+        assert back.as_flat() == o and back.subgroups == o["subgroups"] > 0
+        assert set(back.bytes_read) == {k.partition(":")[2] for k in shared}
 
     # Each process wrote to its own directory of every tier, about 1/N of the state.
     ref_disk = sum(_state_file_bytes(ref_base / "tiers" / t) for t in TIERS)

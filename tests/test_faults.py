@@ -37,8 +37,8 @@ from fault_training import (
 from s3_server import FaultyS3Proxy
 
 import jax_mlpo
-from experiments.s3_server import S3Server, dummy_credentials
 from jax_mlpo.testing import tier_faults
+from jax_mlpo.testing.s3_server import S3Server, dummy_credentials
 from jax_mlpo.tiers.errors import TierFullError
 
 # -- file tiers ---------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ import tensorstore as ts
 from parity import assert_matches_reference, offloaded_adamw, run_offloaded
 
 import jax_mlpo
-from experiments.s3_server import S3Server, free_port
 from jax_mlpo.config import Bandwidth, TierLimits
 from jax_mlpo.engine.step_metrics import shared_tier_path
 from jax_mlpo.testing import tier_faults
+from jax_mlpo.testing.processes import free_port
+from jax_mlpo.testing.s3_server import S3Server
 from jax_mlpo.tiers.kvstore import LOCK_KEY
 
 SUBGROUP = 131_072

@@ -1,9 +1,9 @@
 """The dry run: a config's memory plan per process and tier, without allocating anything.
 
-The figures come from jax_mlpo's own plan (:func:`jax_mlpo.engine.plan.host_plan` for the host
-buffers, :func:`jax_mlpo.engine.placement.split.tier_split` for the tiers), the functions the engine
-builds itself from, so what ``pretrain.py --dry-run`` prints is what a run allocates. The state
-is assumed sharded evenly over the processes (each owns a contiguous 1/N of the flat parameters,
+The figures come from jax_mlpo's own plan (:func:`jax_mlpo.plan_offload`: the layout, host
+buffers and tier split an optimizer's ``init`` builds, made by the functions the engine builds
+itself from), so what ``pretrain.py --dry-run`` prints is what a run allocates. The state is
+assumed sharded evenly over the processes (each owns a contiguous 1/N of the flat parameters,
 as ZeRO-3 does), each process running its own engine with the config's ``offload`` section.
 """
 
@@ -13,13 +13,13 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+import jax_mlpo
 from experiments.job.host_memory import meminfo, training_memory
 from experiments.job.optimizer import muon_matrix_params
 from experiments.job.run_config import ConfigError, RunConfig, resolve_model
-from jax_mlpo.engine import placement
-from jax_mlpo.engine.layout import state_bytes_per_param
-from jax_mlpo.engine.placement.split import TierSplit, tier_split
-from jax_mlpo.engine.plan import HostPlan, StateShape, host_plan, split_host_cache
 from models import param_count
 
 
@@ -40,10 +40,6 @@ class StatePart:
     params: int
     master: bool
     moments: tuple[str, ...]
-
-    @property
-    def bytes_per_param(self) -> float:
-        return state_bytes_per_param(self.master, self.moments)
 
     @property
     def description(self) -> str:
@@ -71,7 +67,7 @@ def state_parts(cfg: RunConfig) -> list[StatePart]:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """One process's share of one engine's state and the engine plan over it.
+    """One process's share of one engine's state and the engine's plan over it.
 
     Attributes:
       part: the state the engine holds.
@@ -79,13 +75,8 @@ class MemoryPlan:
       param_dtype: the model's parameter dtype.
       processes: processes sharing the state.
       params_per_process: parameters whose state (of this part) one process holds.
-      state_bytes_per_param: the fp32 master (4, bf16 params only: fp32 params are their own
-        master copy) and the moments at their dtypes (4, 2, or 1 + 4/256 for q8 with its
-        scales each): AdamW's 12, or 8 with float32 moments.
-      subgroup_elems: parameters per subgroup (the last one may be smaller).
-      num_subgroups: subgroups per process.
-      host: the engine's host buffer plan.
-      split: subgroups and retained subgroups per tier; None when the state fits the host cache.
+      engine: jax_mlpo's plan of the engine (:func:`jax_mlpo.plan_offload`): its subgroups,
+        host buffers, retained subgroups and tier split.
       bandwidths_given: placement used the tiers' ``read_bandwidth``/``write_bandwidth``
         (otherwise equal bandwidths: a run probes them at start).
     """
@@ -95,16 +86,29 @@ class MemoryPlan:
     param_dtype: str
     processes: int
     params_per_process: int
-    state_bytes_per_param: float
-    subgroup_elems: int
-    num_subgroups: int
-    host: HostPlan
-    split: TierSplit | None
+    engine: jax_mlpo.EnginePlan
     bandwidths_given: bool
 
     @property
     def state_bytes_per_process(self) -> int:
-        return math.ceil(self.params_per_process * self.state_bytes_per_param)
+        return self.engine.state_bytes
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """The fp32 master (4, bf16 params only: fp32 params are their own master copy) and the
+        moments at their dtypes (4, 2, or about 1 + 4/256 for q8 with its scales each): AdamW's
+        12, or 8 with float32 moments."""
+        return self.engine.state_bytes / max(self.engine.params, 1)
+
+    @property
+    def subgroup_elems(self) -> int:
+        """Parameters per subgroup (the last one may be smaller)."""
+        return self.engine.subgroup_params
+
+    @property
+    def num_subgroups(self) -> int:
+        """Subgroups per process."""
+        return self.engine.subgroups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,7 @@ class OptimizerPlan:
     @property
     def host_bytes(self) -> int:
         """Host memory of the engines' buffers (their shares of ``host_cache``)."""
-        return sum(e.host.host_bytes for e in self.engines)
+        return sum(e.engine.host_bytes for e in self.engines)
 
     @property
     def subgroup_elems(self) -> int:
@@ -135,11 +139,26 @@ class OptimizerPlan:
         return max(e.subgroup_elems for e in self.engines)
 
 
+def process_params(cfg: RunConfig, processes: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """One process's share of the model's params, as its engines lay them out: each process
+    holds a contiguous 1/``processes`` of the flat params of each of the optimizer's groups
+    (ZeRO-3's sharding), so one leaf per group stands for them (the layout lays leaves end to
+    end): Muon's matrices as one 2-D leaf, the other leaves as one vector."""
+    model = resolve_model(cfg)
+    n, dtype = param_count(model), jnp.dtype(model.param_dtype)
+    matrices = muon_matrix_params(cfg) if cfg.optimizer.name == "muon" else 0
+    shares = {
+        "matrices": (math.ceil(matrices / processes), 1),
+        "vectors": (math.ceil((n - matrices) / processes),),
+    }
+    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, shape in shares.items() if shape[0]}
+
+
 def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
     """The engine plans of one of ``processes`` processes running ``cfg``.
 
     Engines of one optimizer (Muon's) share ``offload.host_cache`` as the run does
-    (:func:`jax_mlpo.engine.plan.split_host_cache`).
+    (:func:`jax_mlpo.plan_offload` plans them as its ``init`` builds them).
 
     Args:
       cfg: the run config.
@@ -154,55 +173,27 @@ def optimizer_plan(cfg: RunConfig, processes: int) -> OptimizerPlan:
     if processes < 1:
         raise ConfigError(f"--processes must be >= 1, got {processes}")
     model = resolve_model(cfg)
-    params = param_count(model)
-    off = cfg.offload
+    o, off = cfg.optimizer, cfg.offload
+    plan = jax_mlpo.plan_offload(
+        process_params(cfg, processes), off, optimizer=o.name, mu_dtype=o.mu_dtype,
+        nu_dtype=o.nu_dtype if o.name == "adamw" else None,
+    )  # fmt: skip
     parts = state_parts(cfg)
-    shapes = []
-    for part in parts:
-        per_proc = math.ceil(part.params / processes)
-        size = min(off.subgroup_size, per_proc)
-        shapes.append(StateShape(
-            num_subgroups=math.ceil(per_proc / size),
-            state_bytes=math.ceil(per_proc * part.bytes_per_param),
-            max_state_elems=math.ceil(size * part.bytes_per_param / 4),
-            max_subgroup_elems=size,
-        ))  # fmt: skip
-    problem, shares = None, [off.host_cache]
-    if len(parts) > 1:
-        try:
-            shares = split_host_cache(off, shapes)
-        except ConfigError as e:  # the run raises it at init
-            problem = str(e)
-            shares = [0] * len(parts)
-    engines = []
-    for part, shape, share in zip(parts, shapes, shares, strict=True):
-        host = host_plan(dataclasses.replace(off, host_cache=share), shape)
-        given = [(t.bandwidth.read, t.bandwidth.write) for t in host.tiers]
-        known = bool(given) and all(r and w for r, w in given)
-        split = None
-        if host.tiers:
-            # The engine's rule: measured placement uses the tiers' bandwidths (given, or
-            # probed at start, which a dry run cannot do); the other placements split evenly.
-            if known and off.placement == "measured":
-                bw = [placement.effective_bandwidth(r, w) for r, w in given]
-            else:
-                bw = [1.0] * len(host.tiers)
-            split = tier_split(shape.num_subgroups, bw, host.retained, off.retain_policy)
-        engines.append(MemoryPlan(
+    assert [p.name for p in parts] == [e.name for e in plan.engines], (parts, plan.engines)
+    known = bool(off.tiers) and all(t.bandwidth.read and t.bandwidth.write for t in off.tiers)
+    engines = tuple(
+        MemoryPlan(
             part=part,
-            params=params,
+            params=param_count(model),
             param_dtype=model.param_dtype,
             processes=processes,
-            params_per_process=math.ceil(part.params / processes),
-            state_bytes_per_param=part.bytes_per_param,
-            subgroup_elems=shape.max_subgroup_elems,
-            num_subgroups=shape.num_subgroups,
-            host=host,
-            split=split,
+            params_per_process=engine.params,
+            engine=engine,
             bandwidths_given=known,
-        ))  # fmt: skip
-        problem = problem or host.problem
-    return OptimizerPlan(tuple(engines), problem)
+        )
+        for part, engine in zip(parts, plan.engines, strict=True)
+    )
+    return OptimizerPlan(engines, plan.problem)
 
 
 def memory_plan(cfg: RunConfig, processes: int) -> MemoryPlan:
@@ -263,36 +254,23 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
         "state_bytes": state_all,
         "state_bytes_per_process": plan.state_bytes_per_process,
         "subgroups_per_process": sum(e.num_subgroups for e in engines),
-        "subgroup_bytes": max(
-            math.ceil(e.subgroup_elems * e.state_bytes_per_param) for e in engines
-        ),
+        "subgroup_bytes": max(e.engine.subgroup_bytes for e in engines),
         "host_cache": cfg.offload.host_cache,
-        "pipeline_buffers": sum(e.host.minimum for e in engines),
-        "retained_subgroups": sum(e.host.retained for e in engines),
+        "pipeline_buffers": sum(e.engine.pipeline_buffers for e in engines),
+        "retained_subgroups": sum(e.engine.retained for e in engines),
         "engine_host_bytes": plan.host_bytes,
         "tiers": {},
         "problem": plan.problem,
     }
     for e in engines:
-        if e.split is None:
-            continue
-        on_tiers = {}
-        for tier, count, kept in zip(e.host.tiers, e.split.counts, e.split.retained, strict=True):
-            on_tiers[tier.path] = {
-                "subgroups": count,
-                "retained": kept,
-                "bytes": math.ceil(count * e.subgroup_elems * e.state_bytes_per_param),
-            }
-        # The last subgroup is smaller: take the difference off the tier holding the most.
-        short = e.num_subgroups * e.subgroup_elems - e.params_per_process
-        max(on_tiers.values(), key=lambda t: t["subgroups"])["bytes"] -= math.floor(
-            short * e.state_bytes_per_param)  # fmt: skip
-        for path, figures in on_tiers.items():  # Muon's engines: subdirectories of one tier
-            total = out["tiers"].setdefault(path, dict.fromkeys(figures, 0))
-            for key, value in figures.items():
-                total[key] += value
+        for t in e.engine.tiers:  # Muon's engines: subdirectories of one tier, added up
+            total = out["tiers"].setdefault(t.path, {"subgroups": 0, "retained": 0, "bytes": 0})
+            total["subgroups"] += t.subgroups
+            total["retained"] += t.retained
+            total["bytes"] += t.bytes
+    if out["tiers"]:
         out["tier_bandwidths"] = (
-            "given" if e.bandwidths_given else "assumed equal (probed at start)"
+            "given" if first.bandwidths_given else "assumed equal (probed at start)"
         )
     if len(engines) > 1:
         out["engines"] = {
@@ -300,9 +278,9 @@ def dry_run(cfg: RunConfig, processes: int) -> dict[str, Any]:
                 "params_per_process": e.params_per_process,
                 "state_bytes_per_process": e.state_bytes_per_process,
                 "subgroups": e.num_subgroups,
-                "host_bytes": e.host.host_bytes,
-                "pipeline_buffers": e.host.minimum,
-                "retained": e.host.retained,
+                "host_bytes": e.engine.host_bytes,
+                "pipeline_buffers": e.engine.pipeline_buffers,
+                "retained": e.engine.retained,
             }
             for e in engines
         }

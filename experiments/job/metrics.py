@@ -1,7 +1,7 @@
 """The pre-training job's step figures, aggregated across its processes.
 
 In a data-parallel run (:mod:`jax_mlpo.sharding.processes`) every process has its own engine and its
-own :class:`~jax_mlpo.engine.step_metrics.StepMetrics`. The job advances at the pace of its slowest
+own :class:`jax_mlpo.StepMetrics`. The job advances at the pace of its slowest
 process (the next step's gradient reduction waits for it), so :func:`aggregate` reports the
 slowest process's time as the step time, with that process's breakdown, and keeps every
 process's figures beside it::
@@ -17,38 +17,10 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
-from jax_mlpo.engine.step_metrics import PER_TIER, SCALARS, StepMetrics, shared_tier_path
-
-_INTS = ("cache_hits", "reads_ahead", "subgroups", "bytes_read", "bytes_written")
-
-
-def flatten(metrics: StepMetrics) -> dict[str, float]:
-    """``metrics`` as flat floats: the scalar fields by name, per-tier figures as
-    ``"<field>:<tier>"`` with the tier path as configured (:func:`shared_tier_path`)."""
-    out = {name: float(getattr(metrics, name)) for name in SCALARS}
-    for name in PER_TIER:
-        for path, value in getattr(metrics, name).items():
-            out[f"{name}:{shared_tier_path(path)}"] = float(value)
-    return out
-
-
-def unflatten(step: int, values: Mapping[str, float]) -> StepMetrics:
-    """The inverse of :func:`flatten` (keys that are not StepMetrics figures are ignored)."""
-    kwargs: dict[str, Any] = {name: {} for name in PER_TIER}
-    for key, value in values.items():
-        name, _, tier = key.partition(":")
-        if name not in SCALARS and name not in PER_TIER:
-            continue
-        value = int(round(value)) if name in _INTS else float(value)
-        if tier:
-            kwargs[name][tier] = value
-        else:
-            kwargs[name] = value
-    return StepMetrics(step=step, **kwargs)
+from jax_mlpo import StepMetrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +97,7 @@ class JobStep:
       step_time_s: that process's ``time_key`` (the maximum over processes).
       timings: the slowest process's timings (as passed to :func:`aggregate`).
       metrics: the slowest process's engine metrics (tier paths as configured), or None.
-      values: every figure of every process (timings, then :func:`flatten`'s keys).
+      values: every figure of every process (timings, then ``StepMetrics.as_flat``'s keys).
     """
 
     slowest: int
@@ -172,7 +144,7 @@ def aggregate(
     timings = dict(timings or {})
     flat = dict(timings)
     if metrics is not None:
-        for key, value in flatten(metrics).items():
+        for key, value in metrics.as_flat().items():
             flat.setdefault(key, value)
     if time_key not in flat:
         raise KeyError(f"aggregate: time_key={time_key!r} is neither in timings nor in metrics")
@@ -183,6 +155,6 @@ def aggregate(
         slowest=slowest,
         step_time_s=mine[time_key],
         timings={k: mine[k] for k in timings},
-        metrics=None if metrics is None else unflatten(metrics.step, mine),
+        metrics=None if metrics is None else StepMetrics.from_flat(metrics.step, mine),
         values=values,
     )

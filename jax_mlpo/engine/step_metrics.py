@@ -4,8 +4,8 @@ engines of one optimizer combined (:func:`combine`).
 
 In a data-parallel run (:mod:`jax_mlpo.sharding.processes`) every process has its own engine and its
 own :class:`StepMetrics`, its tiers in ``proc<k>`` directories (:func:`shared_tier_path` gives
-the tier as configured); a job aggregates them across processes itself (the pre-training job's
-``experiments/job/metrics.py``).
+the tier as configured); :meth:`StepMetrics.as_flat` gives every process the same keys, for a
+job to gather them across processes (the pre-training job's ``experiments/job/metrics.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -59,6 +59,37 @@ class StepMetrics:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def as_flat(self) -> dict[str, float]:
+        """The figures as flat floats, to gather across processes: each scalar by its name, each
+        per-tier figure as ``"<field>:<tier>"`` with the tier's path as configured (without a
+        process's ``proc<k>`` directory, :func:`shared_tier_path`), so that every process of a
+        data-parallel run has the same keys."""
+        out = {name: float(getattr(self, name)) for name in SCALARS}
+        for name in PER_TIER:
+            for path, value in getattr(self, name).items():
+                out[f"{name}:{shared_tier_path(path)}"] = float(value)
+        return out
+
+    @classmethod
+    def from_flat(cls, step: int, values: Mapping[str, float]) -> StepMetrics:
+        """The inverse of :meth:`as_flat`: keys that are not figures of a step are ignored.
+
+        Args:
+          step: the step's number.
+          values: :meth:`as_flat`'s figures (of this process or another).
+        """
+        kwargs: dict[str, Any] = {name: {} for name in PER_TIER}
+        for key, value in values.items():
+            name, _, tier = key.partition(":")
+            if name not in SCALARS and name not in PER_TIER:
+                continue
+            value = int(round(value)) if name in _INTS else float(value)
+            if tier:
+                kwargs[name][tier] = value
+            else:
+                kwargs[name] = value
+        return cls(step=step, **kwargs)
+
 
 class TierIOWindow:
     """Each tier's bytes and busy time since a mark, added to the figures of a step.
@@ -100,6 +131,7 @@ class TierIOWindow:
 SCALARS = ("total_s", "read_wait_s", "compute_s", "write_wait_s", "grad_write_s",
            "cache_hits", "reads_ahead", "subgroups", "beside_s")  # fmt: skip
 PER_TIER = ("bytes_read", "bytes_written", "tier_busy_s")
+_INTS = ("cache_hits", "reads_ahead", "subgroups", "bytes_read", "bytes_written")
 _PROC_DIR = re.compile(r"^proc\d+$")
 
 

@@ -71,7 +71,7 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def _groups(params: Any, dimension_numbers: Any) -> _Groups:
+def leaf_groups(params: Any, dimension_numbers: Any) -> _Groups:
     """optax.contrib.muon's partition of the leaves: Muon where the dimension numbers give a
     spec (every 2-D leaf by default), AdamW elsewhere."""
     leaves = jax.tree.leaves(params)
@@ -271,7 +271,7 @@ def muon(
             )
             zero = jnp.zeros([], jnp.int32)
             return OffloadedMuonState(*(OffloadedState(zero, h) for h in handles))
-        groups = _groups(params, muon_weight_dimension_numbers)
+        groups = leaf_groups(params, muon_weight_dimension_numbers)
         leaves = jax.tree.leaves(params)
         muon_leaves = [leaves[i] for i in groups.muon]
         bf16 = [muon_leaves[k] for k in groups.master]
@@ -324,7 +324,7 @@ def muon(
                 "jax_mlpo.muon needs params in update (tx.update(grads, state, params)): they "
                 "are read for weight decay and for the bfloat16 master copy"
             )
-        groups = _groups(params, muon_weight_dimension_numbers)
+        groups = leaf_groups(params, muon_weight_dimension_numbers)
         grads, treedef = jax.tree.flatten(updates)
         leaves = treedef.flatten_up_to(params)
         out: list[Any] = list(grads)

@@ -57,7 +57,7 @@ from typing import Any
 
 from experiments.bench.harness import interleave, write_json
 from experiments.bench.sysio import drop_page_cache
-from experiments.processes import free_port, run_local
+from jax_mlpo.testing.processes import free_port, run_local
 
 logger = logging.getLogger("bench.dist_update")
 
@@ -65,7 +65,7 @@ MODULE = "experiments.bench.mlpo.dist_update"  # its worker processes run it aga
 
 VARIANTS = ("process", "node")
 DEVICES = ("shared-cap", "disk", "process-cap")
-# every process's figures kept per step (the rest of experiments.job.metrics.flatten's keys dropped)
+# every process's figures kept per step (the rest of StepMetrics.as_flat's keys dropped)
 KEPT = ("update_s", "permit_wait_s", "total_s", "read_wait_s", "write_wait_s", "compute_s",
         "bytes_", "tier_busy_s")  # fmt: skip
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from experiments.bench.harness import interleave, write_json
 from experiments.bench.sysio import drop_page_cache
-from experiments.processes import free_port, run_local
+from jax_mlpo.testing.processes import free_port, run_local
 
 logger = logging.getLogger("bench.mesh_update")
 

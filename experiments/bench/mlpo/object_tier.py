@@ -32,8 +32,8 @@ import tensorstore as ts
 
 import jax_mlpo
 from experiments.bench.harness import format_spread, interleave, spread, write_json
-from experiments.s3_server import S3Server, dummy_credentials
 from jax_mlpo.config import parse_size
+from jax_mlpo.testing.s3_server import S3Server, dummy_credentials
 
 logger = logging.getLogger("bench.object_tier")
 SYSTEMS = ("raw kvstore", "s3 tier", "disk", "disk + s3")

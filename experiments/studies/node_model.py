@@ -36,9 +36,9 @@ next update starts with, so it has nothing to do, and no policy lowers the updat
 q8 moments) or faster tiers do.
 
 Usage:
-  python -m experiments.job.node_model --config experiments/configs/7b-node.yaml --gpus 8 \\
+  python -m experiments.studies.node_model --config experiments/configs/7b-node.yaml --gpus 8 \\
       --fwd-bwd-s 2.3 --read-gbps 27 --write-gbps 11
-  python -m experiments.job.node_model --table   # the 7B and 70B presets on the reference node
+  python -m experiments.studies.node_model --table   # the 7B and 70B presets on the reference node
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def predict(
     """
     if overlap is not None:
         return _beside_forward(plan, node, read_ahead=read_ahead, policy=overlap)
-    host = plan.host
+    host = plan.engine
     kept = host.retained if retain else 0
     return _iteration(plan, node, kept=kept, order=order, retain=retain, read_ahead=read_ahead)
 
@@ -119,7 +119,7 @@ def predict(
 def _beside_forward(plan: MemoryPlan, node: Node, *, read_ahead: bool, policy: str) -> Prediction:
     forward = node.fwd_bwd_s * node.forward_share
     backward = node.fwd_bwd_s - forward
-    host = plan.host
+    host = plan.engine
     if host.host_only:
         alone = _iteration(plan, node, kept=0, order="alternate", retain=True, read_ahead=False)
         iteration = max(forward, alone.compute_s + forward / node.groups) + backward
@@ -128,8 +128,8 @@ def _beside_forward(plan: MemoryPlan, node: Node, *, read_ahead: bool, policy: s
     # the forward order: the first buffers - minimum subgroups kept, the pipeline's buffers
     # written behind and read ahead while the backward pass runs (its idle window)
     window = dataclasses.replace(node, fwd_bwd_s=backward)
-    ahead = _iteration(plan, window, kept=max(0, buffers - host.minimum), order="ascending",
-                       retain=True, read_ahead=read_ahead)  # fmt: skip
+    ahead = _iteration(plan, window, kept=max(0, buffers - host.pipeline_buffers),
+                       order="ascending", retain=True, read_ahead=read_ahead)  # fmt: skip
     fwd = dataclasses.replace(
         ahead,
         iteration_s=max(forward, ahead.update_s + forward / node.groups) + backward,
@@ -168,7 +168,7 @@ def _iteration(
     compute = max(
         2 * state / (node.host_gbps * gb), plan.params_per_process * 4 / (node.pcie_gbps * gb)
     )
-    host = plan.host
+    host = plan.engine
     if host.host_only:
         return Prediction(compute, node.fwd_bwd_s + compute, node.fwd_bwd_s + compute, compute,
                           0.0, 0.0, 0.0, 0.0, 0.0)  # fmt: skip
@@ -229,7 +229,7 @@ def format_rows(title: str, node: Node, table: list[tuple[str, MemoryPlan, Predi
     lines = [
         f"{title}: {plan.params / 1e9:.1f}B params, {state_gb:.0f} GB of state on "
         f"{node.gpus} GPUs ({plan.num_subgroups} subgroups and "
-        f"{plan.host.buffers} host buffers per GPU); fwd+bwd {node.fwd_bwd_s} s, tiers "
+        f"{plan.engine.buffers} host buffers per GPU); fwd+bwd {node.fwd_bwd_s} s, tiers "
         f"{node.read_gbps}/{node.write_gbps} GB/s read/write, host {node.host_gbps} GB/s",
         f"  {'policy':<38}{'iter s':>8}{'update s':>9}{'limit s':>8}{'/ limit':>8}"
         f"{'read in upd GB':>15}{'moved GB':>9}{'disk busy':>10}",

@@ -24,10 +24,9 @@ from experiments.job.dry_run import dry_run, memory_plan
 from experiments.job.optimizer import build_optimizer, muon_update_bytes
 from experiments.job.run_config import RunConfig, load_config, resolve_model
 from experiments.job.steps import abstract_model
-from jax_mlpo.engine.plan import StateShape, host_plan
 from models import get_preset, param_count
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
 
 
@@ -54,11 +53,11 @@ def _scaled(path: Path, tmp_path: Path) -> RunConfig:
         f"offload.subgroup_size={subgroup}",
         f"offload.tiers={json.dumps(tiers)}",
     ]
-    if not shape.host.host_only:
+    if not shape.engine.host_only:
         # as many buffers as the config's host cache holds, of the tiny state's size
         cfg = load_config(str(path), [*overrides, "offload.host_cache=0"])
-        per_buffer = memory_plan(cfg, 1).host.buffer_bytes
-        overrides.append(f"offload.host_cache={shape.host.buffers * per_buffer}")
+        per_buffer = memory_plan(cfg, 1).engine.buffer_bytes
+        overrides.append(f"offload.host_cache={shape.engine.buffers * per_buffer}")
     return load_config(str(path), overrides)
 
 
@@ -70,8 +69,9 @@ def test_dry_run_plan_is_what_the_engine_does(path, tmp_path):
     cfg = _scaled(path, tmp_path)
     full = memory_plan(load_config(str(path), [f"run_dir={tmp_path / 'full'}"]), 1)
     plan = memory_plan(cfg, 1)
-    assert plan.host.problem is None, plan.host.problem
-    assert (plan.host.buffers, plan.host.minimum) == (full.host.buffers, full.host.minimum)
+    assert plan.engine.problem is None, plan.engine.problem
+    same = ("buffers", "pipeline_buffers")
+    assert [getattr(plan.engine, k) for k in same] == [getattr(full.engine, k) for k in same]
     report = dry_run(cfg, 1)
     assert report["problem"] is None
     if report["tiers"]:  # the pipeline: the subgroup updated, the one written back, and reads
@@ -82,7 +82,11 @@ def test_dry_run_plan_is_what_the_engine_does(path, tmp_path):
     tx = jax_mlpo.adamw(1e-3, offload=cfg.offload)
     state = tx.init(params)
     try:
-        assert jax_mlpo.engine_of(state).host_bytes == report["engine_host_bytes"]
+        engine = jax_mlpo.engine_of(state)
+        assert engine.host_bytes == report["engine_host_bytes"]
+        # init writes every subgroup's zero state to its tier once: the bytes each tier holds
+        written = {t.tier.path: t.bytes_written for t in engine.tiers}
+        assert written == {path: t["bytes"] for path, t in report["tiers"].items()}
         update = jax.jit(tx.update)
         for _ in range(2):
             _, state = update(jax.tree.map(jnp.ones_like, params), state, params)
@@ -109,17 +113,11 @@ def test_alternate_order_keeps_every_buffer():
     assert cfg.offload.order == "alternate" and cfg.offload.retain
     # tiny.yaml: 1 MiB of 128 KiB buffers, 10 subgroups, a pipeline of 2 x 2 tiers + 2
     assert report["pipeline_buffers"] == 6 and report["retained_subgroups"] == 8
-    ascending = dataclasses.replace(cfg.offload, order="ascending")
-    kept = host_plan(
-        ascending,
-        StateShape(
-            num_subgroups=report["subgroups_per_process"],
-            state_bytes=report["state_bytes_per_process"],
-            max_state_elems=report["subgroup_bytes"] // 4,
-            max_subgroup_elems=report["subgroup_bytes"] // 8,
-        ),
+    ascending = dataclasses.replace(
+        cfg, offload=dataclasses.replace(cfg.offload, order="ascending")
     )
-    assert kept.retained == 2  # the buffers beyond the pipeline
+    kept = dry_run(ascending, 1)["retained_subgroups"]
+    assert kept == 2  # the buffers beyond the pipeline
 
 
 def _muon_on_tiny(run_dir: Path, sets: list[str], fill: float = 0.0) -> tuple[RunConfig, Any]:

@@ -1,6 +1,6 @@
 """Tests for experiments/job/run_config.py: how the YAML file and ``--set`` overrides are read.
 
-The errors for bad values and keys are in tests/test_pretrain.py (through the command line).
+The errors for bad values and keys are in tests/job/test_pretrain.py (through the command line).
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 import jax_mlpo
 from experiments.job import run_config
+from jax_mlpo import FileTier, OffloadConfig, parse_size
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
 BEYOND_RAM = str(ROOT / "experiments" / "configs" / "beyond-ram.yaml")
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
@@ -56,3 +58,13 @@ def test_a_field_offload_config_gains_is_read_and_typed(monkeypatch, tmp_path):
     assert run_config.load_config(str(resolved)) == cfg
     with pytest.raises(run_config.ConfigError, match="'offload.read_ahead': Couldn't parse 'x'"):
         run_config.load_config(TINY, ["offload.read_ahead=x"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_experiment_configs_offload_sections_load(path):
+    section = yaml.safe_load(path.read_text())["offload"]
+    config = OffloadConfig.from_dict(section)
+    assert config.host_cache == parse_size(section["host_cache"], "host_cache")
+    assert len(config.tiers) == len(section.get("tiers", ()))
+    for tier, given in zip(config.tiers, section.get("tiers", ()), strict=True):
+        assert isinstance(tier, FileTier) and tier.path == given["path"]

@@ -1,4 +1,12 @@
-"""A local S3 protocol server (moto_server) for the object-tier tests and benchmark.
+"""A local S3 protocol server (moto_server), to run an :class:`~jax_mlpo.ObjectTier` against in
+tests and benchmarks, with no store of one's own::
+
+    with jax_mlpo.testing.s3_server.dummy_credentials():
+        server = jax_mlpo.testing.s3_server.S3Server().start()
+        tier = jax_mlpo.ObjectTier(f"s3://{server.bucket()}/run/", endpoint=server.endpoint,
+                                   region="us-east-1")
+        ...
+        server.kill()
 
 ``moto[server]`` (the test and experiments extras) speaks the S3 REST protocol on 127.0.0.1;
 tensorstore's ``s3`` kvstore driver talks to it as to any S3-compatible store. Credentials are
@@ -17,14 +25,9 @@ import time
 import urllib.request
 import uuid
 
+from jax_mlpo.testing.processes import free_port
+
 DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:

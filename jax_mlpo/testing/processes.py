@@ -1,5 +1,12 @@
-"""Runs a program on several local processes (a jax.distributed job on one machine) and
-collects their exit codes and logs; the tests and experiments/bench/mlpo/dist_update.py use it."""
+"""Runs a program on several local processes (a ``jax.distributed`` job on one machine, as
+:mod:`jax_mlpo.sharding.processes` runs on several hosts) and collects their exit codes and
+logs::
+
+    port = jax_mlpo.testing.processes.free_port()
+    argvs = [[sys.executable, "worker.py", str(k), str(port)] for k in range(2)]
+    run = jax_mlpo.testing.processes.run_local(argvs, os.environ, logs_dir, timeout_s=120)
+    assert run.ok, run.logs
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ def free_port() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
+    """The processes' exit codes (in argv order), their logs and the seconds the run took."""
+
     codes: list[int] | None  # None: the run timed out (every process was killed)
     logs: list[str]  # each process's stdout and stderr
     elapsed_s: float

@@ -39,6 +39,10 @@ request pays one ``None`` check. To change a tier's bandwidth cap while it runs 
 slows down), use :func:`set_bandwidth_cap` or ``FileTierStore.set_bandwidth_cap``;
 ``FileTierStore.trace`` and ``FileTierStore.pacing`` record each request's start and end and
 its reservation on the cap's clock, for order and overlap checks.
+
+Two submodules run what such tests run against: :mod:`jax_mlpo.testing.s3_server` a local S3
+server for object tiers (``moto[server]``), :mod:`jax_mlpo.testing.processes` a program on
+several local processes (a ``jax.distributed`` job on one machine).
 """
 
 from __future__ import annotations

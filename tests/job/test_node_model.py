@@ -1,4 +1,4 @@
-"""experiments/job/node_model.py: the update beside the forward pass, as the engine chooses it,
+"""experiments/studies/node_model.py: the update beside the forward pass, as the engine chooses it,
 against the plain step on the reference node's 7B and 70B presets."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from experiments.job import node_model
 from experiments.job.run_config import load_config
+from experiments.studies import node_model
 
 
 @pytest.mark.parametrize("preset", sorted(node_model.REFERENCE))
