@@ -263,6 +263,30 @@ def test_multi_steps_runs_in_one_call_and_follows_the_plain_loop(tmp_path):
     assert_close(params, plain(reference, steps=STEPS)[0])
 
 
+def test_a_wrapper_that_drops_extra_arguments_runs_in_one_call(tmp_path):
+    """The step hands its groups to the update as optax's extra argument jax_mlpo_overlap: a
+    user's wrapper that passes it on (optax.GradientTransformationExtraArgs) is overlapped, one
+    that drops extra arguments gets the update in one call; both are the plain loop exactly."""
+
+    def passing(inner):
+        return optax.GradientTransformationExtraArgs(
+            inner.init, lambda u, s, p=None, **extra: inner.update(u, s, p, **extra)
+        )
+
+    def dropping(inner):
+        return optax.GradientTransformation(inner.init, lambda u, s, p=None: inner.update(u, s, p))
+
+    expected, state, _ = plain(offloaded_adamw(file_config(tmp_path / "plain")))
+    jax_mlpo.close(state)
+    for wrap, overlaps in ((passing, True), (dropping, False)):
+        params, state, _ = overlapped(wrap(offloaded_adamw(file_config(tmp_path / wrap.__name__))))
+        steps = jax_mlpo.metrics(state)
+        jax_mlpo.close(state)
+        assert len(steps) == STEPS and steps[-1].beside_s == 0  # the flush: one call
+        assert all((m.beside_s > 0) == overlaps for m in steps[:-1]), wrap.__name__
+        assert_bits_equal(params, expected)
+
+
 def test_a_checkpoint_in_the_middle_resumes_bit_for_bit(tmp_path):
     """Flush, save with OffloadSave, restore into a fresh init and go on with no pending
     gradients: the params of the uninterrupted overlapped run."""
