@@ -23,7 +23,7 @@ from jax_mlpo.engine.buffers.cache import touched_buffer
 from jax_mlpo.engine.buffers.pipeline import IOPipeline
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.leaves import Leaves
-from jax_mlpo.engine.placement.replan import TierAssignment
+from jax_mlpo.engine.placement import TierAssignment
 from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.tiers.file import FileTierStore
 

@@ -28,8 +28,7 @@ from jax_mlpo.engine.idle_io import EngineHealth, IdleIO
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.engine.optimizer import HostOptimizer
-from jax_mlpo.engine.placement.replan import TierAssignment
-from jax_mlpo.engine.placement.split import TierSplit
+from jax_mlpo.engine.placement import TierAssignment, TierSplit
 from jax_mlpo.engine.plan import HostPlan, layout_plan
 from jax_mlpo.engine.read_ahead import ReadAhead
 from jax_mlpo.engine.scalars import ScalarNames

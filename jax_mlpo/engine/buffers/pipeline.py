@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from jax_mlpo.engine.buffers.cache import SlotCache
-from jax_mlpo.engine.placement.replan import TierAssignment
+from jax_mlpo.engine.placement import TierAssignment
 from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError
 from jax_mlpo.tiers.file import FileTierStore
