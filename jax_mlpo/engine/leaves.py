@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_mlpo.engine.layout import Layout, Segment, Subgroup
 from jax_mlpo.native.host_update import DeviceBuffer
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 
 class Leaves(Protocol):

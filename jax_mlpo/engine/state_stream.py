@@ -17,7 +17,7 @@ import numpy as np
 from jax_mlpo.engine.buffers.pipeline import IOPipeline
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 Future = concurrent.futures.Future
 

@@ -29,7 +29,7 @@ from experiments.bench.sysio import drop_page_cache, fio_bandwidth, fio_mixed
 from jax_mlpo.config import FileTier, TierLimits
 from jax_mlpo.tiers.concurrency import TierPermits
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 logger = logging.getLogger("bench.tiers")
 

@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 
 def touched_buffer(n: int) -> np.ndarray:
