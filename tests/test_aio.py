@@ -13,9 +13,8 @@ from jax_mlpo.config import FileTier
 from jax_mlpo.errors import AioUnavailableError
 from jax_mlpo.native.crc32c import crc32c
 from jax_mlpo.tiers import posix
-from jax_mlpo.tiers.concurrency import TierPermits
 from jax_mlpo.tiers.errors import CorruptBlobError
-from jax_mlpo.tiers.file import FileTierStore
+from jax_mlpo.tiers.file import FileTierStore, TierPermits
 from jax_mlpo.tiers.posix import (
     ALIGN,
     AioQueue,

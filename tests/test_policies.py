@@ -18,7 +18,7 @@ import pytest
 import jax_mlpo
 from jax_mlpo.config import Bandwidth, TierLimits
 from jax_mlpo.engine import placement
-from jax_mlpo.tiers.concurrency import TierPermits
+from jax_mlpo.tiers.file import TierPermits
 
 N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements
 SUBGROUP = 4096
@@ -245,7 +245,7 @@ def test_thread_permits_never_exceeded():
 _PROCESS = textwrap.dedent(
     """
     import sys, time
-    from jax_mlpo.tiers.concurrency import TierPermits
+    from jax_mlpo.tiers.file import TierPermits
     permits = TierPermits("shared-pfs", 4, 4, sys.argv[1], node_reads=1, node_writes=2)
     with open(sys.argv[2], "w") as log:
         for _ in range(40):

@@ -18,8 +18,14 @@ import pytest
 
 from jax_mlpo.config import FileTier, TierLimits
 from jax_mlpo.testing import tier_faults
-from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
-from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError
+from jax_mlpo.tiers.file import (
+    CorruptBlobError,
+    FileTierStore,
+    NodeTokenBucket,
+    TierIOError,
+    TierPermits,
+    TokenBucket,
+)
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
 from jax_mlpo.tiers.posix import ALIGN, aligned_empty
 
