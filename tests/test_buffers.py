@@ -15,8 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from jax_mlpo.engine.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.engine.buffers.pipeline import IOPipeline, PendingWrite
+from jax_mlpo.engine.buffers import IOPipeline, PendingWrite, SlotCache, touched_buffer
 from jax_mlpo.engine.placement import TierAssignment, TierSplit
 from jax_mlpo.engine.snapshot import CopyOnWrite
 from jax_mlpo.engine.step_metrics import StepMetrics

@@ -19,8 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from jax_mlpo.config import OffloadConfig
-from jax_mlpo.engine.buffers.cache import touched_buffer
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline, touched_buffer
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.engine.placement import TierAssignment

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline
 from jax_mlpo.engine.read_ahead import ReadAhead
 from jax_mlpo.engine.step_metrics import StepMetrics, TierIOWindow
 from jax_mlpo.errors import EngineFailedError

@@ -4,7 +4,7 @@ Between two updates the host buffers either hold subgroups the next update start
 come free as the last update's write-backs land (write-behind). The next update's order is
 known (:mod:`jax_mlpo.engine.retention`) and nothing changes the state before it runs, so its reads
 can start in those free buffers right away instead of when the update does.
-:class:`ReadAhead` runs :meth:`~jax_mlpo.engine.buffers.pipeline.IOPipeline.read_ahead` on a thread
+:class:`ReadAhead` runs :meth:`~jax_mlpo.engine.buffers.IOPipeline.read_ahead` on a thread
 of its own after each update, once more each time a write-back frees a buffer, until no buffer
 is left or the engine needs its cache again: then :meth:`ReadAhead.stop` returns with the reads
 issued so far still in flight, and the update finds them resident or on their way.
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline
 
 
 class ReadAhead:

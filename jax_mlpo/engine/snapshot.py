@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.state_stream import READ_AHEAD, spare_buffers, stream_blobs
 from jax_mlpo.tiers.file import FileTierStore

@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_mlpo.config import ConfigError, OffloadConfig
-from jax_mlpo.engine.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline, SlotCache, touched_buffer
 from jax_mlpo.engine.conversion import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.placement import TierAssignment, assign_tiers, probe_kind
