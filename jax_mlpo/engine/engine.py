@@ -24,17 +24,16 @@ from jax.profiler import TraceAnnotation
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import retention
-from jax_mlpo.engine.idle_io import EngineHealth, IdleIO
+from jax_mlpo.engine.idle_io import EngineHealth, IdleIO, ReadAhead, TierIOWindow
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.engine.optimizer import HostOptimizer
 from jax_mlpo.engine.placement import TierAssignment, TierSplit
 from jax_mlpo.engine.plan import HostPlan, layout_plan
-from jax_mlpo.engine.read_ahead import ReadAhead
 from jax_mlpo.engine.scalars import ScalarNames
 from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.engine.state_io import StateIO
-from jax_mlpo.engine.step_metrics import StepMetrics, TierIOWindow
+from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.engine.storage import host_storage, open_storage
 from jax_mlpo.errors import CheckpointInProgressError, StaleStateError
 from jax_mlpo.tiers.file import FileTierStore
