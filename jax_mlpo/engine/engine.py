@@ -2,7 +2,7 @@
 
 One step is MLP-Offload's per-subgroup loop, in the order :mod:`jax_mlpo.engine.retention` gives:
 make the subgroup resident (a cache hit, or the read prefetched from its tier), prefetch the next
-ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.engine.conversion`),
+ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.engine.leaves`),
 run the fused kernel, then retain it in host memory or write it back behind the next subgroups
 (:mod:`jax_mlpo.engine.buffers`). The buffers are :mod:`jax_mlpo.engine.plan`'s; where subgroups
 live is :mod:`jax_mlpo.engine.placement`'s; :mod:`jax_mlpo.engine.storage` opens the tiers and makes

@@ -12,8 +12,8 @@ import dataclasses
 
 from jax_mlpo.config import ConfigError, OffloadConfig
 from jax_mlpo.engine.buffers import IOPipeline, SlotCache, touched_buffer
-from jax_mlpo.engine.conversion import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.engine.layout import Layout
+from jax_mlpo.engine.leaves import GradientSource, InMemoryGradients, gradient_source
 from jax_mlpo.engine.placement import TierAssignment, assign_tiers, probe_kind
 from jax_mlpo.engine.plan import HostPlan
 from jax_mlpo.engine.snapshot import STATE, STATE_ALT, CopyOnWrite
