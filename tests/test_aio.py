@@ -11,7 +11,7 @@ import pytest
 
 from jax_mlpo.config import FileTier
 from jax_mlpo.errors import AioUnavailableError
-from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.native.kernels import crc32c
 from jax_mlpo.tiers import posix
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.file import FileTierStore, TierPermits

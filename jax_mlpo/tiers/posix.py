@@ -60,7 +60,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jax_mlpo.errors import AioUnavailableError
-from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.native.kernels import crc32c
 from jax_mlpo.native.library import NATIVE
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.file_tier import FileTier
