@@ -370,7 +370,7 @@ def apply_step(
       direction: float32, the orthogonalized and scaled momentum.
       param: float32 parameters (the fp32 master), read for weight decay, updated in place
         when ``update_param``.
-      update_out: as :func:`jax_mlpo.native.adamw_step`'s; may be ``direction`` itself.
+      update_out: as :func:`adamw_step`'s; may be ``direction`` itself.
       hyper: the step's scalars.
       update_param: whether to add the update to ``param`` in place.
       delta_base: bfloat16 params the caller adds the update to, or None.
