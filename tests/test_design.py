@@ -34,9 +34,6 @@ MAX_LINES = 800
 MAX_FUNCTION_LINES = 60
 # The functions still longer, and why.
 LONG_FUNCTIONS = {
-    # the optimizers' transformations: closures over their caches, to become small classes
-    "transforms/offloaded.py:offloaded": "closures",
-    "transforms/muon.py:muon": "closures",
     # optax.MultiSteps's update, kept in its own order to be read beside optax's
     "transforms/accumulation.py:update": "optax's order",
     # the per-subgroup loop, one pass a reader follows top to bottom

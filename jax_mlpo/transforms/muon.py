@@ -21,7 +21,6 @@ matrices: the host passes are elementwise.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -204,46 +203,93 @@ def muon(
                          "or bfloat16 (jnp.bfloat16)")  # fmt: skip
     moment = check_moment_dtypes([F32 if mu_dtype is None else mu_dtype], ["mu"])
     check_update_dtype(update_dtype)
-    coeffs = _ns_coeffs(ns_coeffs, ns_steps)
-    adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-
-    # The three parts, made once: each keeps the shapes it was initialised with (its update
-    # checks them) and its jitted update, so an eager step compiles nothing new. Each part's
-    # init takes its own config (a subdirectory of every tier) and mask.
-    momentum_tx = offloaded(
-        "muon", MuonMomentum(bool(nesterov)), learning_rate=0.0, hyperparams={"beta": beta},
-        device_scalars=lambda count_inc, hp, lr, updates: {
-            "bc": 1 - hp["beta"] ** count_inc,
-            "bc_next": 1 - hp["beta"] ** optax.safe_increment(count_inc)},
-        moment_dtypes=moment, mask=None, offload=offload, update_dtype=jnp.float32,
-        keeps_master=False,
-    )  # fmt: skip
-    master_tx = offloaded(
-        "muon", MuonMaster(), learning_rate=learning_rate,
-        hyperparams={"weight_decay": weight_decay},
-        device_scalars=lambda count_inc, hp, lr, updates: {"lr": lr}, moment_dtypes=(),
-        mask=None, offload=offload, update_dtype=update_dtype,
+    settings = MuonSettings(
+        learning_rate=learning_rate, coeffs=_ns_coeffs(ns_coeffs, ns_steps), ns_steps=ns_steps,
+        beta=beta, eps=eps, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+        moment=moment, nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
+        dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms,
+        offload=offload, update_dtype=update_dtype,
     )  # fmt: skip
     adam_tx = adamw(
-        adam_lr, adam_b1, adam_b2, eps, adam_weight_decay, offload=offload,
-        mu_dtype=mu_dtype, nesterov=nesterov, update_dtype=update_dtype,
+        learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2,
+        eps, adam_weight_decay, offload=offload, mu_dtype=mu_dtype, nesterov=nesterov,
+        update_dtype=update_dtype,
     )  # fmt: skip
+    tx = Muon(settings, adam_tx)
+    return optax.GradientTransformationExtraArgs(tx.init, tx.update)
 
-    def decay_flags(params: Any, groups: _Groups) -> list[bool]:
-        flags = resolve_mask(weight_decay_mask, params)
+
+class MuonSettings(NamedTuple):
+    """:func:`muon`'s arguments, checked, that its engines and device passes read."""
+
+    learning_rate: optax.ScalarOrSchedule
+    coeffs: Any  # the Newton-Schulz coefficients (a preset resolved)
+    ns_steps: int
+    beta: float
+    eps: float
+    weight_decay: float
+    weight_decay_mask: Any
+    moment: tuple[Any, ...]  # the momentum's storage dtype
+    nesterov: bool
+    adaptive: bool
+    preconditioning: str
+    dimension_numbers: Any
+    consistent_rms: float | None
+    offload: OffloadConfig
+    update_dtype: Any
+
+
+class Muon:
+    """``jax_mlpo.muon``'s ``init`` and ``update`` over three offloaded parts.
+
+    Each part is made once: it keeps the shapes it was initialised with (its update checks
+    them) and its jitted update, so an eager step compiles nothing new; each part's init takes
+    its own config (a subdirectory of every tier) and mask.
+
+    Attributes:
+      settings: the optimizer's arguments.
+      momentum_tx: the matrices' momentum (:class:`~jax_mlpo.optimizers.muon.MuonMomentum`).
+      master_tx: the fp32 master of bfloat16 matrices (:class:`MuonMaster`).
+      adam_tx: AdamW on the other leaves.
+      part_configs: each engine's config, by the engines' state shapes: made (and its tier
+        directories probed) once, so that a second init of this optimizer takes its engines'
+        places by the same configs (a place without tiers is its config object:
+        :func:`jax_mlpo.transforms.runtime.place_of`). An empty group's engine holds nothing
+        (no share of the host cache, no blob in its tier subdirectories); its subdirectories
+        are its place, for the next init to replace.
+    """
+
+    def __init__(self, settings: MuonSettings, adam_tx: optax.GradientTransformationExtraArgs
+                 ) -> None:  # fmt: skip
+        self.settings = s = settings
+        self.momentum_tx = offloaded(
+            "muon", MuonMomentum(bool(s.nesterov)), learning_rate=0.0,
+            hyperparams={"beta": s.beta},
+            device_scalars=lambda count_inc, hp, lr, updates: {
+                "bc": 1 - hp["beta"] ** count_inc,
+                "bc_next": 1 - hp["beta"] ** optax.safe_increment(count_inc)},
+            moment_dtypes=s.moment, mask=None, offload=s.offload, update_dtype=jnp.float32,
+            keeps_master=False,
+        )  # fmt: skip
+        self.master_tx = offloaded(
+            "muon", MuonMaster(), learning_rate=s.learning_rate,
+            hyperparams={"weight_decay": s.weight_decay},
+            device_scalars=lambda count_inc, hp, lr, updates: {"lr": lr}, moment_dtypes=(),
+            mask=None, offload=s.offload, update_dtype=s.update_dtype,
+        )  # fmt: skip
+        self.adam_tx = adam_tx
+        self.part_configs: dict[tuple[Any, ...], dict[str, OffloadConfig]] = {}
+        # jitted once here: eagerly, optax's Newton-Schulz scan would compile at every step
+        self._orthogonalize = jax.jit(self._orthogonalized, static_argnums=1)
+
+    def _decay_flags(self, params: Any, groups: _Groups) -> list[bool]:
+        flags = resolve_mask(self.settings.weight_decay_mask, params)
         return [flags[i] for i in groups.muon]
 
-    # Each engine's config, by the engines' state shapes: made (and its tier directories
-    # probed) once, so that a second init of this optimizer takes its engines' places by the
-    # same configs (a place without tiers is its config object:
-    # jax_mlpo.transforms.runtime.place_of).
-    # An empty group's engine holds nothing (no share of the host cache, no blob in its
-    # tier subdirectories); its subdirectories are its place, for the next init to replace.
-    part_configs: dict[tuple[Any, ...], dict[str, OffloadConfig]] = {}
-
-    def configs_for(shapes: dict[str, StateShape | None]) -> dict[str, OffloadConfig]:
+    def _configs_for(self, shapes: dict[str, StateShape | None]) -> dict[str, OffloadConfig]:
         key = tuple(shapes.items())
-        if key not in part_configs:
+        if key not in self.part_configs:
+            offload = self.settings.offload
             held = [name for name, shape in shapes.items() if shape is not None]
             shares = dict(zip(held, split_host_cache(offload, [shapes[n] for n in held]),
                               strict=True))  # fmt: skip
@@ -254,11 +300,12 @@ def muon(
                     offload, tiers=tiers, host_cache=shares.get(name, 0)
                 )
                 configs[name].validate()
-            part_configs[key] = configs
-        return part_configs[key]
+            self.part_configs[key] = configs
+        return self.part_configs[key]
 
-    def init_fn(params, *, host_arrays: bool = False):
-        # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
+    def init(self, params: Any, *, host_arrays: bool = False) -> OffloadedMuonState:
+        """optax's ``init``; ``host_arrays``: the state as NumPy scalars (made inside a
+        compiled init's host call)."""
         refuse_discarding_wrappers("muon")
         if not jax.tree.leaves(params) or (
             is_traced(params) and not made_at_run_time(params, on_mesh=False)
@@ -267,56 +314,60 @@ def muon(
         if is_traced(params):  # jax.jit(tx.init): the engines are made when the program runs
             stand_ins = stand_ins_of(params)
             handles = handles_at_run_time(
-                lambda: [s.handle for s in init_fn(stand_ins, host_arrays=True)], [()] * 3
+                lambda: [s.handle for s in self.init(stand_ins, host_arrays=True)], [()] * 3
             )
             zero = jnp.zeros([], jnp.int32)
             return OffloadedMuonState(*(OffloadedState(zero, h) for h in handles))
-        groups = leaf_groups(params, muon_weight_dimension_numbers)
+        s = self.settings
+        groups = leaf_groups(params, s.dimension_numbers)
         leaves = jax.tree.leaves(params)
         muon_leaves = [leaves[i] for i in groups.muon]
         bf16 = [muon_leaves[k] for k in groups.master]
         adam_params = [leaves[i] for i in groups.adam]
-        flags = decay_flags(params, groups)
-        size = offload.subgroup_size
+        flags = self._decay_flags(params, groups)
+        size = s.offload.subgroup_size
         parts = {
-            "momentum": muon_leaves and build_layout(muon_leaves, size, None, moment, ("mu",),
+            "momentum": muon_leaves and build_layout(muon_leaves, size, None, s.moment, ("mu",),
                                                      keeps_master=False),
             "master": bf16 and build_layout(bf16, size, None, (), ()),
-            "adam": adam_params and build_layout(adam_params, size, None, (*moment, F32)),
+            "adam": adam_params and build_layout(adam_params, size, None, (*s.moment, F32)),
         }  # fmt: skip
-        configs = configs_for({n: StateShape.of(x) if x else None for n, x in parts.items()})
+        configs = self._configs_for({n: StateShape.of(x) if x else None for n, x in parts.items()})
         # An empty group still has its state (an engine over no leaves, which holds nothing),
         # so the state's structure does not depend on the params, as optax's partition
         # states do not: optax.tree.map_params inits on a placeholder with no leaves.
         masked = [flags[k] for k in groups.master]
         held = [n for n, x in parts.items() if x]
-        warn_unused_tiers("muon", offload, [StateShape.of(parts[n]) for n in held],
+        warn_unused_tiers("muon", s.offload, [StateShape.of(parts[n]) for n in held],
                           [layout_plan(configs[n], parts[n]) for n in held])  # fmt: skip
         return OffloadedMuonState(
-            momentum=momentum_tx.init(muon_leaves or EmptyGroup(),
-                                      part_offload=configs["momentum"], host_arrays=host_arrays),
-            master=master_tx.init(bf16 or EmptyGroup(), part_offload=configs["master"],
-                                  part_mask=masked if bf16 else None, host_arrays=host_arrays),
-            adam=adam_tx.init(adam_params or EmptyGroup(), part_offload=configs["adam"],
-                              host_arrays=host_arrays),
+            momentum=self.momentum_tx.init(muon_leaves or EmptyGroup(),
+                                           part_offload=configs["momentum"],
+                                           host_arrays=host_arrays),
+            master=self.master_tx.init(bf16 or EmptyGroup(), part_offload=configs["master"],
+                                       part_mask=masked if bf16 else None,
+                                       host_arrays=host_arrays),
+            adam=self.adam_tx.init(adam_params or EmptyGroup(), part_offload=configs["adam"],
+                                   host_arrays=host_arrays),
         )  # fmt: skip
 
-    # Jitted once here: eagerly, optax's Newton-Schulz scan would compile again at every step.
-    @functools.partial(jax.jit, static_argnums=1)
-    def orthogonalize(mu_hat: list[jax.Array], dims: tuple[MuonDimensionNumbers, ...]) -> list:
+    def _orthogonalized(self, mu_hat: list[jax.Array], dims: tuple[MuonDimensionNumbers, ...]
+                        ) -> list[jax.Array]:  # fmt: skip
         # optax's scale_by_muon with beta 0 and no nesterov passes the momentum it is given
         # through unchanged ((1 - 0) m + 0 m, divided by 1 - 0^1): what is left is its
         # orthogonalization (and adaptive scaling), computed by optax's own code.
-        tx = scale_by_muon(coeffs, ns_steps, beta=0.0, eps=eps, nesterov=False,
-                           adaptive=adaptive, preconditioning=preconditioning,
+        s = self.settings
+        tx = scale_by_muon(s.coeffs, s.ns_steps, beta=0.0, eps=s.eps, nesterov=False,
+                           adaptive=s.adaptive, preconditioning=s.preconditioning,
                            weight_dimension_numbers=list(dims))  # fmt: skip
         state = tx.init(mu_hat)._replace(mu=mu_hat)  # its zeros are never read
         out, _ = tx.update(mu_hat, state)
-        return [_scale_by_shape(x, d, consistent_rms) for x, d in zip(out, dims, strict=True)]
+        return [_scale_by_shape(x, d, s.consistent_rms) for x, d in zip(out, dims, strict=True)]
 
-    def update_fn(updates, state, params=None, **extra_args):
-        # other extra arguments are accepted and ignored, as optax.contrib.muon's update does;
-        # an overlapped step's grouping goes on to the offloaded parts
+    def update(self, updates: Any, state: OffloadedMuonState, params: Any = None,
+               **extra_args: Any) -> tuple[Any, OffloadedMuonState]:  # fmt: skip
+        """optax's ``update``: other extra arguments are accepted and ignored, as
+        optax.contrib.muon's update does; an overlapped step's grouping goes on to the parts."""
         grouping = overlap.Grouping.given(extra_args)
         parts = {} if grouping is None else {overlap.OVERLAP_ARG: grouping}
         if params is None:
@@ -324,7 +375,8 @@ def muon(
                 "jax_mlpo.muon needs params in update (tx.update(grads, state, params)): they "
                 "are read for weight decay and for the bfloat16 master copy"
             )
-        groups = leaf_groups(params, muon_weight_dimension_numbers)
+        s = self.settings
+        groups = leaf_groups(params, s.dimension_numbers)
         grads, treedef = jax.tree.flatten(updates)
         leaves = treedef.flatten_up_to(params)
         out: list[Any] = list(grads)
@@ -332,36 +384,36 @@ def muon(
         if groups.muon:
             muon_params = [leaves[i] for i in groups.muon]
             count = momentum.count
-            mu_hat, momentum = momentum_tx.update(
+            mu_hat, momentum = self.momentum_tx.update(
                 [grads[i] for i in groups.muon], momentum, muon_params, **parts
             )
-            directions = orthogonalize(mu_hat, tuple(groups.dims))
-            flags = decay_flags(params, groups)
+            directions = self._orthogonalize(mu_hat, tuple(groups.dims))
+            flags = self._decay_flags(params, groups)
             in_master = set(groups.master)
             on_device = [k for k in range(len(groups.muon)) if k not in in_master]
             if on_device:
                 # optax's own transformations, as optax.contrib.muon chains them
                 on_params = [muon_params[k] for k in on_device]
-                decay = optax.add_decayed_weights(weight_decay, [flags[k] for k in on_device])
+                decay = optax.add_decayed_weights(s.weight_decay, [flags[k] for k in on_device])
                 decayed, _ = decay.update(
                     [directions[k] for k in on_device], decay.init(on_params), on_params
                 )
-                scale = optax.scale_by_learning_rate(learning_rate)
+                scale = optax.scale_by_learning_rate(s.learning_rate)
                 schedule = scale.init(on_params)
-                if callable(learning_rate):  # evaluated at the step count, as its state's
+                if callable(s.learning_rate):  # evaluated at the step count, as its state's
                     schedule = optax.ScaleByScheduleState(count=count)
                 scaled, _ = scale.update(decayed, schedule)
                 for k, u in zip(on_device, scaled, strict=True):
                     out[groups.muon[k]] = u
             if groups.master:
-                applied, master = master_tx.update(
+                applied, master = self.master_tx.update(
                     [directions[k] for k in groups.master], master,
                     [muon_params[k] for k in groups.master], **parts,
                 )  # fmt: skip
                 for k, u in zip(groups.master, applied, strict=True):
                     out[groups.muon[k]] = u
         if groups.adam:
-            adam_updates, adam = adam_tx.update(
+            adam_updates, adam = self.adam_tx.update(
                 [grads[i] for i in groups.adam], adam, [leaves[i] for i in groups.adam], **parts
             )
             for i, u in zip(groups.adam, adam_updates, strict=True):
@@ -373,5 +425,3 @@ def muon(
                               strict=True)
         )  # fmt: skip
         return treedef.unflatten(out), OffloadedMuonState(momentum, master, adam)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -138,165 +138,188 @@ def offloaded(
         overlapped step scale by the same bits.
 
     Returns:
-      The ``GradientTransformationExtraArgs``; its ``update`` requires ``params`` and ignores
-      extra keyword arguments. ``init`` under a trace (``jax.eval_shape``) returns a template
-      of the state (:func:`template_state`) and makes nothing; otherwise it replaces the
-      engine of this process at the same place
+      The ``GradientTransformationExtraArgs`` of an :class:`Offloaded`; its ``update``
+      requires ``params`` and ignores extra keyword arguments. ``init`` under a trace
+      (``jax.eval_shape``) returns a template of the state (:func:`template_state`) and makes
+      nothing; otherwise it replaces the engine of this process at the same place
       (:meth:`jax_mlpo.transforms.runtime.Runtime.take_place`).
     """
-    # The plans of the states this transformation initialised on a mesh, by what an update
-    # sees of them when traced (the handles' and the leaves' shapes): the leaves' shardings are
-    # not visible under jit. A transformation re-created inside update (inject_hyperparams)
-    # finds them in the runtime.
-    mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
+    spec = OffloadedSpec(name, optimizer, learning_rate, hyperparams, device_scalars,
+                         tuple(moment_dtypes), mask, offload, update_dtype, keeps_master,
+                         max_grad_norm)  # fmt: skip
+    tx = Offloaded(spec)
+    return optax.GradientTransformationExtraArgs(tx.init, tx.update)
 
-    # The params' leaf shapes at each init, checked by every update this transformation traces:
-    # the host state is laid out by them, and the FFI call sees only flat buffers (it catches a
-    # changed leaf count or size, not a reshape that keeps the size). Shapes, not the tree: the
-    # same leaves come wrapped differently (nnx.Optimizer inits on variables, updates on arrays).
-    init_shapes: set[tuple[tuple[int, ...], ...]] = set()
 
-    def shapes_of(params: Any) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
+class OffloadedSpec(NamedTuple):
+    """What an offloaded optimizer is: :func:`offloaded`'s arguments."""
 
-    moments = (moment_dtypes, optimizer.moment_names, keeps_master)
-    scalar_names = ScalarNames.of(optimizer.scalar_names, hyperparams)  # checked once, here
+    name: str
+    optimizer: HostOptimizer
+    learning_rate: optax.ScalarOrSchedule
+    hyperparams: dict[str, Any]
+    device_scalars: DeviceScalars
+    moment_dtypes: tuple[Any, ...]
+    mask: Any
+    offload: OffloadConfig
+    update_dtype: Any
+    keeps_master: bool
+    max_grad_norm: float | None
 
-    def new_engine(layout: Layout, config: OffloadConfig) -> tuple[Engine, Place]:
-        # it replaces the engine of this process at its place (a second init)
-        place = place_of(config)
-        RUNTIME.take_place(place)
-        return Engine(layout, config, optimizer, scalar_names), place
 
-    def init_fn(
-        params, *, part_offload: OffloadConfig | None = None, part_mask: Any = None,
+def _shapes_of(params: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(params))
+
+
+class Offloaded:
+    """An offloaded optimizer's ``init`` and ``update``, and what they share.
+
+    Attributes:
+      spec: what the optimizer is.
+      scalar_names: the step's scalars, laid out once (checked here).
+      mesh_plans: the plans of the states this transformation initialised on a mesh, by what
+        an update sees of them when traced (the handles' and the leaves' shapes): the leaves'
+        shardings are not visible under jit. A transformation re-created inside update
+        (inject_hyperparams) finds them in the runtime.
+      init_shapes: the params' leaf shapes at each init, checked by every update traced: the
+        host state is laid out by them, and the FFI call sees only flat buffers (it catches a
+        changed leaf count or size, not a reshape that keeps the size). Shapes, not the tree:
+        the same leaves come wrapped differently (nnx.Optimizer inits on variables, updates
+        on arrays).
+    """
+
+    def __init__(self, spec: OffloadedSpec) -> None:
+        self.spec = spec
+        self.scalar_names = ScalarNames.of(spec.optimizer.scalar_names, spec.hyperparams)
+        self.mesh_plans: dict[tuple[Any, ...], MeshPlan] = {}
+        self.init_shapes: set[tuple[tuple[int, ...], ...]] = set()
+        # jitted even when called eagerly, so the scalars are rounded the same way in both modes
+        self._jitted_update = jax.jit(self._update_body, static_argnums=5)
+
+    def init(
+        self, params: Any, *, part_offload: OffloadConfig | None = None, part_mask: Any = None,
         host_arrays: bool = False,
-    ):  # fmt: skip
-        # part_offload, part_mask: where an optimizer is made of several of these, each over a
-        # group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask;
-        # host_arrays: the state as NumPy scalars (made inside a compiled init's host call)
-        refuse_discarding_wrappers(name)
-        where = offload if part_offload is None else part_offload
-        decay = mask if part_mask is None else part_mask
-        init_shapes.add(shapes_of(params))
+    ) -> OffloadedState:  # fmt: skip
+        """optax's ``init``.
+
+        Args:
+          params: the params (concrete; traced: a template, or engines made at run time).
+          part_offload, part_mask: where an optimizer is made of several of these, each over a
+            group of its leaves (jax_mlpo.muon), each part's own config and weight decay mask.
+          host_arrays: the state as NumPy scalars (made inside a compiled init's host call).
+        """
+        spec = self.spec
+        refuse_discarding_wrappers(spec.name)
+        where = spec.offload if part_offload is None else part_offload
+        decay = spec.mask if part_mask is None else part_mask
+        self.init_shapes.add(_shapes_of(params))
         if not (jax.tree.leaves(params) or isinstance(params, EmptyGroup)):
             return template_state(params)
         if is_traced(params):
             if not made_at_run_time(params):
                 return template_state(params)
-            handle = handle_at_run_time(
-                params,
-                functools.partial(
-                    init_fn, part_offload=part_offload, part_mask=part_mask, host_arrays=True
-                ),
-            )
+            init = functools.partial(self.init, part_offload=part_offload, part_mask=part_mask,
+                                     host_arrays=True)  # fmt: skip
+            handle = handle_at_run_time(params, init)
             return OffloadedState(count=jnp.zeros([], jnp.int32), handle=handle)
         RUNTIME.ensure_platform(jax.default_backend())
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
+        moments = (spec.moment_dtypes, spec.optimizer.moment_names, spec.keeps_master)
         layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments)
-        engine, place = new_engine(layout, plan.engine_config(where))
+        engine, place = self._new_engine(layout, plan.engine_config(where))
         RUNTIME.init_succeeded(plan.key(params))
         if plan.mesh is not None:  # a handle per device, whose calls meet before the engine runs
             key = plan.key(params)
             handles = RUNTIME.register_mesh(engine, plan.mesh, key, place)
-            mesh_plans[key] = plan.mesh
+            self.mesh_plans[key] = plan.mesh
         else:
             handles = [RUNTIME.register(engine, place)]
         if part_offload is None:  # a part's tiers are its optimizer's (jax_mlpo.muon warns)
-            warn_unused_tiers(name, where, [StateShape.of(layout)], [engine.plan])
+            warn_unused_tiers(spec.name, where, [StateShape.of(layout)], [engine.plan])
         if host_arrays:  # a scalar, or one handle per device in the mesh's shape
             shape = () if plan.mesh is None else plan.mesh.mesh.devices.shape
             return OffloadedState(count=np.int32(0), handle=np.reshape(handles, shape))
         count, handle = plan.arrays(handles)
         return OffloadedState(count=count, handle=handle)
 
-    def update_fn(updates, state, params=None, **extra_args):
-        # other extra arguments are accepted and ignored, as optax's optimizers do (value=, ...)
+    def _new_engine(self, layout: Layout, config: OffloadConfig) -> tuple[Engine, Place]:
+        # it replaces the engine of this process at its place (a second init)
+        place = place_of(config)
+        RUNTIME.take_place(place)
+        return Engine(layout, config, self.spec.optimizer, self.scalar_names), place
+
+    def update(self, updates: Any, state: OffloadedState, params: Any = None,
+               **extra_args: Any) -> tuple[Any, OffloadedState]:  # fmt: skip
+        """optax's ``update``: other extra arguments are accepted and ignored, as optax's
+        optimizers do (``value=``, ...); an overlapped step's grouping is read."""
+        spec = self.spec
         grouping = overlap.Grouping.given(extra_args)
         if params is None:
             raise ValueError(
-                f"jax_mlpo.{name} needs params in update (tx.update(grads, state, params)): they "
-                "are read for weight decay and for the bfloat16 master copy"
+                f"jax_mlpo.{spec.name} needs params in update (tx.update(grads, state, params)): "
+                "they are read for weight decay and for the bfloat16 master copy"
             )
-        if init_shapes and shapes_of(params) not in init_shapes:
+        if self.init_shapes and _shapes_of(params) not in self.init_shapes:
             raise ValueError(
                 "the params handed to update are not those the optimizer was initialised "
-                f"with: leaf shapes {list(shapes_of(params))[:8]}, against "
-                f"{[list(s)[:8] for s in init_shapes]} at init. The offloaded state is laid out "
-                "by the params at init: init a new optimizer for other params (and restore its "
-                "state from a checkpoint)"
+                f"with: leaf shapes {list(_shapes_of(params))[:8]}, against "
+                f"{[list(s)[:8] for s in self.init_shapes]} at init. The offloaded state is "
+                "laid out by the params at init: init a new optimizer for other params (and "
+                "restore its state from a checkpoint)"
             )
         # Arrays among the hyper-parameters (inject_hyperparams's, maybe traced) are arguments
         # of the jitted update; Python floats stay constants of it, in double precision.
-        lr = None if callable(learning_rate) else learning_rate
-        arrays = {k: v for k, v in hyperparams.items() if not isinstance(v, int | float)}
-        groups = groups_of(params, state, grouping)
+        lr = None if callable(spec.learning_rate) else spec.learning_rate
+        arrays = {k: v for k, v in spec.hyperparams.items() if not isinstance(v, int | float)}
+        groups = _groups_of(params, state, grouping)
         if groups is not None:  # traced by overlapped_step, into its program (grouping.hold)
-            return update_body(updates, state, params, lr, arrays, groups, grouping)
-        return jitted_update(updates, state, params, lr, arrays, None)
+            return self._update_body(updates, state, params, lr, arrays, groups, grouping)
+        return self._jitted_update(updates, state, params, lr, arrays, None)
 
-    def groups_of(params: Any, state: OffloadedState, grouping: overlap.Grouping | None
-                  ) -> tuple[int, ...] | None:  # fmt: skip
-        """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call), on a
-        platform the overlapped step splits for (``grouping.platform``: a CPU, or a GPU with
-        the grouped handlers). A mesh's or several processes' calls are split on CPU, where
-        every device makes each group's call (:class:`jax_mlpo.engine.grouped.Shards`)."""
-        if grouping is None or grouping.platform is None:
-            return None
-        groups = tuple(grouping.group_of(p) for p in jax.tree.leaves(params))
-        if (not groups or None in groups or len(set(groups)) == 1
-                or (np.ndim(state.handle) and grouping.platform != "cpu")):  # fmt: skip
-            return None
-        return groups
-
-    def update_body(updates, state, params, lr, arrays, groups, grouping=None):
+    def _update_body(self, updates, state, params, lr, arrays, groups, grouping=None):
+        spec = self.spec
         count_inc = optax.safe_increment(state.count)
         if lr is None:
-            lr = learning_rate(state.count)
+            lr = spec.learning_rate(state.count)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         key = update_key(np.shape(state.handle), param_leaves)
         wait_for_traced_inits(key)  # a jitted init registers its plan when it runs
-        plan = plan_of_update(state.handle, mesh_plans.get(key) or RUNTIME.mesh_plan_for(key),
-                              param_leaves)  # fmt: skip
-        computed = device_scalars(count_inc, {**hyperparams, **arrays}, lr, updates)
-        if max_grad_norm is not None:
+        mesh = self.mesh_plans.get(key) or RUNTIME.mesh_plan_for(key)
+        plan = plan_of_update(state.handle, mesh, param_leaves)
+        computed = spec.device_scalars(count_inc, {**spec.hyperparams, **arrays}, lr, updates)
+        if spec.max_grad_norm is not None:
             g_norm = plan.global_norm(grads)
-            computed["grad_scale"] = jnp.where(g_norm < max_grad_norm, 1.0, max_grad_norm / g_norm)
-        scalars = scalar_names.vector(computed, arrays)
-        if groups is not None:
-            # the scalars and every call's next count, held to the step's end (grouped_update
-            # says why); the barrier keeps XLA from fusing the held scalars' producer into the
-            # hold, which would recompute them there and free the calls' buffer early
-            scalars = jax.lax.optimization_barrier(scalars)
-            gpu = grouping.platform == "cuda"
-            counts, outs = plan.update(
-                functools.partial(grouped_update, groups=groups, gpu=gpu), grads, param_leaves,
-                state.handle, state.count, scalars,
-            )  # fmt: skip
-            grouping.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
-            count_out = jnp.max(counts)
-        else:
+            computed["grad_scale"] = jnp.where(g_norm < spec.max_grad_norm, 1.0,
+                                               spec.max_grad_norm / g_norm)  # fmt: skip
+        scalars = self.scalar_names.vector(computed, arrays)
+        if groups is None:
             count_out, outs = plan.update(
-                host_update, grads, param_leaves, state.handle, state.count, scalars
+                self._host_update, grads, param_leaves, state.handle, state.count, scalars
             )
-        return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
+            return treedef.unflatten(outs), OffloadedState(count=count_out, handle=state.handle)
+        # the scalars and every call's next count, held to the step's end (_grouped_update
+        # says why); the barrier keeps XLA from fusing the held scalars' producer into the
+        # hold, which would recompute them there and free the calls' buffer early
+        scalars = jax.lax.optimization_barrier(scalars)
+        grouped = functools.partial(self._grouped_update, groups=groups,
+                                    gpu=grouping.platform == "cuda")  # fmt: skip
+        counts, outs = plan.update(grouped, grads, param_leaves, state.handle, state.count,
+                                   scalars)  # fmt: skip
+        grouping.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
+        return treedef.unflatten(outs), OffloadedState(count=jnp.max(counts), handle=state.handle)
 
-    # Jitted even when called eagerly, so the scalars are rounded the same way in both modes.
-    jitted_update = jax.jit(update_body, static_argnums=5)
+    def _update_dtypes(self, param_leaves: list[Any]) -> list[Any]:
+        f32 = self.spec.update_dtype is not None
+        return [jnp.float32 if f32 else jnp.dtype(p.dtype) for p in param_leaves]
 
-    def update_dtypes(param_leaves):
-        return [
-            jnp.float32 if update_dtype is not None else jnp.dtype(p.dtype) for p in param_leaves
-        ]
-
-    def host_update(grads, param_leaves, handle, count, scalars):
+    def _host_update(self, grads, param_leaves, handle, count, scalars):
         return host_update_call(
-            handle, count, scalars, grads, param_leaves, update_dtypes(param_leaves)
+            handle, count, scalars, grads, param_leaves, self._update_dtypes(param_leaves)
         )
 
-    def grouped_update(grads, param_leaves, handle, count, scalars, *, groups, gpu):
+    def _grouped_update(self, grads, param_leaves, handle, count, scalars, *, groups, gpu):
         # One call per group present, renumbered 0.. in forward order; each call's operands are
         # its own leaves. Every call's next count is a value the program uses (the caller holds
         # them to the step's end): an unused result's buffer is one slice that all the calls
@@ -304,13 +327,13 @@ def offloaded(
         # the end would go to the forward pass's temporaries, which would then wait for every
         # call. On a GPU each group is a send and a receive (ffi/cuda_grouped.h says why).
         present = sorted(set(groups))
-        dtypes = update_dtypes(param_leaves)
+        dtypes = self._update_dtypes(param_leaves)
         ids_of = [[k for k, gk in enumerate(groups) if gk == g] for g in present]
         calls = [CallGroup(rank, len(present), tuple(ids)) for rank, ids in enumerate(ids_of)]
         tokens = [
             group_send_call(handle, count, scalars, [grads[k] for k in call.leaf_ids],
                             [param_leaves[k] for k in call.leaf_ids], call,
-                            f32_updates=update_dtype is not None)
+                            f32_updates=self.spec.update_dtype is not None)
             for call in calls
         ] if gpu else []  # fmt: skip
         outs: list[Any] = [None] * len(grads)
@@ -330,4 +353,17 @@ def offloaded(
                 outs[k] = out
         return jnp.stack(counts), outs
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def _groups_of(params: Any, state: OffloadedState, grouping: overlap.Grouping | None
+               ) -> tuple[int, ...] | None:  # fmt: skip
+    """Each param leaf's group inside jax_mlpo.overlapped_step (None: one call), on a platform
+    the overlapped step splits for (``grouping.platform``: a CPU, or a GPU with the grouped
+    handlers). A mesh's or several processes' calls are split on CPU, where every device makes
+    each group's call (:class:`jax_mlpo.engine.grouped.Shards`)."""
+    if grouping is None or grouping.platform is None:
+        return None
+    groups = tuple(grouping.group_of(p) for p in jax.tree.leaves(params))
+    if (not groups or None in groups or len(set(groups)) == 1
+            or (np.ndim(state.handle) and grouping.platform != "cpu")):  # fmt: skip
+        return None
+    return groups
