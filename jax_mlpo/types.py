@@ -35,23 +35,6 @@ class AdamWHyper(NamedTuple):
     bc1_next: float = 1.0  # with nesterov: 1 - b1**(count + 1), optax's next bias correction
 
 
-def moment_decay(decay: float, moment_dtype: np.dtype) -> float:
-    """The first moment's decay as optax applies it to a moment stored in ``moment_dtype``.
-
-    optax's ``decay * mu`` multiplies a Python float by the stored moment, so with
-    ``mu_dtype=bfloat16`` the decay is rounded to bfloat16 (0.9 becomes 0.8984375) while the
-    product is float32 (XLA keeps the excess precision). Matching optax bit for bit means doing
-    the same. The second moment (``nu_dtype``, which optax lacks) keeps its float32 decay: 0.999
-    in bfloat16 is 0.99609375, a 4x shorter memory.
-
-    Returns:
-      The decay as a Python float, to be rounded to float32 by the caller.
-    """
-    if np.dtype(moment_dtype) == BF16:
-        return float(np.float32(decay).astype(BF16))
-    return float(decay)
-
-
 class LionHyper(NamedTuple):
     """Scalars of one Lion step: ``lr`` the (scheduled) learning rate, evaluated by XLA in
     float32 as optax does; the others as given (Python floats, or float32 arrays from

@@ -10,13 +10,20 @@ import numpy as np
 import pytest
 
 from jax_mlpo.config import FileTier
-from jax_mlpo.native.aio import AioQueue, AioRequest, AioUnavailableError
-from jax_mlpo.native.crc32c import crc32c
-from jax_mlpo.tiers import submit
-from jax_mlpo.tiers.concurrency import TierPermits
+from jax_mlpo.errors import AioUnavailableError
+from jax_mlpo.native.kernels import crc32c
+from jax_mlpo.tiers import posix
 from jax_mlpo.tiers.errors import CorruptBlobError
-from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import ALIGN, AioSubmitter, Chunk, ThreadSubmitter, aligned_empty
+from jax_mlpo.tiers.file import FileTierStore, TierPermits
+from jax_mlpo.tiers.posix import (
+    ALIGN,
+    AioQueue,
+    AioRequest,
+    AioSubmitter,
+    Chunk,
+    ThreadSubmitter,
+    aligned_empty,
+)
 
 
 def random_bytes(rng: np.random.Generator, n: int, aligned: bool) -> np.ndarray:
@@ -133,9 +140,9 @@ def test_a_tier_falls_back_to_threads_where_the_kernel_refuses_aio(tmp_path, mon
     def refused(depth: int):
         raise AioUnavailableError(errno.EAGAIN, "kernel AIO is not available (raise fs.aio-max-nr)")
 
-    monkeypatch.setattr(submit, "AioSubmitter", refused)
+    monkeypatch.setattr(posix, "AioSubmitter", refused)
     tier = FileTier(str(tmp_path / "tier"), sync=False)
-    with caplog.at_level("WARNING", logger="jax_mlpo.tiers.submit"):
+    with caplog.at_level("WARNING", logger="jax_mlpo.tiers.posix"):
         store = FileTierStore(tier, {"state": [5000]}, TierPermits(tier.path, 2, 2))
     try:
         assert isinstance(store._blobs._submit, ThreadSubmitter)

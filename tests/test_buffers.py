@@ -15,10 +15,8 @@ import types
 import numpy as np
 import pytest
 
-from jax_mlpo.engine.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.engine.buffers.pipeline import IOPipeline, PendingWrite
-from jax_mlpo.engine.placement.replan import TierAssignment
-from jax_mlpo.engine.placement.split import TierSplit
+from jax_mlpo.engine.buffers import IOPipeline, PendingWrite, SlotCache, touched_buffer
+from jax_mlpo.engine.placement import TierAssignment, TierSplit
 from jax_mlpo.engine.snapshot import CopyOnWrite
 from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.tiers.errors import TierFullError, TierIOError

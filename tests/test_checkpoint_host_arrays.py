@@ -17,7 +17,7 @@ import pytest
 import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import host_arrays, host_reads
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 
 def make_job(root: Path):

@@ -14,7 +14,7 @@ import jax_mlpo
 from jax_mlpo import checkpoint
 from jax_mlpo.checkpoint import host_arrays, recycle, shard_file
 from jax_mlpo.checkpoint.space import CheckpointSpaceError, check_space
-from jax_mlpo.tiers.submit import aligned_empty, round_up_pages
+from jax_mlpo.tiers.posix import aligned_empty, round_up_pages
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:

@@ -3,7 +3,7 @@
 The layers diagram draws exactly the packages' imports. Each principle of MLP-Offload has
 exactly one home: the module or package the principles table names, whose docstring names the
 principle, and no other module's docstring does. Every module appears in the module map, and no
-module outgrows one concept (400 lines; the engine class 300, with collaborators rather than
+module outgrows one concept (800 lines; the engine class 300, with collaborators rather than
 mixin bases).
 """
 

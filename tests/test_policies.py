@@ -17,8 +17,8 @@ import pytest
 
 import jax_mlpo
 from jax_mlpo.config import Bandwidth, TierLimits
-from jax_mlpo.engine import placement, retention
-from jax_mlpo.tiers.concurrency import TierPermits
+from jax_mlpo.engine import placement
+from jax_mlpo.tiers.file import TierPermits
 
 N_PARAMS = 12 * 4096  # 12 subgroups of 4096 elements
 SUBGROUP = 4096
@@ -152,7 +152,7 @@ def test_alternating_order_is_observed(tmp_path):
 @pytest.mark.parametrize("policy", ["slow_tiers", "equal"])
 def test_placement_proportions(bandwidths, retained, policy):
     n = 97
-    kept = retention.retained_per_tier(bandwidths, retained, policy)
+    kept = placement.retained_per_tier(bandwidths, retained, policy)
     tier_of = placement.interleave(placement.tier_counts(n, bandwidths, kept))
     counts = [tier_of.count(k) for k in range(len(bandwidths))]
     assert sum(counts) == n and sum(kept) == retained
@@ -245,7 +245,7 @@ def test_thread_permits_never_exceeded():
 _PROCESS = textwrap.dedent(
     """
     import sys, time
-    from jax_mlpo.tiers.concurrency import TierPermits
+    from jax_mlpo.tiers.file import TierPermits
     permits = TierPermits("shared-pfs", 4, 4, sys.argv[1], node_reads=1, node_writes=2)
     with open(sys.argv[2], "w") as log:
         for _ in range(40):

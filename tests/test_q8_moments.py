@@ -23,7 +23,7 @@ from jax_mlpo.engine.quantize import (
     encode_reference,
     num_blocks,
 )
-from jax_mlpo.native.quantize import q8_decode, q8_encode
+from jax_mlpo.native.kernels import q8_decode, q8_encode
 from jax_mlpo.optimizers import fma64
 from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.types import BF16, F32

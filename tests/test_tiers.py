@@ -18,10 +18,16 @@ import pytest
 
 from jax_mlpo.config import FileTier, TierLimits
 from jax_mlpo.testing import tier_faults
-from jax_mlpo.tiers.concurrency import NodeTokenBucket, TierPermits, TokenBucket
-from jax_mlpo.tiers.file import CorruptBlobError, FileTierStore, TierIOError
+from jax_mlpo.tiers.file import (
+    CorruptBlobError,
+    FileTierStore,
+    NodeTokenBucket,
+    TierIOError,
+    TierPermits,
+    TokenBucket,
+)
 from jax_mlpo.tiers.lock import TierInUseError, TierLock
-from jax_mlpo.tiers.submit import ALIGN, aligned_empty
+from jax_mlpo.tiers.posix import ALIGN, aligned_empty
 
 CRC = 4  # bytes the crc32c codec appends to every chunk file (tensorstore engine)
 # "posix-threads": the posix engine with a thread per request instead of kernel AIO
@@ -86,16 +92,16 @@ def vm_flags(address: int) -> list[str]:
 def test_io_buffers_are_private_and_advised_for_huge_pages():
     # Large buffers ask for transparent huge pages (larger requests reach the disk); a shared
     # mapping would be shmem, which the advice does not cover.
-    from jax_mlpo.tiers import submit
+    from jax_mlpo.tiers import posix
 
-    large = aligned_empty(submit.HUGE_PAGE)  # 8 MiB of float32
+    large = aligned_empty(posix.HUGE_PAGE)  # 8 MiB of float32
     small = aligned_empty(1000)
     for buf in (large, small):
         assert buf.ctypes.data % ALIGN == 0 and not buf.any()
         assert "sh" not in vm_flags(buf.ctypes.data)  # private, not shared
     assert "hg" in vm_flags(large.ctypes.data)
     assert "hg" not in vm_flags(small.ctypes.data)
-    assert "hg" not in vm_flags(aligned_empty(submit.HUGE_PAGE, huge_pages=False).ctypes.data)
+    assert "hg" not in vm_flags(aligned_empty(posix.HUGE_PAGE, huge_pages=False).ctypes.data)
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
@@ -383,7 +389,7 @@ def test_posix_tier_without_o_direct_uses_the_page_cache(tmp_path, caplog, monke
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr("jax_mlpo.tiers.submit.os.open", refusing_open)
+    monkeypatch.setattr("jax_mlpo.tiers.posix.os.open", refusing_open)
     rng = np.random.default_rng(4)
     store = open_store(tmp_path / "tier", [5000, 3], sync=True, chunk_bytes=8192)
     try:

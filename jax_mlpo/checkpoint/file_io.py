@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from jax_mlpo.tiers.faults import FaultPlan
-from jax_mlpo.tiers.submit import pread_full, pwrite_full
+from jax_mlpo.tiers.posix import pread_full, pwrite_full
 from jax_mlpo.transforms.runtime import RUNTIME
 
 STATE = "state"  # a piece of an offloaded state's streamed array

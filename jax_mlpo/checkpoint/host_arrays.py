@@ -34,7 +34,7 @@ from jax_mlpo.checkpoint import file_io, host_reads
 from jax_mlpo.checkpoint.digest import Digest
 from jax_mlpo.checkpoint.recycle import SpareFiles
 from jax_mlpo.checkpoint.shard_file import create_data_file, create_metadata, sync_array
-from jax_mlpo.tiers.submit import aligned_empty, round_up_pages
+from jax_mlpo.tiers.posix import aligned_empty, round_up_pages
 
 
 class _NoOcdbtMerge(logging.Filter):

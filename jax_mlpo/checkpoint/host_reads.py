@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jax_mlpo.checkpoint import file_io
-from jax_mlpo.tiers.submit import aligned_empty, open_direct, round_up_pages
+from jax_mlpo.tiers.posix import aligned_empty, open_direct, round_up_pages
 from jax_mlpo.transforms.runtime import RUNTIME
 
 # Arrays of at least this many bytes are written by host_arrays itself, and read back here;

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 
-from jax_mlpo.tiers.submit import round_up_pages
+from jax_mlpo.tiers.posix import round_up_pages
 from jax_mlpo.transforms.runtime import RUNTIME
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import tensorstore as ts
 
 from jax_mlpo.checkpoint import file_io
 from jax_mlpo.checkpoint.recycle import SpareFiles
-from jax_mlpo.tiers.submit import ALIGN, open_direct, round_up_pages
+from jax_mlpo.tiers.posix import ALIGN, open_direct, round_up_pages
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from jax_mlpo.checkpoint.shard_file import ShardReader, check_array, whole_pages
 from jax_mlpo.checkpoint.stream import CHUNK_ELEMS, quantities, split_quantities
 from jax_mlpo.engine.layout import Subgroup, is_signed, store_f32
 from jax_mlpo.engine.quantize import Quantized
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 from jax_mlpo.types import F32
 
 # Pieces read at once, and subgroups whose pieces are read ahead of the one being filled. Alone,

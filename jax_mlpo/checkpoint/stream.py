@@ -38,7 +38,7 @@ from jax_mlpo.checkpoint.shard_file import (
 )
 from jax_mlpo.engine.layout import Layout, Moment, Segment, Subgroup, is_signed, moment_f32
 from jax_mlpo.engine.quantize import moment_dtype_name
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 from jax_mlpo.types import F32
 
 CHUNK_ELEMS = 2 * 2**20  # 8 MiB pieces: requests as large as fio's best

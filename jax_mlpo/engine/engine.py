@@ -2,7 +2,7 @@
 
 One step is MLP-Offload's per-subgroup loop, in the order :mod:`jax_mlpo.engine.retention` gives:
 make the subgroup resident (a cache hit, or the read prefetched from its tier), prefetch the next
-ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.engine.conversion`),
+ones, take its gradients (converted to fp32 inside the kernel: :mod:`jax_mlpo.engine.leaves`),
 run the fused kernel, then retain it in host memory or write it back behind the next subgroups
 (:mod:`jax_mlpo.engine.buffers`). The buffers are :mod:`jax_mlpo.engine.plan`'s; where subgroups
 live is :mod:`jax_mlpo.engine.placement`'s; :mod:`jax_mlpo.engine.storage` opens the tiers and makes
@@ -24,18 +24,16 @@ from jax.profiler import TraceAnnotation
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine import retention
-from jax_mlpo.engine.idle_io import EngineHealth, IdleIO
+from jax_mlpo.engine.idle_io import EngineHealth, IdleIO, ReadAhead, TierIOWindow
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.leaves import HostLeaves, Leaves, SubgroupStaging
 from jax_mlpo.engine.optimizer import HostOptimizer
-from jax_mlpo.engine.placement.replan import TierAssignment
-from jax_mlpo.engine.placement.split import TierSplit
+from jax_mlpo.engine.placement import TierAssignment, TierSplit
 from jax_mlpo.engine.plan import HostPlan, layout_plan
-from jax_mlpo.engine.read_ahead import ReadAhead
 from jax_mlpo.engine.scalars import ScalarNames
 from jax_mlpo.engine.snapshot import StateSnapshot
 from jax_mlpo.engine.state_io import StateIO
-from jax_mlpo.engine.step_metrics import StepMetrics, TierIOWindow
+from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.engine.storage import host_storage, open_storage
 from jax_mlpo.errors import CheckpointInProgressError, StaleStateError
 from jax_mlpo.tiers.file import FileTierStore

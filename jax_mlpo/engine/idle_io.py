@@ -1,21 +1,39 @@
 """The engine's I/O between updates: write-backs landing, retained subgroups flushed, reads ahead.
 
 Between two updates the pipeline goes on working: the last update's write-backs land
-(write-behind) and the next update's reads are issued into the buffers they free
-(:mod:`jax_mlpo.engine.read_ahead`). Anything else that needs the cache pauses that work first and
-resumes it after: an update keeps the reads issued ahead, a snapshot between steps or a ``load``
-cancels them. An error that leaves a subgroup's state lost fails the engine
-(:class:`EngineHealth`, which the engine and its collaborators share).
+(write-behind) and the next update's reads are issued into the buffers they free. Anything else
+that needs the cache pauses that work first and resumes it after: an update keeps the reads
+issued ahead, a snapshot between steps or a ``load`` cancels them. An error that leaves a
+subgroup's state lost fails the engine (:class:`EngineHealth`, which the engine and its
+collaborators share). :class:`IdleIO` does all of it for one engine; :class:`TierIOWindow` counts
+the tiers' I/O between two updates into the figures of the first.
+
+Read-ahead across steps (:class:`ReadAhead`): the next update's reads run during the forward
+and backward pass. Between two updates the host buffers either hold subgroups the next update
+starts with, or come free as the last update's write-backs land (write-behind). The next
+update's order is known (:mod:`jax_mlpo.engine.retention`) and nothing changes the state before
+it runs, so its reads can start in those free buffers right away instead of when the update
+does. :class:`ReadAhead` runs :meth:`~jax_mlpo.engine.buffers.IOPipeline.read_ahead` on a thread
+of its own after each update, once more each time a write-back frees a buffer, until no buffer
+is left or the engine needs its cache again: then :meth:`ReadAhead.stop` returns with the reads
+issued so far still in flight, and the update finds them resident or on their way. The engine
+stops it before anything else touches the cache: an update (which keeps the reads), a checkpoint
+snapshot, a ``load`` or ``close`` (which cancel them: the snapshot reads through the free
+buffers, the load replaces the state they hold).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
-from jax_mlpo.engine.read_ahead import ReadAhead
-from jax_mlpo.engine.step_metrics import StepMetrics, TierIOWindow
+import jax
+
+from jax_mlpo.engine.buffers import IOPipeline
+from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.errors import EngineFailedError
 from jax_mlpo.tiers.errors import TierIOError
 
@@ -148,3 +166,107 @@ class IdleIO:
         self.drain_writes()
         self.pipeline.flush()
         self.window.reset()  # these writes belong to no update
+
+
+class TierIOWindow:
+    """Each tier's bytes and busy time since a mark, added to the figures of a step.
+
+    A step's figures hold the tiers' I/O from its start to the next update's start: its own,
+    the write-backs that finish after it returned (write-behind) and the next update's reads
+    issued ahead (read-ahead), so that each step's bytes and busy time add up to the
+    iteration's. The next update first closes the window into the last step's figures.
+
+    Args:
+      stores: the tiers (each with ``tier.path``, ``bytes_read``, ``bytes_written``, ``busy_s``).
+    """
+
+    def __init__(self, stores: Sequence[Any]) -> None:
+        self._stores = stores
+        self._mark: list[tuple[int, int, float]] | None = None
+
+    def _now(self) -> list[tuple[int, int, float]]:
+        return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self._stores]
+
+    def reset(self) -> None:
+        """Starts a new window: the I/O so far belongs to no step (a flush, a load)."""
+        self._mark = self._now()
+
+    def close_into(self, metrics: StepMetrics | None) -> None:
+        """Adds the window's I/O to ``metrics`` (if any) and starts a new window."""
+        now = self._now()
+        if metrics is not None and self._mark is not None:
+            for store, (r0, w0, b0), (r1, w1, b1) in zip(self._stores, self._mark, now,
+                                                          strict=True):  # fmt: skip
+                path = store.tier.path
+                metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + r1 - r0
+                metrics.bytes_written[path] = metrics.bytes_written.get(path, 0) + w1 - w0
+                metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + b1 - b0
+        self._mark = now
+
+
+class ReadAhead:
+    """The read-ahead of one engine's I/O pipeline: at most one pass between two updates.
+
+    Args:
+      pipeline: the engine's I/O pipeline; only this object's thread touches it (and its
+        cache) while it runs.
+    """
+
+    def __init__(self, pipeline: IOPipeline) -> None:
+        self._pipeline = pipeline
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether a pass is issuing reads now (or waiting for a write-back to free a buffer)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, order: Sequence[int]) -> None:
+        """Starts issuing the reads of the update that will run in ``order``."""
+        self.stop()
+        self._stopping.clear()
+        self._wake.clear()
+        thread = threading.Thread(
+            target=self._run, args=(list(order),), name="jax_mlpo-read-ahead", daemon=True
+        )
+        # started before it is published: a stop() on another thread (the engine closing)
+        # joins only a thread that has started
+        thread.start()
+        self._thread = thread
+
+    def stop(self) -> None:
+        """Stops issuing reads and returns once the pipeline is the caller's again; the reads
+        issued stay in flight.
+
+        Raises:
+          TierIOError: a write-back of the last update failed while the pass reclaimed it
+            (and no other tier took it): that subgroup's state is lost.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stopping.set()
+        self._wake.set()
+        thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self, order: list[int]) -> None:
+        try:
+            with jax.profiler.TraceAnnotation("jax_mlpo.engine.read_ahead"):
+                while not self._stopping.is_set():
+                    pending = self._pipeline.read_ahead(order)
+                    if pending is None:
+                        return
+                    pending.add_done_callback(self._woken)
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as e:  # re-raised by stop(), in the engine's thread
+            self._error = e
+
+    def _woken(self, _: concurrent.futures.Future) -> None:
+        self._wake.set()

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jax_mlpo.engine.quantize import BLOCK, Q8, Quantized, moment_dtype, num_blocks
-from jax_mlpo.native.quantize import q8_decode, q8_encode
+from jax_mlpo.native.kernels import q8_decode, q8_encode
 from jax_mlpo.types import BF16, F32
 
 SUPPORTED_PARAM_DTYPES = (F32, BF16)

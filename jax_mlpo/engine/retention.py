@@ -3,11 +3,12 @@
 The order alternates ascending / descending every step. At the end of a step the last ``c_k``
 subgroups of each tier k (in that step's order) are not written back but kept in host memory;
 the next step, running the other way, starts with exactly those: no write and no read for them.
-This module decides all of it: how many subgroups are retained (:func:`retained_count`), how
-many of each tier (:func:`retained_per_tier`), in which order a step runs (:func:`step_order`)
-and which subgroups it keeps (:func:`retain_set`), and :class:`UpdateOrder` holds the order
-an engine's updates run in: the configured one, or the forward pass's once an update beside the
-forward pass (:mod:`jax_mlpo.transforms.overlap`) gave it.
+This module decides how many subgroups are retained (:func:`retained_count`), in which order a
+step runs (:func:`step_order`) and which subgroups it keeps (:func:`retain_set`; how many of
+each tier is the placement's, :func:`jax_mlpo.engine.placement.retained_per_tier`), and
+:class:`UpdateOrder` holds the order an engine's updates run in: the configured one, or the
+forward pass's once an update beside the forward pass (:mod:`jax_mlpo.transforms.overlap`) gave
+it.
 
 What each order moves per step, with ``S`` subgroups, ``B`` buffers and a pipeline of ``m``
 (:func:`moved_per_step`): the alternating order reads and writes ``S - B`` subgroups (every
@@ -34,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from jax_mlpo.config import OffloadConfig
-from jax_mlpo.engine.placement.model import largest_remainder
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +59,6 @@ def retained_count(config: OffloadConfig, *, buffers: int, minimum: int, subgrou
         return min(buffers, subgroups)
     # the next step starts elsewhere: the pipeline's buffers must be free then
     return max(0, min(buffers - minimum, subgroups))
-
-
-def retained_per_tier(bandwidths: list[float], retained: int, policy: str) -> list[int]:
-    """How many of the ``retained`` subgroups each tier contributes.
-
-    ``"slow_tiers"`` retains the slowest tiers' subgroups first (each retained subgroup saves
-    the most I/O time there); ``"equal"`` spreads them evenly, as the MLP-Offload artifact did.
-    """
-    k = len(bandwidths)
-    if policy == "equal":
-        return largest_remainder([retained / k] * k, retained)
-    counts = [0] * k
-    counts[int(np.argmin(bandwidths))] = retained
-    return counts
 
 
 def step_order(num_subgroups: int, step: int, policy: str) -> list[int]:

@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.state_stream import READ_AHEAD, spare_buffers, stream_blobs
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 logger = logging.getLogger(__name__)
 

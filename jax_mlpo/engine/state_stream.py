@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
+from jax_mlpo.engine.buffers import IOPipeline
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.posix import aligned_empty
 
 Future = concurrent.futures.Future
 
@@ -54,7 +54,7 @@ def stream_blobs(
         is read or written).
       load: whether the caller fills the blobs (written to the tiers) or reads them.
       source: where subgroup ``i``'s blob is read from, as (store, kind); default where its
-        state is now (:meth:`~jax_mlpo.engine.buffers.pipeline.IOPipeline.location`), or its slot
+        state is now (:meth:`~jax_mlpo.engine.buffers.IOPipeline.location`), or its slot
         when dirty.
 
     Yields:

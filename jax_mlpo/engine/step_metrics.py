@@ -1,6 +1,7 @@
-"""Per-step measurements of the update pipeline: :class:`StepMetrics` of one engine's update,
-the tier I/O between updates that it takes in (:class:`TierIOWindow`), the steps of several
-engines of one optimizer combined (:func:`combine`).
+"""Per-step measurements of the update pipeline: :class:`StepMetrics` of one engine's update
+(with the tier I/O between updates that it takes in, counted by
+:class:`~jax_mlpo.engine.idle_io.TierIOWindow`), the steps of several engines of one optimizer
+combined (:func:`combine`).
 
 In a data-parallel run (:mod:`jax_mlpo.sharding.processes`) every process has its own engine and its
 own :class:`StepMetrics`, its tiers in ``proc<k>`` directories (:func:`shared_tier_path` gives
@@ -89,42 +90,6 @@ class StepMetrics:
             else:
                 kwargs[name] = value
         return cls(step=step, **kwargs)
-
-
-class TierIOWindow:
-    """Each tier's bytes and busy time since a mark, added to the figures of a step.
-
-    A step's figures hold the tiers' I/O from its start to the next update's start: its own,
-    the write-backs that finish after it returned (write-behind) and the next update's reads
-    issued ahead (read-ahead), so that each step's bytes and busy time add up to the
-    iteration's. The next update first closes the window into the last step's figures.
-
-    Args:
-      stores: the tiers (each with ``tier.path``, ``bytes_read``, ``bytes_written``, ``busy_s``).
-    """
-
-    def __init__(self, stores: Sequence[Any]) -> None:
-        self._stores = stores
-        self._mark: list[tuple[int, int, float]] | None = None
-
-    def _now(self) -> list[tuple[int, int, float]]:
-        return [(t.bytes_read, t.bytes_written, t.busy_s) for t in self._stores]
-
-    def reset(self) -> None:
-        """Starts a new window: the I/O so far belongs to no step (a flush, a load)."""
-        self._mark = self._now()
-
-    def close_into(self, metrics: StepMetrics | None) -> None:
-        """Adds the window's I/O to ``metrics`` (if any) and starts a new window."""
-        now = self._now()
-        if metrics is not None and self._mark is not None:
-            for store, (r0, w0, b0), (r1, w1, b1) in zip(self._stores, self._mark, now,
-                                                          strict=True):  # fmt: skip
-                path = store.tier.path
-                metrics.bytes_read[path] = metrics.bytes_read.get(path, 0) + r1 - r0
-                metrics.bytes_written[path] = metrics.bytes_written.get(path, 0) + w1 - w0
-                metrics.tier_busy_s[path] = metrics.tier_busy_s.get(path, 0.0) + b1 - b0
-        self._mark = now
 
 
 # the figures of StepMetrics: scalars, and per-tier dicts keyed by the tier path

@@ -11,13 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from jax_mlpo.config import ConfigError, OffloadConfig
-from jax_mlpo.engine.buffers.cache import SlotCache, touched_buffer
-from jax_mlpo.engine.buffers.pipeline import IOPipeline
-from jax_mlpo.engine.conversion import GradientSource, InMemoryGradients, gradient_source
+from jax_mlpo.engine.buffers import IOPipeline, SlotCache, touched_buffer
 from jax_mlpo.engine.layout import Layout
-from jax_mlpo.engine.placement.assign import assign_tiers
-from jax_mlpo.engine.placement.probe import probe_kind
-from jax_mlpo.engine.placement.replan import TierAssignment
+from jax_mlpo.engine.leaves import GradientSource, InMemoryGradients, gradient_source
+from jax_mlpo.engine.placement import TierAssignment, assign_tiers, probe_kind
 from jax_mlpo.engine.plan import HostPlan
 from jax_mlpo.engine.snapshot import STATE, STATE_ALT, CopyOnWrite
 from jax_mlpo.tiers.file import FileTierStore, open_store

@@ -46,7 +46,7 @@ struct AioContext {
   }
 };
 
-// A request as jax_mlpo.native.aio.AioRequest holds it: fd, data, offset, moved, write.
+// A request as jax_mlpo.tiers.posix.AioRequest holds it: fd, data, offset, moved, write.
 using Request = std::tuple<int, Bytes, int64_t, int64_t, bool>;
 
 std::vector<std::pair<int64_t, uint32_t>> AioRunRequests(AioContext& ctx,
@@ -60,7 +60,7 @@ std::vector<std::pair<int64_t, uint32_t>> AioRunRequests(AioContext& ctx,
       throw nb::value_error(("a request moves " + std::to_string(moved) + " bytes of " +
                              std::to_string(data.nbytes())).c_str());
     }
-    // A read fills data: jax_mlpo.native.aio checked that it is writable.
+    // A read fills data: jax_mlpo.tiers.posix checked that it is writable.
     table[i] = {fd, const_cast<uint8_t*>(data.data()), int64_t(data.nbytes()), moved, offset,
                 write};
   }

@@ -4,16 +4,15 @@ One module per concern of the compiled library, all re-exported here:
 
 * :mod:`~jax_mlpo.native.library`: loading the library; :func:`isa`, :func:`num_threads`,
   :func:`set_num_threads`.
-* :mod:`~jax_mlpo.native.adamw`: the fused AdamW kernel, :func:`adamw_step` on numpy arrays
-  (bit for bit :func:`jax_mlpo.optimizers.adamw.adamw_step_reference`).
-* :mod:`~jax_mlpo.native.lion`: the fused Lion kernel, :func:`lion_step` on numpy arrays.
-* :mod:`~jax_mlpo.native.muon`: Muon's host passes, :func:`momentum_step` and
-  :func:`apply_step` on numpy arrays.
+* :mod:`~jax_mlpo.native.kernels`: the library's functions on numpy arrays, their arguments
+  checked: the fused kernels :func:`adamw_step` (bit for bit
+  :func:`jax_mlpo.optimizers.adamw.adamw_step_reference`), :func:`lion_step`, Muon's host passes
+  :func:`momentum_step` and :func:`apply_step`, the q8 moment code, and :func:`crc32c`, the
+  file tiers' checksum.
 * :mod:`~jax_mlpo.native.host_update`: the update transport, the FFI call whose handler hands
   XLA's buffers to the engine.
 * :mod:`~jax_mlpo.native.copies`: :func:`cuda_host_register` and the engine's CUDA copies
   (``jax_mlpo._native_cuda``, loaded at the first use on a GPU backend).
-* :mod:`~jax_mlpo.native.crc32c`: :func:`crc32c`, the file tiers' checksum.
 * :mod:`~jax_mlpo.native.testing`: what only tests and benchmarks use, on the test-only module
   ``jax_mlpo._native_testing`` that a wheel does not ship: :func:`set_isa`,
   :func:`adamw_update` inside ``jax.jit``, :func:`host_descriptor`, :func:`copy_to_host`,
@@ -27,15 +26,9 @@ registers the host update's CPU FFI target.
 
 from __future__ import annotations
 
-from jax_mlpo.native.adamw import adamw_step
 from jax_mlpo.native.copies import cuda_host_register, cuda_host_unregister
-
-# Binds the name crc32c to the function, over the submodule of the same name: native.crc32c(...)
-# keeps working; import the module itself as ``from jax_mlpo.native.crc32c import ...``.
-from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.native.kernels import adamw_step, apply_step, crc32c, lion_step, momentum_step
 from jax_mlpo.native.library import isa, num_threads, set_num_threads
-from jax_mlpo.native.lion import lion_step
-from jax_mlpo.native.muon import apply_step, momentum_step
 
 # The test-only names (jax_mlpo.native.testing), loaded at their first use.
 _TESTING = (

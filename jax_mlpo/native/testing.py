@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mlpo.native.library import address, checked_array, load, overlap
+from jax_mlpo.native.kernels import checked_array, overlap
+from jax_mlpo.native.library import address, load
 from jax_mlpo.types import BF16, F32, AdamWHyper
 
 __all__ = [

@@ -11,44 +11,13 @@ matches it bit for bit. :mod:`jax_mlpo.extend` is how one is added from outside.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import numpy as np
 
-from jax_mlpo.engine.layout import Moment, Segment, Subgroup
-from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.engine.leaves import segment_calls
 from jax_mlpo.engine.optimizer import HostOptimizer
 from jax_mlpo.types import BF16, F32
 
 __all__ = ["HostOptimizer", "fma64", "segment_calls", "write_update"]
-
-
-def segment_calls(
-    sg: Subgroup, blob: np.ndarray, leaves: Leaves, grad_blob: np.ndarray | None,
-    *, init_master: bool,
-) -> Iterator[tuple[Segment, tuple[Moment, ...], np.ndarray, np.ndarray, Any, Any]]:  # fmt: skip
-    """What each segment's kernel call takes, for any optimizer.
-
-    Yields:
-      ``(segment, moments, grad, param, out, delta_base)``: the segment's moment views, its
-      gradients (``grad_blob``'s where given), the float32 params the kernel reads (the fp32
-      master of a bfloat16 leaf, set from the params on the first step), where the update
-      goes, and for a bfloat16 leaf the params the update is a difference to (the kernel then
-      updates the master in place), else None.
-    """
-    p, *moments = sg.split(blob)
-    for seg in sg.segments:
-        grad, param, out = leaves.segment(seg)
-        if grad_blob is not None:
-            grad = grad_blob[seg.span]
-        views = tuple(sg.segment(x, seg) for x in moments)
-        if seg.master:
-            if init_master:
-                p[seg.span] = param.astype(F32)
-            yield seg, views, grad, p[seg.span], out, param
-        else:
-            yield seg, views, grad, param, out, None
 
 
 def write_update(

@@ -21,8 +21,9 @@ from jax_mlpo import native
 from jax_mlpo.engine.layout import Subgroup
 from jax_mlpo.engine.leaves import Leaves
 from jax_mlpo.engine.quantize import Quantized, decode_reference, encode_reference, segment_seed
+from jax_mlpo.native.kernels import moment_decay
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
-from jax_mlpo.types import F32, AdamWHyper, moment_decay
+from jax_mlpo.types import F32, AdamWHyper
 
 __all__ = ["AdamW", "AdamWHyper", "adamw_step_reference", "adamw_subgroup"]
 
@@ -75,7 +76,7 @@ def adamw_step_reference(
     # division by the scalar bias correction becomes multiplication by its float32
     # reciprocal, and u + wd * p contracts to fma(wd, p, u).
     # A bfloat16 moment is widened here and rounded (to nearest even) when stored; the update
-    # uses the float32 values, as optax does with mu_dtype (types.moment_decay: the decay).
+    # uses the float32 values, as optax does with mu_dtype (native.kernels.moment_decay: the decay).
     # With both moments q8 the kernel uses the float32 fma itself (one rounding), not its
     # float64 emulation: the moments are rounded to 3 bits anyway, and it is 1.3x faster.
     fma = _fma_single if all(q8) else fma64

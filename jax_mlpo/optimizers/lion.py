@@ -9,7 +9,7 @@ decoupled weight decay, and then advances the moment with a second decay:
 The reference below computes optax's float32 expressions in the form XLA:CPU compiles them
 (``(1 - b) * x + b * t`` and ``sign + wd * p`` contract to fused multiply-adds, emulated in
 float64 here); a bfloat16 ``mu_dtype`` rounds both decays to bfloat16 where they multiply the
-stored moment, as optax's weak-typed products do (:func:`jax_mlpo.types.moment_decay`). The
+stored moment, as optax's weak-typed products do (:func:`jax_mlpo.native.kernels.moment_decay`). The
 native kernel (:func:`jax_mlpo.native.lion_step`) matches it bit for bit. The state is the fp32
 master (bfloat16 params only) and m: 8 bytes per bfloat16 param, against AdamW's 12.
 """
@@ -25,8 +25,9 @@ import numpy as np
 from jax_mlpo import native
 from jax_mlpo.engine.layout import Subgroup
 from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.native.kernels import moment_decay
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
-from jax_mlpo.types import F32, LionHyper, moment_decay
+from jax_mlpo.types import F32, LionHyper
 
 __all__ = ["Lion", "LionHyper", "lion_step_reference"]
 

@@ -28,8 +28,9 @@ import numpy as np
 from jax_mlpo import native
 from jax_mlpo.engine.layout import Subgroup
 from jax_mlpo.engine.leaves import Leaves
+from jax_mlpo.native.kernels import moment_decay
 from jax_mlpo.optimizers import fma64, segment_calls, write_update
-from jax_mlpo.types import F32, ApplyHyper, MomentumHyper, moment_decay
+from jax_mlpo.types import F32, ApplyHyper, MomentumHyper
 
 __all__ = [
     "MuonMaster",
@@ -46,7 +47,8 @@ def momentum_step_reference(
 
     Args:
       m: float32 or bfloat16 momentum, advanced in place (a bfloat16 one with its decay
-        rounded to bfloat16, as optax's ``mu_dtype`` does: :func:`jax_mlpo.types.moment_decay`).
+        rounded to bfloat16, as optax's ``mu_dtype`` does:
+        :func:`jax_mlpo.native.kernels.moment_decay`).
       grad: float32 or bfloat16 gradient.
       out: float32 output for the momentum the device orthogonalizes; may be ``grad``.
       hyper: the step's scalars.

@@ -27,7 +27,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_mlpo.errors import ConfigError
-from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.native.kernels import crc32c
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.lock import TierInUseError
 

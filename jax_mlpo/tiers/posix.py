@@ -1,8 +1,11 @@
-"""Blobs as files read and written with ``pread``/``pwrite``, O_DIRECT, in concurrent chunks.
+"""The file I/O engine: blobs as files moved with O_DIRECT in concurrent chunks, by kernel AIO.
 
-The default I/O engine of a file tier (``FileTier.io_engine="posix"``). One file per blob,
-``<kind>-<slot>.blob``, preallocated at its first write (so a full disk fails before any byte of
-the blob is overwritten) and then rewritten in place::
+The default I/O engine of a file tier (``FileTier.io_engine="posix"``), from the blob's file to
+the kernel's queue, in the order a request runs through it:
+
+* **Blob files** (:class:`PosixBlobs`). One file per blob, ``<kind>-<slot>.blob``, preallocated
+  at its first write (so a full disk fails before any byte of the blob is overwritten) and then
+  rewritten in place::
 
     [0, nbytes)              the blob (float32, little-endian)
     [nbytes, data_end)       zero padding to a 4 KiB boundary (O_DIRECT moves whole blocks)
@@ -10,41 +13,373 @@ the blob is overwritten) and then rewritten in place::
                              every chunk (the last one's covers the padding), zeros, and in the
                              last 4 bytes the crc32c of the rest of the trailer
 
-Every byte of the file is covered by a checksum.
-
-A blob moves as requests of ``chunk_bytes`` each, ``queue_depth`` of them in flight per tier,
-reads served before writes (the update waits on reads; write-back only has to finish before its
-buffer is reused), through the tier's submitter (:mod:`jax_mlpo.tiers.submit`): kernel AIO from
-C++ by default, as DeepSpeed's libaio swapper moves its state, or a thread per request.
-tensorstore's ``file`` driver reaches 65-75% of the disk's bandwidth here, so the hot path does
-its own I/O (``io_engine="tensorstore"`` remains for comparison). Each chunk's checksum is
-computed by the thread that asked for it (native crc32c, GIL released) and checked against the
-trailer on every read: a torn write (a crash midway through rewriting a blob) or a flipped bit
-fails loudly instead of feeding the optimizer wrong state.
-
-With ``io_mode="direct"`` files are opened with O_DIRECT, so state does not churn the page
-cache. On a file system without O_DIRECT (tmpfs) the tier logs it once and uses the page cache.
+  Every byte of the file is covered by a checksum. A blob moves as requests of ``chunk_bytes``
+  each, ``queue_depth`` of them in flight per tier, reads served before writes (the update waits
+  on reads; write-back only has to finish before its buffer is reused). tensorstore's ``file``
+  driver reaches 65-75% of the disk's bandwidth here, so the hot path does its own I/O
+  (``io_engine="tensorstore"`` remains for comparison). Each chunk's checksum is computed by the
+  thread that asked for it (native crc32c, GIL released) and checked against the trailer on
+  every read: a torn write (a crash midway through rewriting a blob) or a flipped bit fails
+  loudly instead of feeding the optimizer wrong state. With ``io_mode="direct"`` files are
+  opened with O_DIRECT, so state does not churn the page cache; on a file system without
+  O_DIRECT (tmpfs) the tier logs it once and uses the page cache.
+* **Submitters** (``FileTier.io_submit``): how a blob's chunk requests reach the kernel, with up
+  to ``queue_depth`` requests of the tier in flight, reads ahead of writes and older blobs ahead
+  of newer ones, each chunk's crc32c returned. :class:`AioSubmitter` (``"aio"``, the default)
+  hands them to Linux kernel AIO from C++, the submission path of DeepSpeed's libaio swapper: no
+  thread per request, no GIL hand-over per chunk. :class:`ThreadSubmitter` (``"threads"``) runs
+  ``queue_depth`` Python threads, each with one blocking ``preadv``/``pwritev`` at a time; where
+  kernel AIO is unavailable, and for A/B runs. A request whose buffer is not page aligned, or
+  that moves more than its buffer (a blob's last block padded to a page for O_DIRECT), goes
+  through an aligned bounce buffer.
+* **The kernel AIO queue** (:class:`AioQueue`, ``ffi/aio_queue.cc``): ``io_submit`` and
+  ``io_getevents``, the syscalls DeepSpeed's libaio swapper makes, in place of a thread per
+  request: up to ``depth`` chunk requests of a tier in the kernel at once, reads queued before
+  writes. :meth:`AioQueue.run` blocks with the GIL released until a blob's requests are done.
+* **Direct-I/O helpers**, the checkpoint's too: :func:`open_direct` with its page-cache
+  fallback, whole-file ``pread``/``pwrite`` loops, page-aligned buffers (:func:`aligned_empty`,
+  which every host buffer of the engine is).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import errno
 import glob
+import itertools
 import logging
+import mmap
 import os
+import queue
 import struct
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from jax_mlpo.native.crc32c import crc32c
+from jax_mlpo.errors import AioUnavailableError
+from jax_mlpo.native.kernels import crc32c
+from jax_mlpo.native.library import NATIVE
 from jax_mlpo.tiers.errors import CorruptBlobError
 from jax_mlpo.tiers.file_tier import FileTier
-from jax_mlpo.tiers.submit import ALIGN, Chunk, open_direct, round_up_pages, submitter
 
 logger = logging.getLogger(__name__)
 
+ALIGN = 4096
+HUGE_PAGE = 2 * 2**20  # x86-64's transparent huge page
+_READ, _WRITE = 0, 1  # request priorities: reads first
 MAGIC = b"JXMLPOB\x01"
 _HEADER = struct.Struct("<8sQQI")  # magic, blob bytes, chunk bytes, chunk count
+
+# ---- direct I/O -----------------------------------------------------------------------------
+
+
+def aligned_empty(n: int, dtype: Any = np.float32, *, huge_pages: bool = True) -> np.ndarray:
+    """A 1-D array of ``n`` elements whose data starts on a page (O_DIRECT-ready), zero-filled.
+
+    Private anonymous ``mmap`` memory: page-aligned, and its pages are only committed when
+    touched. From 2 MiB up it is advised for transparent huge pages (``MADV_HUGEPAGE``; the
+    kernel's default mode here is ``madvise``). Why: the block layer builds one request from
+    physically contiguous memory, so over 4 KiB pages an 8 MiB O_DIRECT request reached this
+    disk as ~0.6-1.3 MiB requests, over 2 MiB pages as 2-3.4 MiB ones, and with the device's
+    queue (256 requests) the bytes in flight, which set this disk's throughput, grew with them:
+    a blocking save of 4 GiB of state moved 2.9-3.7 GB/s against 1.4-1.9
+    (docs/benchmarks.md). ``mmap.mmap(-1, n)`` alone would be a *shared* mapping (shmem), which
+    ``MADV_HUGEPAGE`` does not cover. ``huge_pages=False``: 4 KiB pages, for memory touched
+    once, where faulting in fresh huge pages cost more than the larger requests gained.
+    """
+    nbytes = max(1, n * np.dtype(dtype).itemsize)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        # a kernel without transparent huge pages refuses: 4 KiB pages, as before
+        with contextlib.suppress(OSError):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, np.dtype(dtype), count=n)
+
+
+def round_up_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what an O_DIRECT request moves)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def open_direct(path: str, flags: int, direct: bool = True) -> tuple[int, bool]:
+    """``path`` opened with O_DIRECT, or through the page cache where the file system has no
+    O_DIRECT (tmpfs refuses it with EINVAL) or ``direct`` is False.
+
+    Returns:
+      The file descriptor, and whether it is O_DIRECT.
+    """
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Reads ``buf.nbytes`` at ``offset`` with as many ``preadv`` as it takes; the bytes read."""
+    return _transfer_full(os.preadv, fd, buf, offset)
+
+
+def pwrite_full(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Writes ``buf`` at ``offset`` with as many ``pwritev`` as it takes; the bytes written."""
+    return _transfer_full(os.pwritev, fd, buf, offset)
+
+
+def _transfer_full(op: Callable[..., int], fd: int, buf: np.ndarray, offset: int) -> int:
+    """Repeats ``op`` (``os.preadv`` or ``os.pwritev``) until all of ``buf`` moved or it moves
+    nothing (end of file, full disk); returns the bytes moved."""
+    done = 0
+    while done < buf.nbytes:
+        moved = op(fd, [buf[done:]], offset + done)
+        if moved == 0:
+            break
+        done += moved
+    return done
+
+
+# ---- the kernel AIO queue ---------------------------------------------------------------------
+
+
+class AioRequest(NamedTuple):
+    """One chunk request.
+
+    Attributes:
+      fd: an open file descriptor.
+      data: the caller's bytes (C-contiguous ``uint8``): written from, or read into.
+      offset: the file offset (a multiple of 4096 for O_DIRECT).
+      moved: bytes the request moves, ``data.nbytes`` or more: a blob's last block padded to a
+        whole page (zeros written; the padding read is dropped).
+      write: a write, else a read.
+    """
+
+    fd: int
+    data: np.ndarray
+    offset: int
+    moved: int
+    write: bool
+
+
+class AioQueue:
+    """A kernel AIO context with ``depth`` requests in flight, shared by its callers' threads.
+
+    Args:
+      depth: requests in the kernel at once.
+
+    Raises:
+      AioUnavailableError: the kernel refused the context; its errno says why.
+    """
+
+    def __init__(self, depth: int) -> None:
+        try:
+            self._handle = NATIVE.AioContext(int(depth))
+        except OSError as e:
+            raise AioUnavailableError(
+                e.errno,
+                f"kernel AIO is not available ({os.strerror(e.errno)}); raise "
+                "fs.aio-max-nr (sysctl) if it is used up, or use FileTier(io_submit='threads')",
+            ) from None
+        self._users = 0  # run() calls under way: close() must not free the queue under them
+        self._lock = threading.Condition()
+
+    def run(self, requests: list[AioRequest], blob: int) -> list[tuple[int, int]]:
+        """Moves ``requests`` and waits for all of them.
+
+        Args:
+          requests: the chunk requests (their arrays must stay alive until this returns).
+          blob: the requests' place among queued ones of the same direction (smaller first).
+
+        Returns:
+          Per request, ``(bytes moved or -errno, crc32c of the bytes moved)``; fewer bytes than
+          ``moved`` means the end of the file or a full disk.
+        """
+        for r in requests:
+            if r.data.dtype != np.uint8 or not r.data.flags.c_contiguous:
+                raise ValueError("an AIO request's data must be C-contiguous uint8")
+            if r.moved < r.data.nbytes:
+                raise ValueError(f"a request moves {r.moved} bytes of {r.data.nbytes}")
+            if not r.write and not r.data.flags.writeable:
+                raise ValueError("a read request's data is read-only")
+        with self._lock:
+            if self._handle is None:
+                raise ValueError("the AIO queue is closed")
+            self._users += 1
+        try:
+            return self._handle.run(requests, int(blob))
+        finally:
+            with self._lock:
+                self._users -= 1
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        """Waits for running calls, then frees the context."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._users == 0)
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
+
+
+# ---- submitters ------------------------------------------------------------------------------
+
+
+class Chunk(NamedTuple):
+    """One request of a blob: ``data`` (uint8) at file ``offset``, moving ``moved`` bytes
+    (``data.nbytes``, or that padded to a page with zeros)."""
+
+    data: np.ndarray
+    offset: int
+    moved: int
+
+
+class Submitter(Protocol):
+    def next_blob(self) -> int:
+        """A number for a new blob's requests, after every earlier blob's."""
+
+    def move(self, fd: int, chunks: list[Chunk], write: bool, blob: int) -> list[int]:
+        """Moves ``chunks`` of ``fd`` and returns their crc32c once all are done.
+
+        Raises:
+          CorruptBlobError: a read came back short (the file is truncated).
+          OSError: a request failed (ENOSPC for a short write), with the offset in the message.
+        """
+
+    def close(self) -> None:
+        """Runs what is queued, then stops."""
+
+
+def submitter(kind: str, depth: int, name: str) -> Submitter:
+    """The submitter ``kind`` (``"aio"`` or ``"threads"``); ``"aio"`` falls back to threads,
+    with a warning that names the cause, where the kernel refuses an AIO context."""
+    if kind == "aio":
+        try:
+            return AioSubmitter(depth)
+        except AioUnavailableError as e:
+            logger.warning("%s: %s; using a thread per request instead", name, e)
+    return ThreadSubmitter(depth, name)
+
+
+def _checked(chunk: Chunk, moved: int, write: bool) -> None:
+    if moved < 0:
+        raise OSError(-moved, f"{os.strerror(-moved)} at byte {chunk.offset}")
+    if moved < chunk.moved and write:
+        raise OSError(
+            errno.ENOSPC, f"short write at byte {chunk.offset} ({moved} of {chunk.moved} bytes)"
+        )
+    if moved < chunk.moved:
+        raise CorruptBlobError(f"short read at byte {chunk.offset}: the file is truncated")
+
+
+class AioSubmitter:
+    """Chunks through one kernel AIO queue of ``depth`` requests."""
+
+    def __init__(self, depth: int) -> None:
+        self._queue = AioQueue(depth)
+        self._blobs = itertools.count()
+
+    def next_blob(self) -> int:
+        return next(self._blobs)
+
+    def move(self, fd: int, chunks: list[Chunk], write: bool, blob: int) -> list[int]:
+        results = self._queue.run([AioRequest(fd, *c, write) for c in chunks], blob)
+        for chunk, (moved, _) in zip(chunks, results, strict=True):
+            _checked(chunk, moved, write)
+        return [crc for _, crc in results]
+
+    def close(self) -> None:
+        self._queue.close()
+
+
+class ThreadSubmitter:
+    """``depth`` threads that run chunk requests: reads before writes, then by blob, oldest
+    first, then FIFO.
+
+    Ordering by blob lets a blob's trailer, queued once its chunks are written, go before the
+    chunks of blobs submitted after it instead of behind all of them.
+    """
+
+    def __init__(self, depth: int, name: str) -> None:
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._blobs = itertools.count()
+        self._local = threading.local()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(depth)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def next_blob(self) -> int:
+        return next(self._blobs)
+
+    def move(self, fd: int, chunks: list[Chunk], write: bool, blob: int) -> list[int]:
+        run = self._write if write else self._read
+        futures = [self._submit(_WRITE if write else _READ, blob, run, fd, c) for c in chunks]
+        # Every request finishes before the first error is raised: they share a file
+        # descriptor and buffers that the caller releases next.
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+    def _submit(
+        self, priority: int, blob: int, fn: Callable[..., Any], *args: Any
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((priority, blob, next(self._seq), future, fn, args))
+        return future
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buf = aligned_empty(max(nbytes, ALIGN), np.uint8)
+        return buf[:nbytes]
+
+    def _in_place(self, chunk: Chunk) -> bool:
+        """Whether the request can move the caller's buffer itself (no bounce buffer)."""
+        address = chunk.data.__array_interface__["data"][0]
+        return chunk.moved == chunk.data.nbytes and address % ALIGN == 0
+
+    def _read(self, fd: int, chunk: Chunk) -> int:
+        buf = chunk.data if self._in_place(chunk) else self._bounce(chunk.moved)
+        _checked(chunk, pread_full(fd, buf, chunk.offset), write=False)
+        if buf is not chunk.data:
+            chunk.data[:] = buf[: chunk.data.nbytes]
+        return crc32c(buf)
+
+    def _write(self, fd: int, chunk: Chunk) -> int:
+        buf = chunk.data
+        if not self._in_place(chunk):
+            buf = self._bounce(chunk.moved)
+            buf[: chunk.data.nbytes] = chunk.data
+            buf[chunk.data.nbytes :] = 0
+        crc = crc32c(buf)
+        _checked(chunk, pwrite_full(fd, buf, chunk.offset), write=True)
+        return crc
+
+    def _work(self) -> None:
+        while True:
+            _, _, _, future, fn, args = self._queue.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter, who raises it
+                future.set_exception(e)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((_WRITE + 1, 0, next(self._seq), None, None, ()))
+        for t in self._threads:
+            t.join()
+
+
+# ---- blob files -------------------------------------------------------------------------------
 
 
 class PosixBlobs:

@@ -3,7 +3,7 @@
 :func:`plan_offload` lays the params out into subgroups, plans each engine's host buffers
 and splits its subgroups over the tiers with the functions the engine builds itself from
 (:func:`jax_mlpo.engine.layout.build_layout`, :func:`jax_mlpo.engine.plan.host_plan`,
-:func:`jax_mlpo.engine.placement.split.tier_split`), so the figures are the run's: the host
+:func:`jax_mlpo.engine.placement.tier_split`), so the figures are the run's: the host
 memory the buffers take, how many subgroups stay in host memory across steps, and the subgroups
 and bytes each tier holds. Nothing is allocated, no tier is opened or probed::
 
@@ -22,8 +22,7 @@ import jax
 
 from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.layout import Layout, build_layout, check_moment_dtypes
-from jax_mlpo.engine.placement.model import effective_bandwidth, interleave
-from jax_mlpo.engine.placement.split import tier_split
+from jax_mlpo.engine.placement import effective_bandwidth, interleave, tier_split
 from jax_mlpo.engine.plan import StateShape, layout_plan, split_host_cache
 from jax_mlpo.errors import ConfigError
 from jax_mlpo.transforms.muon import leaf_groups
@@ -242,7 +241,7 @@ def _engine(
     host = layout_plan(config, layout)
     tiers: tuple[TierPlan, ...] = ()
     if host.tiers:
-        # the engine's rule (jax_mlpo.engine.placement.assign): measured placement splits by
+        # the engine's rule (jax_mlpo.engine.placement.assign_tiers): measured placement splits by
         # the tiers' bandwidths, any other placement as if they were equal
         pairs = bandwidths[: len(host.tiers)] if bandwidths else [(1.0, 1.0)] * len(host.tiers)
         effective = [effective_bandwidth(r, w) for r, w in pairs]

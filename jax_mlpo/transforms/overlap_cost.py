@@ -64,14 +64,14 @@ def _measure_call_cost() -> float:
 
 def element_cost_s() -> float:
     """The host update's time per element: the engine's own fused AdamW kernel
-    (:func:`jax_mlpo.native.adamw.adamw_step`) over 256K float32 elements in memory, the
+    (:func:`jax_mlpo.native.kernels.adamw_step`) over 256K float32 elements in memory, the
     fastest of ``_ROUNDS`` runs (measured once per process). An update that waits for its
     tiers costs more per element, so this errs toward fewer calls."""
     return RUNTIME.measured_once("element_cost_s", _measure_element_cost)
 
 
 def _measure_element_cost() -> float:
-    from jax_mlpo.native.adamw import adamw_step
+    from jax_mlpo.native.kernels import adamw_step
     from jax_mlpo.types import AdamWHyper
 
     n = 1 << 18

@@ -37,7 +37,7 @@ import optax
 from experiments.bench.harness import round_robin, write_json
 from jax_mlpo import native
 from jax_mlpo.engine.quantize import BLOCK, Quantized, num_blocks
-from jax_mlpo.native.quantize import q8_encode
+from jax_mlpo.native.kernels import q8_encode
 from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.types import BF16, F32, AdamWHyper, ApplyHyper, LionHyper, MomentumHyper
 

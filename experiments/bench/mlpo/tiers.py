@@ -27,9 +27,8 @@ import time
 from experiments.bench.harness import interleave, medians, spread, write_json
 from experiments.bench.sysio import drop_page_cache, fio_bandwidth, fio_mixed
 from jax_mlpo.config import FileTier, TierLimits
-from jax_mlpo.tiers.concurrency import TierPermits
-from jax_mlpo.tiers.file import FileTierStore
-from jax_mlpo.tiers.submit import aligned_empty
+from jax_mlpo.tiers.file import FileTierStore, TierPermits
+from jax_mlpo.tiers.posix import aligned_empty
 
 logger = logging.getLogger("bench.tiers")
 

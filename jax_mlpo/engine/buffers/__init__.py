@@ -1,1 +1,0 @@
-"""Host buffers between the optimizer and the tiers: the slot cache and its I/O pipeline."""
