@@ -121,11 +121,14 @@ class OverlappedSteps:
     alone. :meth:`flush` applies what is pending (before a checkpoint and at the end), so that
     the params and the optimizer state are the plain loop's at that step.
 
-    One program hides how long its forward and backward pass alone would take: the second
-    step that applies an update (the first compiles the program) first times the forward and
-    backward pass alone, a median of ``REFERENCE_ROUNDS`` (their results discarded), and every
-    overlapped step reports it as ``fwd_bwd_s`` and the rest of its time as
-    ``update_exposed_s``, the part of the update the forward pass did not hide.
+    One program hides how long its forward and backward pass alone would take: the run's first
+    step, before it computes its own gradients, times the forward and backward pass alone, a
+    median of ``REFERENCE_ROUNDS`` after one that compiles it (their results discarded), and
+    every overlapped step from the second (the first compiles the program) reports it as
+    ``fwd_bwd_s`` and the rest of its time as ``update_exposed_s``, the part of the update the
+    forward pass did not hide. Timed there, no gradients are carried: beside the carried
+    gradients the reference would hold a second copy of them (the whole run's peak of
+    memory, docs/beyond-ram.md).
 
     Args:
       graphdef: the model's graph (``nnx.split``).
@@ -159,20 +162,20 @@ class OverlappedSteps:
             tokens: jax.Array) -> tuple[Any, Any, jax.Array, dict[str, float], int]:  # fmt: skip
         """One training step (:meth:`PlainSteps.run`'s results); no update runs in a step with
         nothing pending."""
-        t0 = time.perf_counter()
         if self._pending is None:
+            if self._fwd_bwd_s is None:
+                self._fwd_bwd_s = self._time_fwd_bwd(params, rest, tokens)
+            t0 = time.perf_counter()
             loss, self._pending = jax.block_until_ready(self._grad_step(params, rest, tokens))
             t = time.perf_counter() - t0
             return params, opt_state, loss, {"step_s": t, "fwd_bwd_s": t}, 0
         self._overlapped += 1
-        if self._overlapped == 2 and self._fwd_bwd_s is None:
-            self._fwd_bwd_s = self._time_fwd_bwd(params, rest, tokens)
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
         params, opt_state, self._pending, loss = jax.block_until_ready(
             self._step(params, rest, opt_state, self._pending, tokens)
         )
         timings = {"step_s": time.perf_counter() - t0}
-        if self._fwd_bwd_s is not None:
+        if self._overlapped >= 2:
             timings["fwd_bwd_s"] = self._fwd_bwd_s
             timings["update_exposed_s"] = max(0.0, timings["step_s"] - self._fwd_bwd_s)
         return params, opt_state, loss, timings, 1
@@ -183,6 +186,7 @@ class OverlappedSteps:
         return self._pending is not None
 
     def _time_fwd_bwd(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> float:
+        jax.block_until_ready(self._grad_step(params, rest, tokens))  # compiles it
         times = []
         for _ in range(self.REFERENCE_ROUNDS):
             t0 = time.perf_counter()
