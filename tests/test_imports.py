@@ -230,6 +230,13 @@ def test_the_packages_form_layers():
     assert not import_cycles(allowed)
 
 
+def write_package(root: pathlib.Path, sources: dict[str, str]) -> None:
+    """Writes a small package's files (path under ``root`` -> source) for the checks' own tests."""
+    for rel, text in sources.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+
+
 def test_a_package_cycle_fails_the_layers_check(tmp_path):
     """Two packages that import each other, one of them only for types, is a cycle."""
     sources = {
@@ -243,9 +250,7 @@ def test_a_package_cycle_fails_the_layers_check(tmp_path):
         "pkg/high/__init__.py": "",
         "pkg/high/b.py": "from pkg.low import a\nclass B: ...\n",
     }
-    for rel, text in sources.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
+    write_package(tmp_path, sources)
     edges = package_edges(module_files(tmp_path, "pkg"))
     assert set(edges) == {("low", "high"), ("high", "low")}
     assert import_cycles({edge: [0] for edge in edges}) == [["high", "low"]]
@@ -280,9 +285,7 @@ def test_the_check_sees_function_level_and_relative_imports(tmp_path):
         "pkg/layered.py": "import pkg.top\nfrom pkg import sub\n",
         "pkg/attr.py": "from pkg import NAME\n",
     }
-    for rel, text in sources.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
+    write_package(tmp_path, sources)
     edges = import_edges(module_files(tmp_path, "pkg"))
     # The function-level relative import closes top -> leaf -> top; the TYPE_CHECKING import
     # and a submodule's (implicit) need of its parent package close nothing.
