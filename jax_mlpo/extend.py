@@ -9,8 +9,8 @@ transport. An optimizer gives three things:
    ``hyper(scalars)`` and ``update(...)`` over one resident subgroup
    (:class:`~jax_mlpo.optimizers.HostOptimizer`). :class:`ElementwiseOptimizer` writes
    ``update`` for an elementwise rule given as a function of one segment: in ``jax.numpy``
-   (:class:`JaxElementwiseOptimizer`, compiled by XLA for the host and run at memory speed)
-   or in NumPy (:class:`ElementwiseOptimizer`, a prototype's speed);
+   (:class:`JaxElementwiseOptimizer`, compiled into one pass over the state and run near
+   memory speed) or in NumPy (:class:`ElementwiseOptimizer`, a prototype's speed);
 2. the device's part of a step, ``device_scalars(count_inc, hyperparams, lr, grads)``: a dict of
    the scalars ``scalar_names`` names (optax's own expressions, evaluated under jit);
 3. :func:`offloaded_transformation`, which makes the optax ``GradientTransformationExtraArgs``.
@@ -112,13 +112,20 @@ class JaxElementwiseOptimizer(ElementwiseOptimizer):
 
     Subclass it, set the three names and write :meth:`step` with ``jax.numpy``: the arguments
     are :class:`ElementwiseOptimizer`'s, and it returns the new moments with the update
-    instead of advancing the moments in place. XLA compiles it for the host (once per chunk
-    shape and variant) into vectorised loops, which the engine runs over each segment of a
-    resident subgroup in chunks of 2^18 elements on ``native.num_threads()`` threads
+    instead of advancing the moments in place. The rule is traced once per variant and run
+    as a tile program (:mod:`jax_mlpo.optimizers.rule_program`): one pass over each segment
+    of a resident subgroup, on ``native.num_threads()`` threads. A rule with an operation a
+    tile program lacks (a reduction, an integer, a function it does not know) is compiled by
+    XLA instead and run in chunks, several times slower, with a warning naming the operation
     (:mod:`jax_mlpo.optimizers.jax_rule`). The hyper-parameters reach it as float32 scalars,
     so a schedule or ``inject_hyperparams`` compiles nothing new.
+
+    Attributes:
+      tile_program: False runs the rule through XLA always (its own approximations of exp,
+        log and tanh, for one).
     """
 
+    tile_program: ClassVar[bool] = True
     _runner: RuleRunner | None = None
 
     def step(
@@ -146,7 +153,8 @@ class JaxElementwiseOptimizer(ElementwiseOptimizer):
     ) -> None:  # fmt: skip
         """:meth:`HostOptimizer.update` through the compiled :meth:`step`."""
         if self._runner is None:
-            self._runner = RuleRunner(self.step, self.name, num_threads())
+            self._runner = RuleRunner(self.step, self.name, num_threads(),
+                                      tile=self.tile_program)  # fmt: skip
         calls = segment_calls(sg, blob, leaves, grad_blob, init_master=count == 0)
         self._runner.run(list(calls), hyper)
 

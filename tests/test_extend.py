@@ -173,8 +173,16 @@ def _on_tier(path: Path) -> None:
     assert len(list(path.rglob("state-*.blob"))) >= 4  # the state lives on the tier
 
 
+@pytest.fixture(params=["tile", "xla"])
+def rule_path(request, monkeypatch):
+    """The two ways a jax.numpy rule runs: a tile program (the default) and XLA."""
+    if request.param == "xla":
+        monkeypatch.setattr(extend.JaxElementwiseOptimizer, "tile_program", False)
+    return request.param
+
+
 @pytest.mark.parametrize("name", CONTRIB)
-def test_a_jax_numpy_optimizer_matches_optax_on_a_file_tier(name, tmp_path):
+def test_a_jax_numpy_optimizer_matches_optax_on_a_file_tier(name, rule_path, tmp_path):
     ours, theirs = _contrib(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no NumPy warning, and the tier is in use
@@ -188,7 +196,7 @@ def test_a_jax_numpy_optimizer_matches_optax_on_a_file_tier(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", CONTRIB)
-def test_a_jax_numpy_optimizer_keeps_an_fp32_master_of_bfloat16_params(name, tmp_path):
+def test_a_jax_numpy_optimizer_keeps_an_fp32_master_of_bfloat16_params(name, rule_path, tmp_path):
     """bfloat16 params: the update lands on the fp32 master (update_dtype=float32), which
     follows optax on float32 params fed the same gradients."""
     ours, theirs = _contrib(name)
@@ -215,7 +223,7 @@ def test_a_jax_numpy_optimizer_keeps_an_fp32_master_of_bfloat16_params(name, tmp
 
 
 @pytest.mark.parametrize("name", CONTRIB)
-def test_a_jax_numpy_optimizer_under_inject_hyperparams(name, tmp_path):
+def test_a_jax_numpy_optimizer_under_inject_hyperparams(name, rule_path, tmp_path):
     ours, theirs = _contrib(name)
     hp = {"learning_rate": 1e-2, "b1": 0.8, "b2": 0.95}
     changes = {"learning_rate": 3e-3, "b1": 0.5}
@@ -246,8 +254,11 @@ def _adabelief_state(n: int, offset: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.parametrize("tile", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_jax_rule_gives_unaligned_and_read_only_chunks_the_values_of_aligned_ones(threads):
+def test_the_jax_rule_gives_unaligned_and_read_only_chunks_the_values_of_aligned_ones(
+    threads, tile
+):
     """The runner takes aligned chunks as they are and copies the others into its staging
     buffers: the state it writes is the same, and what NumPy computes from the same rule."""
     from types import SimpleNamespace
@@ -267,7 +278,7 @@ def test_the_jax_rule_gives_unaligned_and_read_only_chunks_the_values_of_aligned
         want_u = -f["lr"] * ((want_m / f["bc1"]) / (np.sqrt(want_s / f["bc2"]) + f["eps"]))
         g.flags.writeable = not read_only
         runner = RuleRunner(importlib.import_module(ours.__module__).AdaBelief().step,
-                            "adabelief", threads, chunk=2048)  # fmt: skip
+                            "adabelief", threads, chunk=2048, tile=tile)  # fmt: skip
         runner.run([(SimpleNamespace(decay=False), (m, s), g, p, u, None)], hyper)
         runner.close()
         for got, want in ((m, want_m), (s, want_s), (u, want_u)):

@@ -142,6 +142,17 @@ void Triad(float* a, const float* b, const float* c, float s, size_t n) {
               [&](size_t lo, size_t hi) { fn(a + lo, b + lo, c + lo, s, hi - lo); });
 }
 
+const char* const kRuleOpNames[kRuleOpCount] = {
+#define JAX_MLPO_RULE_NAME(name, operands) #name,
+    JAX_MLPO_RULE_OPS(JAX_MLPO_RULE_NAME)
+#undef JAX_MLPO_RULE_NAME
+};
+
+void Rule(const RuleArgs& args, size_t n) {
+  const RuleRangeFn fn = Kernels().rule();
+  ParallelFor(n, kMinParallelElems, kRuleTile, [&](size_t b, size_t e) { fn(args, b, e); });
+}
+
 void Copy(void* dst, const void* src, size_t nbytes) {
   auto* d = static_cast<char*>(dst);
   auto* s = static_cast<const char*>(src);

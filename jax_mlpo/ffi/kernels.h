@@ -1,5 +1,6 @@
-// Host kernels of jax_mlpo: fused AdamW, Lion and Muon's host passes, bf16 <-> fp32 conversion, the 8-bit blockwise
-// moment code, STREAM triad, parallel copy.
+// Host kernels of jax_mlpo: fused AdamW, Lion and Muon's host passes, a jax.numpy rule's tile
+// program (rule.h), bf16 <-> fp32 conversion, the 8-bit blockwise moment code, STREAM triad,
+// parallel copy.
 //
 // The loops live in kernels_isa.cc, which CMake compiles once per instruction set (baseline
 // x86-64, AVX2, AVX-512); kernels.cc picks one table at load time with cpuid, splits large calls
@@ -9,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+
+#include "rule.h"
 
 namespace jax_mlpo {
 
@@ -149,6 +152,7 @@ struct KernelTable {
   LionRangeFn (*lion)(int index);  // the loop of a LionIndex() (lion_isa.cc)
   MomentumRangeFn (*momentum)(int index);  // a MomentumIndex()'s loop (muon_isa.cc)
   ApplyRangeFn (*apply)(int index);        // an ApplyIndex()'s loop (muon_isa.cc)
+  RuleRangeFn (*rule)();                   // the tile program's interpreter (rule_isa.cc)
 };
 
 constexpr int AdamWIndex(bool grad_bf16, bool has_wd, bool update_param, bool bf16_out, int out,
@@ -182,6 +186,8 @@ void Q8Encode(const float* x, size_t n, uint8_t* codes, float* scales, bool is_s
 void Q8Decode(const uint8_t* codes, const float* scales, size_t n, float* out, bool is_signed);
 void F32ToBf16(const float* src, uint16_t* dst, size_t n);
 void Triad(float* a, const float* b, const float* c, float s, size_t n);
+// A tile program (rule.h) over n elements of its arrays.
+void Rule(const RuleArgs& args, size_t n);
 void Copy(void* dst, const void* src, size_t nbytes);
 
 }  // namespace jax_mlpo

@@ -22,6 +22,7 @@ namespace jax_mlpo::JAX_MLPO_ISA_NS {
 LionRangeFn LionLoopAt(int index);  // lion_isa.cc, compiled for the same instruction set
 MomentumRangeFn MomentumLoopAt(int index);  // muon_isa.cc, likewise
 ApplyRangeFn ApplyLoopAt(int index);
+RuleRangeFn RuleLoop();  // rule_isa.cc
 
 namespace {
 
@@ -268,7 +269,7 @@ constexpr KernelTable MakeTable(std::index_sequence<I...>, std::index_sequence<J
                      {AdamWEntry<I>()...}, {AdamWBlockedEntry<J>()...}, {AdamWQ8Entry<K>()...},
                      &Q8EncodeLoop, &Q8DecodeLoop,
                      &Bf16ToF32Loop, &F32ToBf16Loop, &TriadLoop, &LionLoopAt,
-                     &MomentumLoopAt, &ApplyLoopAt};
+                     &MomentumLoopAt, &ApplyLoopAt, &RuleLoop};
 }
 
 constexpr KernelTable kTable = MakeTable(std::make_index_sequence<512>(),

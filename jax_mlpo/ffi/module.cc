@@ -32,6 +32,7 @@ namespace jax_mlpo {
 
 void BindKernels(nb::module_& m);
 void BindHostUpdate(nb::module_& m);
+void BindRule(nb::module_& m);
 
 namespace {
 
@@ -98,6 +99,7 @@ NB_MODULE(_native, m) {
         "Sets the thread count (n <= 0: the default); returns the count now in use.");
   BindKernels(m);
   BindHostUpdate(m);
+  BindRule(m);
 
   m.def(
       "set_mmap_threshold",

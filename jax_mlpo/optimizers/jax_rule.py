@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ import numpy as np
 from jax._src.lib import xla_client
 
 from jax_mlpo.engine.quantize import Quantized
+from jax_mlpo.optimizers.rule_program import TileRule, Unsupported, compile_rule
 from jax_mlpo.types import BF16, F32
 
 CHUNK = 1 << 18  # elements per XLA call: 1 MiB per float32 array (the docstring says why)
@@ -148,10 +150,15 @@ class RuleRunner:
       name: the optimizer's name, for messages.
       threads: the threads the chunks are spread over.
       chunk: elements per XLA call.
+      tile: run the rule as a tile program where it compiles into one (the default); False:
+        always through XLA.
     """
 
-    def __init__(self, rule: Rule, name: str, threads: int, chunk: int = CHUNK) -> None:
-        self._rule, self._name, self._chunk = rule, name, chunk
+    def __init__(self, rule: Rule, name: str, threads: int, chunk: int = CHUNK, *,
+                 tile: bool = True) -> None:  # fmt: skip
+        self._rule, self._name, self._chunk, self._tile = rule, name, chunk, tile
+        self._tiles: dict[tuple[Any, ...], TileRule | None] = {}
+        self._warned = False
         self._threads = max(1, threads)
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._lock = threading.Lock()
@@ -164,6 +171,35 @@ class RuleRunner:
         # thread of its own and waits for it (some 40 microseconds a call on a busy host).
         self._device: jax.Device | None = None
 
+    def _tile_rule(self, key: tuple[Any, ...]) -> TileRule | None:
+        """The variant's tile program, or None where the rule needs XLA (warned once)."""
+        if not self._tile:
+            return None
+        with self._lock:
+            if key in self._tiles:
+                return self._tiles[key]
+            decay, moment_dtypes, grad_dtype, master, out_dtype, names = key
+            program = self._build(*key, bits=False)
+            n = len(moment_dtypes)
+            dtypes = [*moment_dtypes, grad_dtype, F32] + ([BF16] if master else [])
+
+            def flat(*args):
+                base = args[n + 2] if master else None
+                stored, p_new, out = program(args[:n], args[n], args[n + 1], base,
+                                             args[len(dtypes) :])  # fmt: skip
+                return tuple(x for x in (*stored, p_new, out) if x is not None)
+
+            try:
+                found = compile_rule(flat, dtypes, len(names))
+            except Unsupported as e:
+                found = None
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"{self._name}: {e}; the rule runs through XLA instead, "
+                                  "several times slower", stacklevel=2)  # fmt: skip
+            self._tiles[key] = found
+            return found
+
     def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         with self._lock:
             found = self._programs.get(key)
@@ -173,19 +209,23 @@ class RuleRunner:
 
     def _build(self, decay: bool, moment_dtypes: tuple[np.dtype, ...], grad_dtype: np.dtype,
                master: bool, out_dtype: np.dtype | None, names: tuple[str, ...],
-               ) -> Callable[..., Any]:  # fmt: skip
+               bits: bool = True) -> Callable[..., Any]:  # fmt: skip
+        """The step of one variant: ``(moments, grad, param, base, scalars) -> (moments, new
+        param, update)``; ``bits``: bfloat16 arrays cross as their uint16 bits (for XLA)."""
         rule = self._rule
+        from_bits = _from_bits if bits else (lambda x, dtype: x)
+        to_bits = _to_bits if bits else (lambda x, dtype: x.astype(dtype))
 
         def program(moments, grad, param, base, scalars):
             hyper = {k: scalars[i] for i, k in enumerate(names)}  # one argument, not one each
-            moments = tuple(_from_bits(m, d) for m, d in zip(moments, moment_dtypes, strict=True))
-            g = _from_bits(grad, grad_dtype).astype(jnp.float32)
+            moments = tuple(from_bits(m, d) for m, d in zip(moments, moment_dtypes, strict=True))
+            g = from_bits(grad, grad_dtype).astype(jnp.float32)
             new, u = rule(moments, g, param, hyper, decay=decay)
             new = tuple(new)
             if len(new) != len(moment_dtypes):
                 raise ValueError(f"{self._name}.step returned {len(new)} moments, it keeps "
                                  f"{len(moment_dtypes)}")  # fmt: skip
-            stored = tuple(_to_bits(m, d) for m, d in zip(new, moment_dtypes, strict=True))
+            stored = tuple(to_bits(m, d) for m, d in zip(new, moment_dtypes, strict=True))
             u = jnp.asarray(u, jnp.float32)
             if not master:
                 return stored, None, u if out_dtype is not None else None
@@ -193,10 +233,10 @@ class RuleRunner:
             if out_dtype is None:
                 out = None
             elif out_dtype == BF16:  # write_update's bfloat16(master_new) - params
-                b = _from_bits(base, BF16).astype(jnp.float32)
-                out = _to_bits(p_new.astype(jnp.bfloat16).astype(jnp.float32) - b, BF16)
+                b = from_bits(base, BF16).astype(jnp.float32)
+                out = to_bits(p_new.astype(jnp.bfloat16).astype(jnp.float32) - b, BF16)
             else:
-                out = p_new - _from_bits(base, BF16).astype(jnp.float32)
+                out = p_new - from_bits(base, BF16).astype(jnp.float32)
             return stored, p_new, out
 
         return program
@@ -206,12 +246,9 @@ class RuleRunner:
         hyper: Mapping[str, Any],
     ) -> None:  # fmt: skip
         """One step of ``segments`` (:func:`jax_mlpo.optimizers.segment_calls`' tuples)."""
-        if self._device is None:
-            self._device = xla_client.make_cpu_client(asynchronous=False).devices()[0]
-        device = self._device
         names = tuple(sorted(hyper))
-        scalars = jax.device_put(np.array([hyper[k] for k in names], F32), device)
-        tasks = []
+        values = [hyper[k] for k in names]
+        tasks, scalars = [], None
         for seg, moments, grad, param, out, base in segments:
             for m in moments:
                 if isinstance(m, Quantized):
@@ -219,6 +256,17 @@ class RuleRunner:
                                      "moments, not q8")  # fmt: skip
             key = (bool(seg.decay), tuple(m.dtype for m in moments), grad.dtype,
                    base is not None, None if out is None else out.dtype, names)  # fmt: skip
+            tile = self._tile_rule(key)
+            if tile is not None:  # the whole segment in one pass, on the kernels' threads
+                inputs = [x for x in (*moments, grad, param, base) if x is not None]
+                outputs = [x for x in (*moments, param if base is not None else None, out)
+                           if x is not None]  # fmt: skip
+                tile.run(values, inputs + outputs)
+                continue
+            if scalars is None:
+                if self._device is None:
+                    self._device = xla_client.make_cpu_client(asynchronous=False).devices()[0]
+                scalars = jax.device_put(np.array(values, F32), self._device)
             program = self._program(key)
             inputs = [_bits(x) for x in (*moments, grad, param, base) if x is not None]
             viewable = [_viewable(x) for x in inputs]
@@ -226,6 +274,9 @@ class RuleRunner:
             for start, stop in chunks(param.shape[0], self._chunk):
                 span = slice(start, stop)
                 tasks.append((program, len(moments), inputs, viewable, stores, span))
+        if not tasks:
+            return
+        device = self._device
         if len(tasks) <= 1 or self._threads == 1:
             self._chunk_steps(device, scalars, tasks)
             return

@@ -5,11 +5,12 @@ The rule is experiments/optimizers/adabelief.py's AdaBelief (reads m, s, g; writ
 6 x 4 bytes per element; AdamW's kernel moves 7 x 4). The ways a jax.numpy rule could run are
 measured side by side:
 
-- ``jax_rule``: what jax_mlpo.extend does (:mod:`jax_mlpo.optimizers.jax_rule`): chunks of
-  ``--chunk`` elements, each one call of the jitted rule on a synchronous XLA:CPU client, its
-  inputs taken by dlpack without a copy, its outputs copied into the state, the chunks spread
-  over the kernels' threads;
-- ``jax_rule_one_thread``: the same on one thread;
+- ``jax_rule``: what jax_mlpo.extend does (:mod:`jax_mlpo.optimizers.rule_program`): the
+  rule's jaxpr as a tile program, one pass over the segment on the kernels' threads;
+- ``jax_rule_xla``: the rule through XLA (what extend falls back to for a rule a tile program
+  cannot run): chunks of ``--chunk`` elements, each one call of the jitted rule on a synchronous
+  XLA:CPU client, its inputs taken by dlpack without a copy, its outputs copied into the state,
+  the chunks spread over the kernels' threads;
 - ``jax_whole_segment``: one XLA call over the whole segment, its fresh outputs then copied
   into the state;
 - ``numpy``: the rule in NumPy (extend.ElementwiseOptimizer).
@@ -69,8 +70,8 @@ def cases(n: int, threads: int, chunk: int) -> dict:
     p[...] = rng.standard_normal(n, dtype=np.float32)
     segment = [(SimpleNamespace(decay=False), (m, s), g, p, u, None)]
     rule = AdaBelief()
-    parallel = RuleRunner(rule.step, "adabelief", threads, chunk)
-    single = RuleRunner(rule.step, "adabelief", 1, chunk)
+    tile = RuleRunner(rule.step, "adabelief", threads, chunk)
+    xla = RuleRunner(rule.step, "adabelief", threads, chunk, tile=False)
     device = jax.devices("cpu")[0]
 
     @jax.jit
@@ -88,8 +89,8 @@ def cases(n: int, threads: int, chunk: int) -> dict:
 
     return {
         "adamw_gbps": (28, lambda: native.adamw_step(m, v, g, p, u, ADAMW)),
-        "jax_rule_gbps": (24, lambda: parallel.run(segment, HYPER)),
-        "jax_rule_one_thread_gbps": (24, lambda: single.run(segment, HYPER)),
+        "jax_rule_gbps": (24, lambda: tile.run(segment, HYPER)),
+        "jax_rule_xla_gbps": (24, lambda: xla.run(segment, HYPER)),
         "jax_whole_segment_gbps": (24, whole_segment),
         "numpy_gbps": (24, lambda: numpy_adabelief(m, s, g, u, HYPER)),
     }
