@@ -1,15 +1,17 @@
 """An elementwise update rule written in ``jax.numpy``, run by the engine over its host state.
 
-:class:`jax_mlpo.extend.JaxElementwiseOptimizer` hands its rule here. The rule is compiled by
-XLA for the CPU (once per chunk shape and variant: weight decay or not, fp32 master or not, the
-dtypes) into vectorised loops, one per output (XLA:CPU does not fuse several outputs into one
-loop; each recomputes what it needs from the inputs). The engine's subgroups live in its own
-host buffers, not in XLA's, so each segment is cut into chunks of :data:`CHUNK` elements, each
-one call of the jitted rule on a synchronous XLA:CPU client of the runner's own: the chunk's
-inputs become XLA arrays without a copy (jaxlib's dlpack import; an unaligned chunk is first
-copied into a reused aligned buffer), and the fresh outputs are copied into the state. The
-chunks are spread over ``native.num_threads()`` threads, one job each (XLA and the copies
-release the GIL).
+:class:`jax_mlpo.extend.JaxElementwiseOptimizer` hands its rule here. Each variant of the rule
+(weight decay or not, fp32 master or not, the dtypes) runs as a tile program
+(:mod:`jax_mlpo.optimizers.rule_program`: one pass over a segment, on the kernels' threads)
+where it compiles into one. Otherwise (a reduction, an integer, an operation a tile program
+lacks; warned once) XLA compiles it for the CPU, once per chunk shape, into vectorised loops,
+one per output (XLA:CPU does not fuse several outputs into one loop; each recomputes what it
+needs from the inputs). The engine's subgroups live in its own host buffers, not in XLA's, so
+each segment is cut into chunks of :data:`CHUNK` elements, each one call of the jitted rule on a
+synchronous XLA:CPU client of the runner's own: the chunk's inputs become XLA arrays without a
+copy (jaxlib's dlpack import; an unaligned chunk is first copied into a reused aligned buffer),
+and the fresh outputs are copied into the state. The chunks are spread over
+``native.num_threads()`` threads, one job each (XLA and the copies release the GIL).
 
 Where a chunk's time goes, and why not the alternatives (``python -m
 experiments.bench.mlpo.jax_rule_costs``, ``experiments/results/jax_rule_costs.json``: AMD EPYC,
@@ -32,8 +34,9 @@ experiments.bench.mlpo.jax_rule_costs``, ``experiments/results/jax_rule_costs.js
   copied, is slower still (``experiments/bench/mlpo/jax_rule.py``'s ``jax_whole_segment``).
 
 NumPy evaluates one expression at a time with a temporary each, on one core. The native
-kernels read and write each array once in one loop; this path also writes the outputs once
-more and recomputes within XLA's loops, so it stays below them (docs/extending.md).
+kernels read and write each array once in one loop; the XLA path also writes the outputs once
+more and recomputes within XLA's loops: some 3x slower than the tile program
+(docs/extending.md).
 """
 
 from __future__ import annotations
