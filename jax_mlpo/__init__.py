@@ -25,6 +25,7 @@ from jax_mlpo.errors import (
     PendingUpdateError,
     StaleStateError,
     TierFullError,
+    UnsupportedRuleError,
     UnusedTiersWarning,
 )
 from jax_mlpo.tiers.file import CorruptBlobError, TierIOError
@@ -67,6 +68,7 @@ __all__ = [
     "TierPlan",
     "TierIOError",
     "TierInUseError",
+    "UnsupportedRuleError",
     "UnusedTiersWarning",
     "adamw",
     "lion",

@@ -55,6 +55,12 @@ class PendingUpdateError(JaxMlpoError, RuntimeError):
     taking the params and the state (:class:`jax_mlpo.OverlappedLoop`)."""
 
 
+class UnsupportedRuleError(JaxMlpoError, ValueError):
+    """A ``jax.numpy`` update rule uses an operation, dtype or shape that a tile program does
+    not run (the message names it); :class:`jax_mlpo.extend.JaxElementwiseOptimizer` then runs
+    the rule through XLA, with a warning."""
+
+
 class CheckpointInProgressError(JaxMlpoError, RuntimeError):
     """An optimizer's state is being read out for a checkpoint, and what was asked (another
     save, a load, an update during a synchronous snapshot) must wait for it to finish."""

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jax_mlpo import _native, native
+from jax_mlpo.errors import UnsupportedRuleError
 from jax_mlpo.optimizers.jax_rule import RuleRunner
-from jax_mlpo.optimizers.rule_program import OP, Unsupported, compile_rule
+from jax_mlpo.optimizers.rule_program import OP, compile_rule
 
 BF16 = ml_dtypes.bfloat16
 SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1.0, -1.0, 0.5, 2.0],
@@ -219,7 +220,7 @@ def test_registers_are_reused_and_dead_code_dropped():
     ],
 )
 def test_a_rule_a_tile_program_cannot_run_is_named(fn, what):
-    with pytest.raises(Unsupported, match=what):
+    with pytest.raises(UnsupportedRuleError, match=what):
         compile_rule(fn, [np.float32, np.float32], 0)
 
 

@@ -53,7 +53,8 @@ import numpy as np
 from jax._src.lib import xla_client
 
 from jax_mlpo.engine.quantize import Quantized
-from jax_mlpo.optimizers.rule_program import TileRule, Unsupported, compile_rule
+from jax_mlpo.errors import UnsupportedRuleError
+from jax_mlpo.optimizers.rule_program import TileRule, compile_rule
 from jax_mlpo.types import BF16, F32
 
 CHUNK = 1 << 18  # elements per XLA call: 1 MiB per float32 array (the docstring says why)
@@ -194,7 +195,7 @@ class RuleRunner:
 
             try:
                 found = compile_rule(flat, dtypes, len(names))
-            except Unsupported as e:
+            except UnsupportedRuleError as e:
                 found = None
                 if not self._warned:
                     self._warned = True

@@ -12,8 +12,8 @@ registers of ``RULE_TILE`` elements (``jax_mlpo/ffi/rule.h``):
 Registers are reused once their value is dead, so a rule's live values stay in the L1 cache,
 and each array is read and written once. An operation on bfloat16 values computes in float32
 and rounds its result, as XLA:CPU does. A jaxpr with anything else (a reduction, an integer, a
-shape other than the segment's) raises :class:`Unsupported`, naming the equation; the runner
-then runs that rule through XLA (:mod:`jax_mlpo.optimizers.jax_rule`).
+shape other than the segment's) raises :class:`~jax_mlpo.UnsupportedRuleError`, naming the
+equation; the runner then runs that rule through XLA (:mod:`jax_mlpo.optimizers.jax_rule`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mlpo.errors import UnsupportedRuleError
 from jax_mlpo.native.library import NATIVE
 from jax_mlpo.types import BF16, F32
 
@@ -48,10 +49,6 @@ _BINARY = {
 _IDENTITY = {"copy", "copy_p", "optimization_barrier", "reshape", "squeeze", "expand_dims",
              "broadcast_in_dim"}  # fmt: skip
 _FLOATS = (np.dtype(F32), np.dtype(BF16))
-
-
-class Unsupported(Exception):
-    """The rule uses something a tile program cannot run (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +137,13 @@ def _sub_jaxpr(eqn: Any) -> Any | None:
 
 def _check_aval(aval: Any, where: str) -> None:
     if np.dtype(aval.dtype) not in (*_FLOATS, np.dtype(bool)):
-        raise Unsupported(f"{where} has dtype {aval.dtype} (float32, bfloat16 and bool only)")
+        raise UnsupportedRuleError(
+            f"{where} has dtype {aval.dtype} (float32, bfloat16 and bool only)"
+        )
     if aval.shape not in ((), (TRACE_LENGTH,)):
-        raise Unsupported(f"{where} has shape {aval.shape}, neither a scalar nor the segment's")
+        raise UnsupportedRuleError(
+            f"{where} has shape {aval.shape}, neither a scalar nor the segment's"
+        )
 
 
 def _integer_pow(b: _Builder, x: _Value, y: int, bf16: bool) -> _Value:
@@ -191,7 +192,7 @@ def _equation(b: _Builder, eqn: Any, ins: list[_Value]) -> list[_Value]:
             return [b.op("RoundBf16", ins[0])]
         if bits == (8, 23):
             return [ins[0]]
-    raise Unsupported(f"the rule uses {name}, which a tile program does not run")
+    raise UnsupportedRuleError(f"the rule uses {name}, which a tile program does not run")
 
 
 def _walk(b: _Builder, jaxpr: Any, consts: Sequence[Any], args: list[_Value]) -> list[_Value]:
@@ -200,13 +201,15 @@ def _walk(b: _Builder, jaxpr: Any, consts: Sequence[Any], args: list[_Value]) ->
     def read(v: Any) -> _Value:
         if hasattr(v, "val"):  # a literal
             if np.ndim(v.val) != 0:
-                raise Unsupported("the rule holds an array constant")
+                raise UnsupportedRuleError("the rule holds an array constant")
             return b.constant(v.val)
         return env[v]
 
     for var, c in zip(jaxpr.constvars, consts, strict=True):
         if np.ndim(c) != 0:
-            raise Unsupported("the rule closes over an array; pass it as a scalar or input")
+            raise UnsupportedRuleError(
+                "the rule closes over an array; pass it as a scalar or an input"
+            )
         env[var] = b.constant(np.asarray(c))
     for var, a in zip(jaxpr.invars, args, strict=True):
         env[var] = a
@@ -374,7 +377,7 @@ def compile_rule(
       bfloat16, as ``fn`` returns them; an output may be an input's own memory).
 
     Raises:
-      Unsupported: ``fn`` uses an operation, dtype or shape a tile program does not run.
+      UnsupportedRuleError: ``fn`` uses an operation, dtype or shape a tile program does not run.
     """
     specs = [jax.ShapeDtypeStruct((TRACE_LENGTH,), d) for d in input_dtypes]
     specs += [jax.ShapeDtypeStruct((), jnp.float32)] * n_scalars
@@ -382,7 +385,7 @@ def compile_rule(
     b = _Builder(n_scalars)
     for k, d in enumerate(input_dtypes):
         if np.dtype(d) not in _FLOATS:
-            raise Unsupported(f"input {k} is {np.dtype(d)} (float32 or bfloat16 only)")
+            raise UnsupportedRuleError(f"input {k} is {np.dtype(d)} (float32 or bfloat16 only)")
     n_in = len(input_dtypes)
     loads = [b.load(k, np.dtype(d) == BF16) for k, d in enumerate(input_dtypes)]
     args = loads + [_Value(True, k) for k in range(n_scalars)]
@@ -390,7 +393,7 @@ def compile_rule(
     for k, (value, var) in enumerate(zip(outs, closed.jaxpr.outvars, strict=True)):
         dtype = np.dtype(var.aval.dtype)
         if dtype not in _FLOATS or var.aval.shape not in ((), (TRACE_LENGTH,)):
-            raise Unsupported(f"output {k} is {dtype}{list(var.aval.shape)}")
+            raise UnsupportedRuleError(f"output {k} is {dtype}{list(var.aval.shape)}")
         b.store(value, n_in + k, dtype == BF16)
     _contract(b.prologue, extra_uses=list(b.broadcasts))
     _contract(b.body)
