@@ -208,6 +208,37 @@ class OverlappedSteps:
         return params, opt_state, time.perf_counter() - t0
 
 
+# The overlapped program compiles the forward and backward pass and the update together, with
+# the grouping: 2.5 s on the tiny config where the forward and backward pass alone compile in
+# 1.6 s ("Intel(R) Xeon(R) Processor", 2026-12-07). Its compile time is taken as this many times
+# the forward and backward pass's, plus the update's first step.
+OVERLAP_COMPILE_FACTOR = 2.0
+
+
+def trial_repays(steps_left: int, update_s: list[float], compile_s: float) -> tuple[bool, str]:
+    """Whether the update time an overlapped step could hide over a run's steps left exceeds
+    what compiling it costs.
+
+    Args:
+      steps_left: the run's steps from its first (``update_s`` counts those taken).
+      update_s: the plain steps' update times so far, the first (which compiled) included.
+      compile_s: the forward and backward pass's compile time.
+
+    Returns:
+      ``(repays, reason)``: the reason says why not ("" where it repays).
+    """
+    if len(update_s) < 2:
+        return True, ""
+    left = steps_left - len(update_s)
+    timed = sorted(update_s[1:])
+    hideable = left * timed[len(timed) // 2]
+    cost = OVERLAP_COMPILE_FACTOR * compile_s + update_s[0]
+    if hideable >= cost:
+        return True, ""
+    return False, (f"the update it could hide over the {left} steps left, {hideable:.2f} s, "
+                   f"does not repay compiling the overlapped step, ~{cost:.2f} s")  # fmt: skip
+
+
 class AutoSteps:
     """``overlap: auto``: the overlapped step only where it wins, the same params either way.
 
@@ -215,17 +246,24 @@ class AutoSteps:
     (:func:`jax_mlpo.transforms.overlap_cost.auto_groups`) cannot run beside anything: the plain
     step, without compiling the overlapped one. Otherwise the run's first steps time both once
     compiled (:class:`jax_mlpo.transforms.overlap_cost.OverlapTrial`: two plain steps after the
-    first, then two overlapped ones after the one that compiles) and keep the faster.
+    first, then two overlapped ones after the one that compiles) and keep the faster, unless
+    the run is too short to repay the trial: the overlapped step can at best hide the update,
+    so when the plain steps' update time over the steps left is less than what compiling the
+    overlapped program costs (:data:`OVERLAP_COMPILE_FACTOR` times the forward and backward
+    pass's compile time, plus the update's first step), the plain step is kept untried.
 
     Args:
       graphdef: the model's graph (``nnx.split``).
       tx: the optimizer.
       groups: how many host calls an overlapped update is split into (or ``"auto"``).
       params: the model's params (their sizes).
+      steps_left: the steps this run will take (None: unknown, always try).
+      compile_s: the forward and backward pass's compile time (:func:`grad_step_compile_s`).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 groups: int | str, params: nnx.State) -> None:  # fmt: skip
+                 groups: int | str, params: nnx.State, *, steps_left: int | None = None,
+                 compile_s: float = 0.0) -> None:  # fmt: skip
         sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
         if groups == "auto":
             groups = overlap_cost.auto_groups(sum(sizes))
@@ -233,26 +271,43 @@ class AutoSteps:
         self._plain = PlainSteps(graphdef, tx)
         self._trial = overlap_cost.OverlapTrial()
         self._over: OverlappedSteps | None = None
+        self._steps_left, self._compile_s = steps_left, compile_s
+        self._update_s: list[float] = []  # the plain steps' update times, the first included
+        self.reason = ""
         if overlap_cost.worth_trying(sizes, groups):
             self._over = OverlappedSteps(graphdef, tx, groups)
         else:
             self._trial.decide(False)
+            self.reason = f"an update of {sum(sizes)} elements is one host call"
 
     @property
     def overlapped(self) -> bool | None:
         """Whether the run keeps the overlapped step (None: still timing both)."""
         return self._trial.overlap
 
+    def _repays(self) -> bool:
+        """Whether trying the overlapped step can repay its compile (:func:`trial_repays`)."""
+        if self._steps_left is None:
+            return True
+        ok, self.reason = trial_repays(self._steps_left, self._update_s, self._compile_s)
+        return ok
+
     def run(self, params: nnx.State, rest: nnx.State, opt_state: Any,
             tokens: jax.Array) -> tuple[Any, Any, jax.Array, dict[str, float], int]:  # fmt: skip
         """One training step (:meth:`PlainSteps.run`'s results)."""
         over = self._trial.next_overlapped()
+        first = over and self._trial.overlap is None and not self._trial.times[True]
+        if first and not self._repays():  # before its first run compiles the overlapped step
+            self._trial.decide(False)
+            over = False
         flush_s = 0.0
         if not over and self._over is not None and self._over.pending:  # the plain step won
             params, opt_state, flush_s = self._over.flush(params, opt_state)
         steps = self._over if over else self._plain
         params, opt_state, loss, timings, updated = steps.run(params, rest, opt_state, tokens)
         self._trial.record(over, timings["step_s"], applied_update=updated > 0)
+        if not over and self._trial.overlap is None:
+            self._update_s.append(timings["update_s"])
         if flush_s:
             timings["step_s"] += flush_s
             timings["flush_s"] = flush_s
@@ -267,10 +322,13 @@ class AutoSteps:
 
 
 def make_step_runner(cfg: RunConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                     params: nnx.State) -> PlainSteps | OverlappedSteps | AutoSteps:  # fmt: skip
-    """The steps the config's ``overlap`` asks for."""
+                     params: nnx.State, steps_left: int | None = None,
+                     ) -> PlainSteps | OverlappedSteps | AutoSteps:  # fmt: skip
+    """The steps the config's ``overlap`` asks for (``steps_left``: the run's, for ``auto``)."""
     if cfg.overlap == "auto":
-        return AutoSteps(graphdef, tx, cfg.overlap_groups, params)
+        compile_s = grad_step_compile_s(cfg) if steps_left is not None else 0.0
+        return AutoSteps(graphdef, tx, cfg.overlap_groups, params, steps_left=steps_left,
+                         compile_s=compile_s)  # fmt: skip
     if cfg.overlap:
         return OverlappedSteps(graphdef, tx, cfg.overlap_groups)
     return PlainSteps(graphdef, tx)
@@ -288,12 +346,19 @@ def grad_step_temp_bytes(cfg: RunConfig) -> int:
     Compiles the step for abstract inputs (``memory_analysis().temp_size_in_bytes``): seconds
     for a large model, and no buffer of the model's size is allocated.
     """
-    return _temp_bytes(resolve_model(cfg), cfg.batch_size, cfg.seq_len)
+    return _compiled(resolve_model(cfg), cfg.batch_size, cfg.seq_len)[0]
+
+
+def grad_step_compile_s(cfg: RunConfig) -> float:
+    """Seconds to trace and compile one forward and backward pass of ``cfg`` (the same compile
+    as :func:`grad_step_temp_bytes`, done once)."""
+    return _compiled(resolve_model(cfg), cfg.batch_size, cfg.seq_len)[1]
 
 
 @functools.cache  # the dry run and the checks of one process ask for the same shapes
-def _temp_bytes(model: LlamaConfig, batch: int, seq_len: int) -> int:
+def _compiled(model: LlamaConfig, batch: int, seq_len: int) -> tuple[int, float]:
     graphdef, params, rest = abstract_model(model)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    t0 = time.perf_counter()
     compiled = grad_step(graphdef).lower(params, rest, tokens).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    return int(compiled.memory_analysis().temp_size_in_bytes), time.perf_counter() - t0

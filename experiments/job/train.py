@@ -281,7 +281,7 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     # another; an engine over no leaves (an empty group of muon's) runs no update
     found = [] if use_optax else jax_mlpo.transforms.opt_state.find_offloaded(opt_state)
     engines = [e for e in map(jax_mlpo.engine_of, found) if e.layout.num_params]
-    steps = make_step_runner(cfg, graphdef, tx, params)
+    steps = make_step_runner(cfg, graphdef, tx, params, steps_left=cfg.steps - start)
     tokens_per_step = cfg.batch_size * nproc * cfg.seq_len
     metrics_path = run_dir / f"metrics-{name}.jsonl"
     lead = pid == 0  # writes the metrics, summary and plot
@@ -369,7 +369,8 @@ def train(cfg: RunConfig, use_optax: bool, resume: bool = False) -> dict[str, An
     digest = params_sha256(params) if nproc == 1 else None
     if isinstance(steps, AutoSteps):
         kept = {True: "overlapped", False: "plain", None: "(undecided)"}[steps.overlapped]
-        logger.info("overlap: auto kept the %s step", kept)
+        logger.info("overlap: auto kept the %s step%s", kept,
+                    f": {steps.reason}" if steps.reason else "")  # fmt: skip
     return finish(cfg, name, records, metrics_path, params_sha256=digest,
                   overlapped=steps.overlapped)  # fmt: skip
 

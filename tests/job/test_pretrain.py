@@ -93,6 +93,15 @@ def runs(tmp_path_factory, data_cache) -> dict[str, dict]:
             plain_dir, data_cache, "--set", "overlap=false", "--set", "report.plot=false"
         ),  # fmt: skip
         "auto": _main(auto_dir, data_cache, "--set", "report.plot=false"),
+        # groups enough to try, too few steps to repay compiling the overlapped step
+        "auto-short": _main(
+            tmp_path_factory.mktemp("tiny-auto-short"),
+            data_cache,
+            "--set",
+            "report.plot=false",
+            "--set",
+            "overlap_groups=4",
+        ),  # fmt: skip
     }
 
 
@@ -170,6 +179,27 @@ def test_overlap_auto_keeps_the_plain_step_for_the_tiny_model_and_the_same_param
         assert auto["summary"]["overlapped"] is False
         for r in report.load_metrics(auto["metrics"]):
             assert r["update_s"] > 0 and r["beside_s"] == 0
+
+
+def test_overlap_auto_does_not_try_an_overlapped_step_that_cannot_repay_its_compile(runs):
+    """Four groups would each pay for their call, but the tiny run's update time over its
+    steps is less than compiling the overlapped step: the plain step, never an overlapped one,
+    and the plain run's params."""
+    short, plain = runs["auto-short"], runs["plain"]
+    assert short["summary"]["overlapped"] is False
+    assert all(r["beside_s"] == 0 for r in report.load_metrics(short["metrics"]))
+    assert short["summary"]["params_sha256"] == plain["summary"]["params_sha256"]
+
+
+def test_the_trial_is_tried_where_the_hidden_update_repays_its_compile():
+    from experiments.job.steps import OVERLAP_COMPILE_FACTOR, trial_repays
+
+    first, later = 0.2, [0.01, 0.012, 0.011]  # the first update compiles
+    cost = OVERLAP_COMPILE_FACTOR * 1.5 + first
+    assert trial_repays(10_000, [first, *later], compile_s=1.5) == (True, "")
+    ok, reason = trial_repays(100, [first, *later], compile_s=1.5)
+    assert not ok and f"~{cost:.2f} s" in reason and "96 steps left, 1.06 s" in reason
+    assert trial_repays(100, [first], compile_s=1.5) == (True, "")  # nothing timed yet
 
 
 # The multi-process runs: NPROCS=2 processes of batch_size 4 on the tiny config; each process
