@@ -98,6 +98,7 @@ EXACT = {
     "bfloat16": lambda x, y, z: ((x * y).astype(jnp.bfloat16), x.astype(jnp.bfloat16) + y),
     "fma_first": lambda x, y, z: (x * y + z, z + x * y, x * y - z, z - x * y, x * y + z * y),
     "by_a_scalar": lambda x, y, z: (x / 0.19, (x - y) / 3.0),
+    "barrier": lambda x, y, z: jax.lax.optimization_barrier((x * y, z)),
 }
 
 

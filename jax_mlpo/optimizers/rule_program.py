@@ -46,8 +46,7 @@ _BINARY = {
     "min": "Min", "pow": "Pow", "lt": "Lt", "le": "Le", "gt": "Gt", "ge": "Ge", "eq": "Eq",
     "ne": "Ne", "and": "And", "or": "Or", "xor": "Xor",
 }  # fmt: skip
-_IDENTITY = {"copy", "copy_p", "optimization_barrier", "reshape", "squeeze", "expand_dims",
-             "broadcast_in_dim"}  # fmt: skip
+_IDENTITY = {"copy", "copy_p", "reshape", "squeeze", "expand_dims", "broadcast_in_dim"}
 _FLOATS = (np.dtype(F32), np.dtype(BF16))
 
 
@@ -166,6 +165,8 @@ def _equation(b: _Builder, eqn: Any, ins: list[_Value]) -> list[_Value]:
     bf16 = np.dtype(out_aval.dtype) == BF16
     if name in _IDENTITY:
         return [ins[0]]
+    if name == "optimization_barrier":  # orders nothing here: its operands, as they are
+        return list(ins)
     if name in _UNARY:
         return [b.op(_UNARY[name], ins[0], bf16=bf16)]
     if name == "div" and not ins[0].scalar and ins[1].scalar:
