@@ -378,8 +378,8 @@ from experiments.job import train
 steps_for = train.make_step_runner
 
 
-def failing_steps(*args):
-    steps = steps_for(*args)
+def failing_steps(*args, **kwargs):
+    steps = steps_for(*args, **kwargs)
     run, calls = steps.run, [0]
 
     def failing_run(*args):
