@@ -18,6 +18,7 @@ equation; the runner then runs that rule through XLA (:mod:`jax_mlpo.optimizers.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,17 +235,12 @@ def _contract(code: list[list[int]], extra_uses: Sequence[int] = ()) -> None:
     """Fuses a product into the sum or difference that is its only use, in place, as LLVM does
     for XLA:CPU (the first operand's product first): ``x * y + z`` is one fma. The product's
     instruction stays, dead, for :func:`_allocate` to drop."""
-    uses: dict[int, int] = {}
-    for r in extra_uses:
-        uses[r] = uses.get(r, 0) + 1
+    uses = Counter(extra_uses)
     producer = {}
     for ins in code:
-        if ins[0] in _STORES:
-            uses[ins[2]] = uses.get(ins[2], 0) + 1
-        elif ins[0] not in _LOADS:
-            for r in ins[2:]:
-                if r >= 0:
-                    uses[r] = uses.get(r, 0) + 1
+        if ins[0] not in _LOADS:
+            uses.update(_reads(ins))
+        if ins[0] not in _STORES | _LOADS:
             producer[ins[1]] = ins
 
     def product(r: int) -> list[int] | None:
