@@ -163,9 +163,9 @@ def scanned_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array
 
 
 def test_a_scanned_stack_is_one_group_and_follows_the_plain_loop(tmp_path):
-    """One scan equation consumes every layer of a stacked leaf: the leaf is one group, all of
-    its layers updated before the scan starts (the forward pass of the scanned layers cannot
-    run beside their update), and the step is still the plain loop's, bit for bit."""
+    """One scan equation consumes every layer of a stacked leaf: the leaf is one group (its
+    rows are received inside the scan, tests/test_overlap_scan.py), and the step is still the
+    plain loop's, bit for bit."""
     params = scanned_params()
     ranks = forward_ranks(jax.make_jaxpr(scanned_loss)(params, batch(0)).jaxpr)[:3]
     groups = leaf_groups(ranks, [int(np.size(x)) for x in jax.tree.leaves(params)], 4)

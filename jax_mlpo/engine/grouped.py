@@ -11,6 +11,10 @@ them only once it is done.
 On a mesh every device of the process makes each group's call with its own shards
 (:class:`Shards` says where each of the engine's leaves comes from): a group's update is
 released on every device at once, the replicas' copies made first.
+
+A group of stacked layers that a scan consumes row by row is a send whose rows its receives
+take (:mod:`jax_mlpo.engine.row_stream`): its subgroups are updated in row order, and each row
+is handed over as soon as it is done.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 
 from jax_mlpo.engine.layout import Layout, Subgroup
 from jax_mlpo.engine.leaves import HostLeaves
+from jax_mlpo.engine.row_stream import RowBoards, complete_later, row_rank, rows_of_subgroups
 from jax_mlpo.native.host_update import CallGroup, Completion
 
 __all__ = ["CallRound", "GroupCalls", "GroupedLeaves", "Shards", "forward_order", "gather"]
@@ -37,12 +42,15 @@ WAIT_S = 600.0
 Run = Callable[[int, np.ndarray, "GroupedLeaves", list[int]], None]
 
 
-def forward_order(layout: Layout, group_of_leaf: Sequence[int]) -> list[int]:
+def forward_order(layout: Layout, group_of_leaf: Sequence[int],
+                  rows_of_leaf: Sequence[int] | None = None) -> list[int]:  # fmt: skip
     """The subgroups in the order the forward pass needs them: by the first group of the leaves
-    each holds, then by index."""
+    each holds, then by the first row of stacked leaves (``rows_of_leaf``: each leaf's rows, 0
+    for one not streamed by row), then by index."""
+    rows = rows_of_subgroups(layout, rows_of_leaf) if rows_of_leaf else {}
 
-    def rank(sg: Subgroup) -> tuple[int, int]:
-        return min(group_of_leaf[seg.leaf] for seg in sg.segments), sg.index
+    def rank(sg: Subgroup) -> tuple[int, int, int]:
+        return min(group_of_leaf[seg.leaf] for seg in sg.segments), row_rank(sg, rows), sg.index
 
     return [sg.index for sg in sorted(layout.subgroups, key=rank)]
 
@@ -55,14 +63,30 @@ class GroupedLeaves(HostLeaves):
       grads, params, updates: the engine's flat leaves, gathered from the calls.
       group_of_leaf: each leaf's group.
       complete: ``complete(group)`` hands a group's call back to XLA.
+      rows_of_leaf: each leaf's rows where its group is streamed by row (0 elsewhere).
+      row_done: ``row_done(group, row)``, once every subgroup holding a part of ``row`` of the
+        group's stacked leaves is updated.
     """
 
     def __init__(
         self, layout: Layout, grads: list, params: list, updates: list,
         group_of_leaf: Sequence[int], complete: Callable[[int], None],
+        rows_of_leaf: Sequence[int] | None = None,
+        row_done: Callable[[int, int], None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(grads, params, updates)
         self._complete = complete
+        self._row_done = row_done
+        self._rows_left: dict[tuple[int, int], set[int]] = {}  # (group, row): its subgroups
+        self._rows_of: dict[int, list[tuple[int, int]]] = {}  # subgroup: its (group, row)s
+        if rows_of_leaf:
+            for index, rows in rows_of_subgroups(layout, rows_of_leaf).items():
+                sg = layout.subgroups[index]
+                g = min(group_of_leaf[seg.leaf] for seg in sg.segments
+                        if rows_of_leaf[seg.leaf])  # fmt: skip
+                for r in rows:
+                    self._rows_left.setdefault((g, r), set()).add(index)
+                    self._rows_of.setdefault(index, []).append((g, r))
         self.first_done: float | None = None  # when the first group was handed back
         self._left: dict[int, set[int]] = {}  # each group's subgroups still to update
         for sg in layout.subgroups:
@@ -75,6 +99,11 @@ class GroupedLeaves(HostLeaves):
             complete(g)
 
     def store(self, sg: Subgroup) -> None:
+        for key in self._rows_of.get(sg.index, ()):
+            left = self._rows_left[key]
+            left.discard(sg.index)
+            if not left and self._row_done is not None:
+                self._row_done(*key)
         for g in self._groups_of[sg.index]:
             left = self._left[g]
             left.discard(sg.index)
@@ -165,14 +194,18 @@ class GroupCalls:
       run: runs the engine's update (on this object's thread).
       wait_s: how long the first call of an update waits for the last before it fails.
       shards: where the engine's leaves come from (default: one device, leaf for leaf).
+      boards: where the rows of groups streamed by row meet their receives (the process's).
     """
 
-    def __init__(self, layout: Layout, run: Run, wait_s: float = WAIT_S,
-                 shards: Shards | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, layout: Layout, run: Run, wait_s: float = WAIT_S, shards: Shards | None = None,
+        boards: RowBoards | None = None,
+    ) -> None:  # fmt: skip
         self._layout, self._run, self._wait_s = layout, run, wait_s
         self._shards = Shards.one_device(len(layout.shapes)) if shards is None else shards
         self._lock = threading.Lock()
         self._round = CallRound(wait_s, self._expire)
+        self._boards = RowBoards() if boards is None else boards
 
     def arrive(self, count: int, scalars: np.ndarray, group: CallGroup, grads: list,
                params: list, updates: list, completion: Completion, slot: int = 0
@@ -189,6 +222,10 @@ class GroupCalls:
             if key in self._round.calls:
                 raise RuntimeError(f"group {group.group} called the update twice in one step")
             call = (count, scalars, group, grads, params, updates, completion, slot)
+            if group.rows:  # a send: pending until its receives took every row
+                if slots != 1:
+                    raise RuntimeError("stacked layers streamed by row on a mesh")
+                self._boards.sent(group.stream, group.rows, params, updates, completion)
             calls = self._round.add(group, call, slot, slots)
             if calls is None:
                 return
@@ -208,7 +245,15 @@ class GroupCalls:
             "on every device)"
         )
         for call in calls.values():
-            _complete(call[6], error)
+            self._hand_back(call, error)
+
+    def _hand_back(self, call: tuple, error: BaseException | None) -> None:
+        """Completes a group's call; a send (streamed by row) only fails here: its receives
+        complete it."""
+        if not call[2].rows:
+            complete_later(call[6], error)
+        elif error is not None:
+            self._boards.fail(call[2].stream, error)
 
     def _update(self, calls: list[tuple]) -> None:
         by_group: dict[int, list[tuple]] = {}
@@ -230,7 +275,7 @@ class GroupCalls:
                 except BaseException as e:  # noqa: BLE001 - the group's calls fail with it
                     error = e
             for c in by_group[g]:
-                _complete(c[6], error)
+                self._hand_back(c, error)
 
         group_of_leaf: list[int] = []
         try:
@@ -239,8 +284,17 @@ class GroupCalls:
                 raise RuntimeError(f"the update's group calls disagree: step counts {counts}")
             by_slot = _by_slot_and_leaf(calls)
             grads, params, updates, group_of_leaf = _engine_leaves(by_slot, shards)
-            leaves = GroupedLeaves(self._layout, grads, params, updates, group_of_leaf, complete)
-            self._run(counts.pop(), calls[0][1], leaves, forward_order(self._layout, group_of_leaf))
+            rows_of_group = {c[2].group: c[2].rows for c in calls}
+            stream_of_group = {c[2].group: c[2].stream for c in calls}
+            rows_of_leaf = [rows_of_group[g] for g in group_of_leaf]
+
+            def row_done(g: int, row: int) -> None:
+                self._boards.updated(stream_of_group[g], row)
+
+            leaves = GroupedLeaves(self._layout, grads, params, updates, group_of_leaf, complete,
+                                   rows_of_leaf, row_done)  # fmt: skip
+            order = forward_order(self._layout, group_of_leaf, rows_of_leaf)
+            self._run(counts.pop(), calls[0][1], leaves, order)
         except BaseException as e:  # noqa: BLE001 - every call not yet completed fails with it
             for g in by_group:
                 complete(g, e)
@@ -277,10 +331,3 @@ def _engine_leaves(by_slot: dict[tuple[int, int], tuple], shards: Shards
     found = [by_slot[key] for key in zip(shards.owner, shards.leaf, strict=True)]
     return ([f[1] for f in found], [f[2] for f in found], [f[3] for f in found],
             [f[0] for f in found])  # fmt: skip
-
-
-def _complete(completion: Completion, error: BaseException | None) -> None:
-    # XLA continues the program on the completing thread: a fresh one, so the engine's thread
-    # goes on with the next group while the forward pass runs
-    threading.Thread(target=completion, args=(error,), daemon=True,
-                     name="jax_mlpo-update-complete").start()  # fmt: skip

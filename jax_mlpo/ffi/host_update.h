@@ -28,11 +28,15 @@ struct PendingUpdate {
 // Which of the engine's leaves one call carries (the handlers' attributes): group `group` of
 // `groups` (an update split into one call per group of layers, numbered in the order the program's
 // forward pass consumes them: jax_mlpo/overlap.py), and the engine's index of each of its leaves.
-// An update in one call is group 0 of 1 with every leaf.
+// An update in one call is group 0 of 1 with every leaf. `rows` > 0 (a send, host_update.cc): the
+// group's leaves are stacked layers of `rows` rows that a scan consumes one row at a time, each
+// new row taken by a receive of the same `stream` inside the scan's body.
 struct CallGroup {
   int32_t group;
   int32_t groups;
   xla::ffi::Span<const int32_t> leaf_ids;
+  int32_t rows = 0;
+  int32_t stream = 0;
 };
 
 // The scalars operand, f32[kNumScalars]: the optimizer's, padded with NaN (AdamW's: lr, bc1, bc2,
@@ -50,6 +54,13 @@ xla::ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
                            const CallGroup& group, const std::vector<BufferView>& views,
                            void* stream,
                            PendingUpdate* pending, bool* deferred);
+
+// Runs the receiver's Python callback (set_host_receive) on one receive's views: row `row` of
+// the new params of send `stream`'s stacked leaves, one view per leaf (row < 0: a drain, whose
+// one view is its token). The receiver may defer as CallEngine's callback does. Defined in
+// host_update_bindings.cc.
+xla::ffi::Error CallReceiver(int32_t stream, int32_t row, const std::vector<BufferView>& views,
+                             PendingUpdate* pending, bool* deferred);
 
 // The views of a call's 2n leaf operands (gradients, then params) and n update results, in
 // that order; fails when the counts do not match.

@@ -10,6 +10,11 @@
 // or None. It returns True when it keeps the buffers and completes the call later through
 // pending.complete(), False when the update is done, and raises to fail the call: the
 // exception's str() is the call's error message.
+//
+// The receiver (set_host_receive) is called as
+//   receiver(stream, row, outs, pending) -> bool
+// for every receive of a row of a group of stacked layers (host_update.cc), outs a list of
+// BufferView (a drain's, row < 0, holds its token), with the same deferral and errors.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -31,6 +36,7 @@ namespace {
 // Set and read under the GIL. Never freed: a callback outliving the interpreter must not be
 // released after it has gone.
 nb::object* g_engine = nullptr;
+nb::object* g_receiver = nullptr;
 
 // The longest error message a failed call reports (XLA carries it in every error on the way).
 constexpr size_t kErrorCapacity = 8191;
@@ -110,7 +116,8 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
         nb::rv_policy::copy);
     nb::list ids;
     for (int32_t id : group.leaf_ids) ids.append(id);
-    nb::object call = nb::make_tuple(group.group, group.groups, nb::tuple(ids));
+    nb::object call =
+        nb::make_tuple(group.group, group.groups, nb::tuple(ids), group.rows, group.stream);
     deferral = pending ? nb::cast(new Deferral{pending}, nb::rv_policy::take_ownership)
                        : nb::none();
     nb::object s = stream ? nb::object(nb::int_(reinterpret_cast<uintptr_t>(stream))) : nb::none();
@@ -134,6 +141,33 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
   return ffi::Error::Success();
 }
 
+ffi::Error CallReceiver(int32_t stream, int32_t row, const std::vector<BufferView>& views,
+                        PendingUpdate* pending, bool* deferred) {
+  nb::gil_scoped_acquire gil;
+  if (g_receiver == nullptr || g_receiver->is_none()) {
+    return ffi::Error::Internal(
+        "jax_mlpo_host_receive: no receiver callback is registered (import jax_mlpo)");
+  }
+  nb::object deferral;
+  try {
+    nb::list outs;
+    for (const BufferView& v : views) outs.append(nb::cast(v));
+    deferral = nb::cast(new Deferral{pending}, nb::rv_policy::take_ownership);
+    if (nb::cast<bool>((*g_receiver)(stream, row, outs, deferral))) {
+      *deferred = true;
+      return ffi::Error::Success();
+    }
+  } catch (nb::python_error& e) {
+    Undefer(deferral);
+    return ReportedError(e);
+  } catch (const std::exception& e) {
+    Undefer(deferral);
+    return ffi::Error::Internal(std::string("jax_mlpo receive failed: ") + e.what());
+  }
+  Undefer(deferral);
+  return ffi::Error::Success();
+}
+
 // The CUDA module binds the same types in a nanobind domain of its own (CMakeLists.txt).
 void BindHostUpdate(nb::module_& m) {
   m.attr("NUM_SCALARS") = kNumScalars;
@@ -145,6 +179,13 @@ void BindHostUpdate(nb::module_& m) {
       },
       nb::arg("engine"),
       "Sets the callback every jax_mlpo_host_update call of this module's platform runs.");
+  m.def(
+      "set_host_receive",
+      [](nb::callable receiver) {
+        if (g_receiver == nullptr) g_receiver = new nb::object();
+        *g_receiver = std::move(receiver);
+      },
+      nb::arg("receiver"), "Sets the callback every jax_mlpo_host_receive call runs (CPU).");
   nb::class_<BufferView>(m, "BufferView", "One XLA buffer of a host update call.")
       .def_prop_ro("address", [](const BufferView& v) { return uintptr_t(v.data); })
       .def_prop_ro("nbytes", [](const BufferView& v) { return v.bytes; })

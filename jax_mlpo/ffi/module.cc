@@ -27,6 +27,8 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 extern "C" XLA_FFI_Error* JaxMlpoHostUpdate(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMlpoHostSend(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMlpoHostReceive(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_mlpo {
 
@@ -89,6 +91,8 @@ NB_MODULE(_native, m) {
       [] {
         nb::dict d;
         d["jax_mlpo_host_update"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoHostUpdate));
+        d["jax_mlpo_host_send"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoHostSend));
+        d["jax_mlpo_host_receive"] = nb::capsule(reinterpret_cast<void*>(JaxMlpoHostReceive));
         return d;
       },
       "The CPU FFI targets: {name: capsule of the handler}.");

@@ -37,7 +37,8 @@ from jax_mlpo.native.library import NATIVE
 
 __all__ = [
     "DEFERRED", "CallGroup", "Completion", "DeviceBuffer", "check_platform", "connect_cpu",
-    "connect_cuda", "group_receive_call", "group_send_call", "grouped_on_gpu", "host_update_call",
+    "connect_cuda", "group_receive_call", "group_send_call", "grouped_on_gpu",
+    "host_receive_call", "host_update_call",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,16 @@ class DeviceBuffer(NamedTuple):
 class CallGroup(NamedTuple):
     """Which of the engine's leaves one call carries: group ``group`` of ``groups`` (an update
     split into one call per group of layers, numbered in the order the forward pass consumes
-    them: :mod:`jax_mlpo.overlap`), and the engine's index of each of the call's leaves."""
+    them: :mod:`jax_mlpo.overlap`), and the engine's index of each of the call's leaves.
+    ``rows`` > 0: the leaves are stacked layers of that many rows, which a scan consumes one
+    row at a time (the call is a send; :func:`host_receive_call` of the same ``stream`` takes
+    each new row)."""
 
     group: int
     groups: int
     leaf_ids: tuple[int, ...]
+    rows: int = 0
+    stream: int = 0
 
     @property
     def whole(self) -> bool:
@@ -101,6 +107,8 @@ HostUpdate = Callable[
      Completion | None],
     str | None,
 ]  # fmt: skip
+# receiver(stream, row, outs, completion): a receive of one row of a send's new params
+Receiver = Callable[[int, int, list[np.ndarray], Completion], str | None]
 
 
 def _message(error: BaseException) -> str:
@@ -157,6 +165,21 @@ def _handler(runner: HostUpdate) -> Callable[..., bool]:
     return handle_call
 
 
+def _receive_handler(receiver: Receiver) -> Callable[..., bool]:
+    """What the C++ receive calls (``host_update_bindings.cc``): ``receiver`` on its views."""
+
+    def handle_receive(stream, row, outs, pending) -> bool:
+        # Runs on an XLA thread, with the GIL; errors are reported as handle_call's are.
+        try:
+            outcome = receiver(stream, row, [_array(v, writable=True) for v in outs],
+                               Completion(pending))  # fmt: skip
+            return outcome == DEFERRED
+        except BaseException as e:  # noqa: BLE001 - reported through XLA, see _handler
+            raise RuntimeError(_message(e)) from None
+
+    return handle_receive
+
+
 # send(stream, group, grads, params, updates, ticket): a grouped update's send on a GPU
 GroupSend = Callable[[int, CallGroup, list[np.ndarray], list[np.ndarray], list[np.ndarray],
                       object], None]  # fmt: skip
@@ -181,7 +204,7 @@ def _group_handler(send: GroupSend) -> Callable[..., None]:
     return handle_send
 
 
-def connect_cpu(runner: HostUpdate) -> None:
+def connect_cpu(runner: HostUpdate, receiver: Receiver) -> None:
     """Sets the function every CPU ``jax_mlpo_host_update`` call runs (the process's runtime
     does, when it is made).
 
@@ -196,8 +219,13 @@ def connect_cpu(runner: HostUpdate) -> None:
         and synchronize before returning). It raises to fail the call. On CPU ``completion``
         is a :class:`Completion`: returning :data:`DEFERRED` leaves the call pending until it
         is called; otherwise the call completes when the runner returns.
+      receiver: ``receiver(stream, row, outs, completion)``, every
+        ``jax_mlpo_host_receive`` (:func:`host_receive_call`): it writes row ``row`` of the
+        new params of send ``stream``'s leaves into ``outs`` (one numpy view per stacked leaf;
+        a drain's token for ``row`` < 0), deferring as ``runner`` may.
     """
     NATIVE.set_host_update(_handler(runner))
+    NATIVE.set_host_receive(_receive_handler(receiver))
 
 
 def connect_cuda(runner: HostUpdate, send: GroupSend) -> None:
@@ -279,7 +307,9 @@ def host_update_call(
       update_dtypes: each update's dtype; where it is the gradient's, the update takes over the
         gradient's buffer.
       group: which of the engine's leaves these are (one group of an update split into several
-        calls); None: all of them, in the engine's order.
+        calls); None: all of them, in the engine's order. A group with ``rows`` is a send: its
+        updates are taken row by row by :func:`host_receive_call`, and the call completes
+        once every row was taken.
 
     Returns:
       ``(count + 1, updates)``: the next count (its data orders later updates after this one)
@@ -293,20 +323,43 @@ def host_update_call(
         for k, (g, out) in enumerate(zip(grads, outs, strict=True))
         if g.dtype == out.dtype and jnp.shape(g) == out.shape and np.prod(out.shape) > 0
     }
+    if group is None:
+        group = CallGroup(0, 1, tuple(range(n)))
     call = jax.ffi.ffi_call(
-        "jax_mlpo_host_update",
+        "jax_mlpo_host_send" if group.rows else "jax_mlpo_host_update",
         (jax.ShapeDtypeStruct((), jnp.int32), *outs),
         has_side_effect=True,
         input_output_aliases=aliases,
     )
-    if group is None:
-        group = CallGroup(0, 1, tuple(range(n)))
+    rows = {"rows": np.int32(group.rows), "stream": np.int32(group.stream)} if group.rows else {}
     results = call(
         handle, count, scalars, *grads, *params, group=np.int32(group.group),
-        groups=np.int32(group.groups), leaf_ids=np.asarray(group.leaf_ids, np.int32),
+        groups=np.int32(group.groups), leaf_ids=np.asarray(group.leaf_ids, np.int32), **rows,
     )  # fmt: skip
     assert len(results) == n + 1
     return results[0], list(results[1:])
+
+
+def host_receive_call(
+    stream: int, row: jax.Array, outs: Sequence[jax.ShapeDtypeStruct]
+) -> list[jax.Array]:
+    """Emits the receive of row ``row`` of the new params of a send's leaves (CPU; inside a
+    scan's body): it completes once the engine has updated every subgroup holding the row.
+    Its only operand is the row (``ffi/host_update.cc`` says why).
+
+    Args:
+      stream: the send's ``CallGroup.stream``.
+      row: int32 scalar, the row (the scan's iteration); < 0 drains: every row at once, none
+        returned (the send's updates were used whole).
+      outs: the shape and dtype of one row of each of the send's params (none to drain).
+
+    Returns:
+      Row ``row`` of each new param, ``param + update`` (a drain: an int32 token).
+    """
+    results = (*outs,) if outs else (jax.ShapeDtypeStruct((), jnp.int32),)
+    call = jax.ffi.ffi_call("jax_mlpo_host_receive", results, has_side_effect=True)
+    got = call(row, stream=np.int32(stream))
+    return list(got) if isinstance(got, list | tuple) else [got]
 
 
 def group_send_call(

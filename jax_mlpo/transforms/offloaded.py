@@ -14,6 +14,7 @@ call returns the next step count, so each update's data depends on the previous 
 from __future__ import annotations
 
 import functools
+import secrets
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,11 +28,13 @@ from jax_mlpo.config import OffloadConfig
 from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.layout import Layout, build_layout, resolve_mask
 from jax_mlpo.engine.plan import StateShape, warn_unused_tiers
+from jax_mlpo.engine.row_stream import DRAIN
 from jax_mlpo.engine.scalars import ScalarNames
 from jax_mlpo.native.host_update import (
     CallGroup,
     group_receive_call,
     group_send_call,
+    host_receive_call,
     host_update_call,
 )
 from jax_mlpo.optimizers import HostOptimizer
@@ -303,8 +306,11 @@ class Offloaded:
         # says why); the barrier keeps XLA from fusing the held scalars' producer into the
         # hold, which would recompute them there and free the calls' buffer early
         scalars = jax.lax.optimization_barrier(scalars)
-        grouped = functools.partial(self._grouped_update, groups=groups,
-                                    gpu=grouping.platform == "cuda")  # fmt: skip
+        gpu = grouping.platform == "cuda"
+        # stacked layers a scan consumes go row by row on one CPU device (engine/row_stream.py)
+        one_device = not gpu and plan.mesh is None and not plan.processes
+        grouped = functools.partial(self._grouped_update, groups=groups, gpu=gpu,
+                                    grouping=grouping if one_device else None)  # fmt: skip
         counts, outs = plan.update(grouped, grads, param_leaves, state.handle, state.count,
                                    scalars)  # fmt: skip
         grouping.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
@@ -319,7 +325,8 @@ class Offloaded:
             handle, count, scalars, grads, param_leaves, self._update_dtypes(param_leaves)
         )
 
-    def _grouped_update(self, grads, param_leaves, handle, count, scalars, *, groups, gpu):
+    def _grouped_update(self, grads, param_leaves, handle, count, scalars, *, groups, gpu,
+                        grouping=None):  # fmt: skip
         # One call per group present, renumbered 0.. in forward order; each call's operands are
         # its own leaves. Every call's next count is a value the program uses (the caller holds
         # them to the step's end): an unused result's buffer is one slice that all the calls
@@ -329,7 +336,10 @@ class Offloaded:
         present = sorted(set(groups))
         dtypes = self._update_dtypes(param_leaves)
         ids_of = [[k for k, gk in enumerate(groups) if gk == g] for g in present]
-        calls = [CallGroup(rank, len(present), tuple(ids)) for rank, ids in enumerate(ids_of)]
+        rows = grouping.rows if grouping is not None else {}
+        calls = [CallGroup(rank, len(present), tuple(ids), rows.get(g, 0),
+                           secrets.randbits(31) if rows.get(g) else 0)
+                 for rank, (g, ids) in enumerate(zip(present, ids_of, strict=True))]  # fmt: skip
         tokens = [
             group_send_call(handle, count, scalars, [grads[k] for k in call.leaf_ids],
                             [param_leaves[k] for k in call.leaf_ids], call,
@@ -351,7 +361,26 @@ class Offloaded:
             counts.append(count_out)
             for k, out in zip(ids, group_outs, strict=True):
                 outs[k] = out
+            if call.rows:
+                grouping.streams[present[call.group]] = overlap.RowStream(
+                    [param_leaves[k] for k in ids], group_outs,
+                    functools.partial(_receive, call.stream, [_row_of(param_leaves[k])
+                                                              for k in ids]),
+                )  # fmt: skip
         return jnp.stack(counts), outs
+
+
+def _row_of(param: Any) -> jax.ShapeDtypeStruct:
+    """One row of a stacked param leaf."""
+    return jax.ShapeDtypeStruct(jnp.shape(param)[1:], jnp.result_type(param))
+
+
+def _receive(stream: int, rows: list[jax.ShapeDtypeStruct], row: jax.Array | None
+             ) -> list[jax.Array]:  # fmt: skip
+    """A sent group's receive of ``row`` of its new params (None: the drain)."""
+    if row is None:
+        return host_receive_call(stream, jnp.int32(DRAIN), [])
+    return host_receive_call(stream, row, rows)
 
 
 def _groups_of(params: Any, state: OffloadedState, grouping: overlap.Grouping | None

@@ -36,6 +36,7 @@ the plain loop's, and the next step starts again with no pending gradients.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -80,12 +81,17 @@ class Grouping:
         call's next count): the loss depends on them (:func:`negative_zero`), so that XLA gives
         none of their buffers to the forward pass while a call may still use it (which would
         make the forward pass wait for every call).
+      rows: the groups of stacked layers that a scan consumes one row at a time, and their
+        rows: an update may send such a group and leave a :class:`RowStream` in ``streams``.
+      streams: the sent groups' :class:`RowStream`, by group.
     """
 
     leaves: list[Any]
     groups: dict[int, int]
     platform: str | None = "cpu"
     held: list[Any] = dataclasses.field(default_factory=list)
+    rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    streams: dict[int, RowStream] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(leaves: Sequence[Any], group: Sequence[int], platform: str | None) -> Grouping:
@@ -107,6 +113,24 @@ class Grouping:
     def hold(self, *values: Any) -> None:
         """Keeps ``values`` alive to the end of the step being traced."""
         self.held.extend(values)
+
+
+@dataclasses.dataclass
+class RowStream:
+    """A group of stacked layers sent to the engine whose rows a scan receives one at a time
+    (:mod:`jax_mlpo.engine.row_stream`).
+
+    Attributes:
+      params: the group's traced param leaves (the update's own, by identity).
+      updates: the send's update of each, whole: valid only once every row was received (or
+        drained); where the step's updates are exactly these, the scan receives them by row.
+      receive: ``receive(row)``: row ``row`` of each leaf's update (inside the scan's body);
+        ``receive(DRAIN)`` takes every row at once and gives a token.
+    """
+
+    params: list[Any]
+    updates: list[Any]
+    receive: Callable[[Any], list[Any]]
 
 
 def update_in_groups(
@@ -175,10 +199,19 @@ def overlapped_step(
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     ranks = forward_ranks(closed.jaxpr)[: len(leaves)]
     group = leaf_groups(ranks, [int(np.size(x)) for x in leaves], groups)
+    scans = stacked_scans(closed.jaxpr, len(leaves))
+    group, rows = scans_apart(group, ranks, scans)
     grouping = Grouping.of(leaves, group, platform or default_split())
+    grouping.rows = rows
     updates, opt_state = update_in_groups(tx, grouping, pending, opt_state, params)
     out_tree = jax.tree.structure(out_shape)
     arg_leaves = jax.tree.leaves(args)
+    update_leaves = treedef.flatten_up_to(updates)
+    by_row = rows_received(grouping, leaves, update_leaves, scans)
+    for scan in by_row.values():
+        for k in scan.leaves:  # the new params come from the scan's receives; this carries
+            # their gradient (x + -0.0 == x, bit for bit)
+            update_leaves[k] = jnp.full(jnp.shape(leaves[k]), -0.0, jnp.result_type(leaves[k]))
 
     def loss_of_updates(update_leaves: list[Any]) -> tuple[Any, Any]:
         # The loss at params + updates, each group's update added where the forward pass
@@ -187,15 +220,13 @@ def overlapped_step(
         # (optax.apply_updates after the step) would be merged with them by XLA and scheduled
         # at the program's start, and the forward pass would wait for every update.
         outs, new_params = loss_at_first_use(closed, leaves, update_leaves, arg_leaves,
-                                             _apply_update)  # fmt: skip
+                                             _apply_update, by_row)  # fmt: skip
         out = jax.tree.unflatten(out_tree, outs)
         if has_aux:
             return out[0], (out[1], new_params)
         return out, new_params
 
-    (value, aux), grads = jax.value_and_grad(loss_of_updates, has_aux=True)(
-        treedef.flatten_up_to(updates)
-    )
+    (value, aux), grads = jax.value_and_grad(loss_of_updates, has_aux=True)(update_leaves)
     aux, new_params = aux if has_aux else (None, aux)
     grads = [g.astype(jnp.result_type(p)) for g, p in zip(grads, leaves, strict=True)]
     # the values the grouped calls read and wrote besides their leaves live until the loss
@@ -203,6 +234,84 @@ def overlapped_step(
     value = (value, aux) if has_aux else value
     params = jax.tree.unflatten(treedef, new_params)
     return params, opt_state, jax.tree.unflatten(treedef, grads), value
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanRows:
+    """A scan whose stacked param leaves are updated by row inside its body.
+
+    Attributes:
+      length: the scan's rows.
+      leaves: the param leaves it consumes as stacked ``xs`` (indices into the params' leaves).
+      stream: the group's :class:`RowStream` (set once the update sent the group).
+    """
+
+    length: int
+    leaves: tuple[int, ...]
+    stream: RowStream | None = None
+
+
+def stacked_scans(jaxpr: jex_core.Jaxpr, n: int) -> dict[int, ScanRows]:
+    """The scans of ``jaxpr`` (by equation index) that consume some of its first ``n`` inputs
+    (the params) whole as stacked ``xs``, one row per iteration, where that is their first
+    use and their only operand of the scan: those params can be updated row by row."""
+    position = {v: k for k, v in enumerate(jaxpr.invars[:n])}
+    first = forward_ranks(jaxpr)
+    out = {}
+    for e, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "scan":
+            continue
+        length, skip = eqn.params["length"], eqn.params["num_consts"] + eqn.params["num_carry"]
+        uses = collections.Counter(v for v in eqn.invars if isinstance(v, jex_core.Var))
+        stacked = tuple(
+            position[v] for v in eqn.invars[skip:]
+            if v in position and first[position[v]] == e and uses[v] == 1
+            and np.ndim(v.aval) >= 1 and v.aval.shape[0] == length
+        )  # fmt: skip
+        if stacked and length > 1:
+            out[e] = ScanRows(length, stacked)
+    return out
+
+
+def scans_apart(group: Sequence[int], ranks: Sequence[int], scans: Mapping[int, ScanRows]
+                ) -> tuple[list[int], dict[int, int]]:  # fmt: skip
+    """``group`` renumbered so that each scan's stacked leaves are a group of their own, in the
+    forward order (a group's leaves used before a scan, the scan's, those used after):
+    ``(group, rows of each scan's group)``."""
+    stacked = {k: e for e, scan in scans.items() for k in scan.leaves}
+
+    def key(k: int) -> tuple[int, int]:
+        before = sum(1 for e in scans if e < ranks[k] and _holds(scans[e], group, group[k]))
+        return group[k], 2 * before + (1 if k in stacked else 0)
+
+    keys = sorted({key(k) for k in range(len(group))})
+    number = {kk: i for i, kk in enumerate(keys)}
+    renumbered = [number[key(k)] for k in range(len(group))]
+    rows = {renumbered[scan.leaves[0]]: scan.length for scan in scans.values()}
+    return renumbered, rows
+
+
+def _holds(scan: ScanRows, group: Sequence[int], g: int) -> bool:
+    return group[scan.leaves[0]] == g
+
+
+def rows_received(grouping: Grouping, params: Sequence[Any], updates: Sequence[Any],
+                  scans: Mapping[int, ScanRows]) -> dict[int, ScanRows]:  # fmt: skip
+    """The scans whose stacked leaves' updates the scan receives by row: each group the update
+    sent (``grouping.streams``) whose updates reach the step unchanged (a transformation after
+    jax_mlpo's in a chain would change them: then the step uses them whole). Every other sent
+    group is drained: its rows taken at once, so that the send completes."""
+    index = {id(x): k for k, x in enumerate(params)}
+    out = {}
+    for stream in grouping.streams.values():
+        ks = [index.get(id(p)) for p in stream.params]
+        scan = next((e for e, s in scans.items() if set(s.leaves) == set(ks)), None)
+        if scan is None or any(updates[k] is not u for k, u in zip(ks, stream.updates,
+                                                                   strict=True)):  # fmt: skip
+            grouping.hold(*stream.receive(None))
+            continue
+        out[scan] = ScanRows(scans[scan].length, tuple(ks), stream)
+    return out
 
 
 def default_split() -> str | None:
@@ -320,7 +429,8 @@ def loss_at_first_use(
     updates: Sequence[Any],
     args: Sequence[Any],
     apply: Callable[[Any, Any], Any],
-) -> list[Any]:
+    by_row: Mapping[int, ScanRows] | None = None,
+) -> tuple[list[Any], list[Any]]:
     """``closed``'s outputs on ``apply(params, updates)`` leaf by leaf and ``args``, each
     param's update applied where the program first combines it with an activation.
 
@@ -330,6 +440,9 @@ def loss_at_first_use(
       updates: their updates (each group's comes from its own host call).
       args: the other inputs' leaves (the batch).
       apply: ``apply(param, update) -> new param`` (optax.apply_updates's rule).
+      by_row: the scans (by equation index) whose stacked leaves are updated row by row
+        inside their body, each row received from the engine (:func:`scan_by_row`); their
+        ``updates`` are -0.0, which carries the gradient.
 
     Returns:
       ``(outputs, new_params)``: the jaxpr's outputs, and every param leaf with its update
@@ -377,7 +490,8 @@ def loss_at_first_use(
             return v.val
         return force(v) if v in lazy else env[v]
 
-    for eqn in jaxpr.eqns:
+    by_row = by_row or {}
+    for e, eqn in enumerate(jaxpr.eqns):
         vars_in = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
         derived = [v for v in vars_in if v in lazy and v not in env]
         active = [v for v in vars_in if v in env and v not in lazy]
@@ -386,14 +500,84 @@ def loss_at_first_use(
             for out_var in eqn.outvars:
                 lazy[out_var] = (eqn, touched)
             continue
+        streamed = by_row[e].leaves if e in by_row else ()
         if derived:
             pending = sorted(frozenset().union(*(lazy[v][1] for v in derived)) - set(new))
+            pending = [k for k in pending if k not in streamed]
             if pending:  # the forward pass reaches these params: their new values, now
                 zero = negative_zero(*(env[v] for v in active))
                 for k in pending:
                     new[k] = updated(k, updates[k] + zero.astype(updates[k].dtype))
+        if streamed:
+            stacked = {jaxpr.invars[k]: k for k in streamed}
+            invals = [params[stacked[v]] if v in stacked else read(v) for v in eqn.invars]
+            outs, rows = scan_by_row(eqn, invals, by_row[e], updates, apply, stacked)
+            new.update(rows)
+            for out_var, out in zip(eqn.outvars, outs, strict=True):
+                env[out_var] = out
+            continue
         outs = _bind(eqn, [read(v) for v in eqn.invars])
         for out_var, out in zip(eqn.outvars, outs, strict=True):
             env[out_var] = out
     outs = [read(v) for v in jaxpr.outvars]
     return outs, [new[k] if k in new else updated(k, updates[k]) for k in range(n)]
+
+
+def scan_by_row(eqn: Any, invals: list[Any], scan: ScanRows, updates: Sequence[Any],
+                apply: Callable[[Any, Any], Any], leaf_of: Mapping[Any, int]
+                ) -> tuple[list[Any], dict[int, Any]]:  # fmt: skip
+    """A scan equation on ``invals`` whose stacked param leaves ``scan.leaves`` (among its
+    ``xs``, ``leaf_of`` their vars) are updated inside its body: iteration ``i`` receives row
+    ``i`` of their new values from the engine, so the body runs as soon as that row is updated.
+
+    The old params are not the loop's operands: the send reads them, and the loop would wait
+    for it. The new stacked params are the old ones plus the send's updates, added after the
+    loop (where XLA may add them in place): the loop holds no second copy of the stack, and the
+    send's buffers stay theirs until it has ended.
+
+    Returns:
+      ``(outputs, new params)``: the equation's outputs and each stacked leaf's new value, by
+      leaf index.
+    """
+    p = eqn.params
+    nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+    body = p["jaxpr"]
+    consts, carry = invals[:nc], invals[nc : nc + ncar]
+    xs_vars = eqn.invars[nc + ncar :]
+    stacked = {i: leaf_of[v] for i, v in enumerate(xs_vars) if v in leaf_of}
+    xs = [x for i, x in enumerate(invals[nc + ncar :]) if i not in stacked]
+    position = {k: j for j, k in enumerate(scan.leaves)}
+    assert scan.stream is not None
+    stream = scan.stream
+
+    def step(c: list[Any], x: tuple[list[Any], list[Any], Any]) -> tuple[list[Any], Any]:
+        others, deltas, i = x
+        got = stream.receive(i)
+        others, delta = iter(others), iter(deltas)
+        rows_in = [got[position[stacked[at]]] + next(delta) if at in stacked else next(others)
+                   for at in range(len(xs_vars))]  # fmt: skip
+        outs = jex_core.jaxpr_as_fun(body)(*consts, *c, *rows_in)
+        return list(outs[:ncar]), list(outs[ncar:])
+
+    deltas = [updates[k] for k in stacked.values()]
+    carry_out, ys = jax.lax.scan(
+        step, list(carry), (xs, deltas, jnp.arange(length, dtype=jnp.int32)),
+        length=length, reverse=p["reverse"], unroll=p["unroll"],
+    )  # fmt: skip
+    outs = [*carry_out, *ys]
+    after = _zero_after([o for o in outs if jnp.issubdtype(o.dtype, jnp.floating)][:1])
+    new = {}
+    for at, k in stacked.items():
+        update = stream.updates[position[k]]
+        new[k] = apply(invals[nc + ncar + at], update + after.astype(update.dtype))
+    return outs, new
+
+
+def _zero_after(values: Sequence[Any]) -> jax.Array:
+    """-0.0 computed from the bits of ``values``' first elements: what it is added to waits
+    for them."""
+    zero = jnp.float32(-0.0)
+    for x in values:
+        first = jax.lax.reshape(jax.lax.stop_gradient(x), (np.size(x),))[:1]
+        zero = _or_sign(zero, _negative_zero_of(first))
+    return zero

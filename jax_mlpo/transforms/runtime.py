@@ -51,6 +51,7 @@ from jax_mlpo.engine.engine import Engine
 from jax_mlpo.engine.grouped import GroupCalls, GroupedLeaves, Shards
 from jax_mlpo.engine.layout import Layout
 from jax_mlpo.engine.leaves import HostLeaves, StagedLeaves
+from jax_mlpo.engine.row_stream import RowBoards
 from jax_mlpo.engine.staged_groups import GroupCall, StagedGroupCalls, StagedGroupLeaves
 from jax_mlpo.engine.step_metrics import StepMetrics, combine
 from jax_mlpo.errors import NoEngineError, forget_raised, wait_for_updates
@@ -61,7 +62,7 @@ from jax_mlpo.native.copies import (
     cuda_host_unregister,
     cuda_module,
 )
-from jax_mlpo.native.host_update import DEFERRED, CallGroup
+from jax_mlpo.native.host_update import DEFERRED, CallGroup, Completion
 from jax_mlpo.sharding.mesh import DeviceCalls, MeshPlan
 from jax_mlpo.sharding.plan import NO_GPU_MESH
 from jax_mlpo.transforms.opt_state import find_offloaded, handle_of
@@ -190,13 +191,16 @@ class Runtime:
         # where a GPU's group sends meet, by XLA's stream (one per device): the engine is
         # known only once the first group's scalars have reached the host
         self._gpu_group_calls: dict[int, StagedGroupCalls] = {}
+        # where the rows of stacked layers sent by an overlapped step meet the receives in
+        # its scan, by the stream number the step was traced with
+        self._row_boards = RowBoards()
         # the configs already checked against their tiers, by id (with a weak reference, so
         # that a new config at a recycled id is checked again)
         self._validated: dict[int, weakref.ref] = {}
         self._cuda_wired = False
         self._measured: dict[str, float] = {}  # process constants, each measured once
         self.checkpoints = ProcessCheckpoints()
-        host_update.connect_cpu(self._run_update)
+        host_update.connect_cpu(self._run_update, self._receive_row)
 
     # -- engines and handles ------------------------------------------------------------------
 
@@ -424,6 +428,17 @@ class Runtime:
             self.update_failed(e)
             raise
 
+    def _receive_row(self, stream: int, row: int, outs: list, completion: Completion
+                     ) -> str | None:  # fmt: skip
+        """The host side of every ``jax_mlpo_host_receive``: a row of a group of stacked layers
+        (:mod:`jax_mlpo.engine.row_stream`), handed over once the engine has updated it."""
+        try:
+            deferred = self._row_boards.receive(stream, row, outs, completion)
+            return DEFERRED if deferred else None
+        except BaseException as e:
+            self.update_failed(e)
+            raise
+
     def _calls_of(self, engine: Engine, mesh: MeshPlan | None) -> GroupCalls:
         """Where the CPU calls of ``engine``'s grouped updates meet (made at its first);
         ``mesh``: the shards of an engine over params on a mesh, whose every device makes each
@@ -445,7 +460,8 @@ class Runtime:
                         self.update_failed(e)
                         raise
 
-                found = self._group_calls[engine] = GroupCalls(engine.layout, run, shards=shards)
+                found = self._group_calls[engine] = GroupCalls(engine.layout, run, shards=shards,
+                                                               boards=self._row_boards)  # fmt: skip
         return found
 
     def _send_group(self, stream: int, group: CallGroup, grads: list, params: list,
