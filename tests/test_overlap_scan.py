@@ -36,7 +36,8 @@ from test_overlap import (
 )
 
 import jax_mlpo
-from jax_mlpo.engine.row_stream import DRAIN, RowBoards
+from jax_mlpo.engine.layout import build_layout, stacked_runs
+from jax_mlpo.engine.row_stream import DRAIN, RowBoards, rows_of_subgroups
 from jax_mlpo.testing import tier_faults
 from jax_mlpo.transforms.overlap import stacked_scans
 
@@ -350,3 +351,28 @@ def test_a_row_board_hands_each_row_over_once_it_is_updated():
     assert done[-2:] == [("w", error), ("send3", error)]
     with pytest.raises(OSError, match="tier lost"):
         boards.receive(7, 1, [np.zeros(2, np.float32)], "after")
+
+
+def test_stacked_layers_are_laid_out_row_by_row():
+    """A scanned LLaMA's block leaves share their leading [layers] axis: their subgroups hold
+    whole layers (row 0 of each leaf, then row 1...); an unrolled one's leaves stay whole."""
+    from models.llama import Llama, LlamaConfig
+
+    def params_of(scan: bool) -> Any:
+        config = LlamaConfig(vocab_size=128, hidden=64, layers=4, heads=4, kv_heads=2, ffn=128,
+                             max_seq_len=32, scan_layers=scan)  # fmt: skip
+        model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    scanned = params_of(True)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(scanned)[0]]
+    runs = stacked_runs(scanned)
+    assert [[names[i] for i in run] for run in runs] == [[n for n in names if "blocks" in n]]
+    layout = build_layout(scanned, 64 * 64 * 16, by_row=True)
+    first = layout.subgroups[0].segments
+    assert [(s.leaf, s.leaf_start) for s in first[: len(runs[0])]] == [(i, 0) for i in runs[0]]
+    rows = rows_of_subgroups(layout, [4 if i in runs[0] else 0 for i in range(len(names))])
+    assert rows[0] == {0, 1} and max(rows[max(rows)]) == 3  # layer by layer
+    assert stacked_runs(params_of(False)) == []
+    leaf_major = build_layout(scanned, 64 * 64 * 16)
+    assert len(leaf_major.subgroups) == len(layout.subgroups)

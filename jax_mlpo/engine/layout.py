@@ -262,10 +262,63 @@ def check_moment_dtypes(
     return tuple(moments)
 
 
+def stacked_runs(params: Any) -> list[range]:
+    """The runs of leaves (indices in ``jax.tree`` order) that look like stacked layers: all the
+    leaves of one subtree (not the root, two or more) with the same leading dimension ``L``,
+    2 <= ``L``, smaller than each of their other dimensions (a ``[layers, ...]`` stack, as
+    ``nnx.vmap`` and ``nnx.scan`` make them; a layer's own ``[d, d]`` kernels do not qualify).
+    The largest such subtrees are taken."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+    runs: list[range] = []
+    k = 0
+    while k < len(paths):
+        for depth in range(1, len(paths[k])):
+            prefix = paths[k][:depth]
+            if k and paths[k - 1][:depth] == prefix:
+                continue  # leaf k is not the first of this subtree
+            end = k
+            while end < len(paths) and paths[end][:depth] == prefix:
+                end += 1
+            if end - k >= 2 and _stacked([shapes[i] for i in range(k, end)]):
+                runs.append(range(k, end))
+                k = end
+                break
+        else:
+            k += 1
+    return runs
+
+
+def _stacked(shapes: list[tuple[int, ...]]) -> bool:
+    rows = {s[0] if len(s) >= 2 else 0 for s in shapes}
+    return len(rows) == 1 and 2 <= rows.pop() < min(min(s[1:]) for s in shapes)
+
+
+def _pieces(shapes: Sequence[tuple[int, ...]], runs: Sequence[range]
+            ) -> list[tuple[int, int, int]]:  # fmt: skip
+    """``(leaf, first element, elements)`` in the order the subgroups hold them: each leaf whole,
+    but a run of stacked leaves row by row (row 0 of each, then row 1...), so that the
+    subgroups follow the layers a scan runs through."""
+    first = {run.start: run for run in runs}
+    pieces, k = [], 0
+    while k < len(shapes):
+        if k in first:
+            run = first[k]
+            for row in range(shapes[k][0]):
+                for i in run:
+                    n = int(np.prod(shapes[i][1:], dtype=np.int64))
+                    pieces.append((i, row * n, n))
+            k = run.stop
+            continue
+        pieces.append((k, 0, int(np.prod(shapes[k], dtype=np.int64))))
+        k += 1
+    return pieces
+
+
 def build_layout(
     params: Any, subgroup_size: int, decay_flags: Sequence[bool] | None = None,
     moment_dtypes: Sequence[Any] = (F32, F32), moment_names: Sequence[str] = ADAMW_MOMENTS,
-    keeps_master: bool = True,
+    keeps_master: bool = True, by_row: bool = False,
 ) -> Layout:  # fmt: skip
     """Cuts the params pytree into subgroups.
 
@@ -277,6 +330,10 @@ def build_layout(
       moment_dtypes: the dtypes the moments are stored in (float32, bfloat16 or "q8").
       moment_names: the optimizer's names of the moments (:mod:`jax_mlpo.optimizers`).
       keeps_master: whether the state holds the fp32 master of bfloat16 leaves.
+      by_row: lay out the leaves that look like stacked layers (:func:`stacked_runs`) row by
+        row, so that a subgroup holds whole layers of the stack, not a part of each leaf: an
+        overlapped step updates them layer by layer inside the scan
+        (:mod:`jax_mlpo.engine.row_stream`).
 
     Returns:
       The layout.
@@ -313,13 +370,12 @@ def build_layout(
             )
         segments, filled = [], 0
 
-    for i, shape in enumerate(shapes):
-        size = int(np.prod(shape, dtype=np.int64))
+    for i, start, size in _pieces(shapes, stacked_runs(params) if by_row else []):
         taken = 0
         while taken < size:
             n = min(size - taken, subgroup_size - filled)
             master = keeps_master and dtypes[i] == BF16
-            segments.append(Segment(i, taken, filled, n, decay_flags[i], master))
+            segments.append(Segment(i, start + taken, filled, n, decay_flags[i], master))
             taken += n
             filled += n
             if filled == subgroup_size:

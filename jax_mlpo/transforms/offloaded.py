@@ -229,7 +229,9 @@ class Offloaded:
         plan = shard_plan(params, backend=jax.default_backend())
         flags = plan.engine_flags(resolve_mask(decay, params))
         moments = (spec.moment_dtypes, spec.optimizer.moment_names, spec.keeps_master)
-        layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments)
+        # stacked layers row by row: an overlapped step updates them as its scan reaches them
+        layout = build_layout(plan.engine_leaves(params), where.subgroup_size, flags, *moments,
+                              by_row=plan.mesh is None and not plan.processes)  # fmt: skip
         engine, place = self._new_engine(layout, plan.engine_config(where))
         RUNTIME.init_succeeded(plan.key(params))
         if plan.mesh is not None:  # a handle per device, whose calls meet before the engine runs

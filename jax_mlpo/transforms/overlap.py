@@ -124,8 +124,9 @@ class RowStream:
       params: the group's traced param leaves (the update's own, by identity).
       updates: the send's update of each, whole: valid only once every row was received (or
         drained); where the step's updates are exactly these, the scan receives them by row.
-      receive: ``receive(row)``: row ``row`` of each leaf's update (inside the scan's body);
-        ``receive(DRAIN)`` takes every row at once and gives a token.
+      receive: ``receive(row)``: row ``row`` of each leaf's new value, ``param + update``
+        (inside the scan's body); ``receive(None)`` drains: it takes every row at once and
+        gives a token.
     """
 
     params: list[Any]
