@@ -321,22 +321,27 @@ def test_an_nnx_scan_model_follows_the_plain_loop_and_optax(tmp_path):
 
 def test_a_row_board_hands_each_row_over_once_it_is_updated():
     """A receive before its send and before its row waits; one after its row is served at
-    once; the send completes when every row was taken; a drain takes them all."""
+    once (the row of the param, then of its update); the send completes when every row was
+    taken; a drain takes them all; a failed round fails its receives and its send."""
     done: list[tuple[str, BaseException | None]] = []
     boards = RowBoards(lambda c, e: done.append((c, e)))
     params = [np.arange(6, dtype=np.float32)]
     updates = [np.full(6, 0.5, np.float32)]
-    early = [np.zeros(2, np.float32)]
+
+    def rows() -> list[np.ndarray]:
+        return [np.zeros(2, np.float32), np.zeros(2, np.float32)]
+
+    early = rows()
     assert boards.receive(7, 0, early, "r0") is True  # before the send: waits
     boards.sent(7, 3, params, updates, "send")
     boards.updated(7, 0)
-    np.testing.assert_array_equal(early[0], [0.5, 1.5])
+    np.testing.assert_array_equal(early, [[0.0, 1.0], [0.5, 0.5]])
     boards.updated(7, 1)
-    late = [np.zeros(2, np.float32)]
+    late = rows()
     assert boards.receive(7, 1, late, "r1") is False  # updated already: served at once
-    np.testing.assert_array_equal(late[0], [2.5, 3.5])
+    np.testing.assert_array_equal(late, [[2.0, 3.0], [0.5, 0.5]])
     assert done == [("r0", None)]
-    assert boards.receive(7, 2, [np.zeros(2, np.float32)], "r2") is True
+    assert boards.receive(7, 2, rows(), "r2") is True
     boards.updated(7, 2)
     assert done == [("r0", None), ("r2", None), ("send", None)]
     boards.sent(7, 3, params, updates, "send2")  # the next round: a new board
@@ -345,12 +350,14 @@ def test_a_row_board_hands_each_row_over_once_it_is_updated():
         boards.updated(7, row)
     assert done[-2:] == [("drain", None), ("send2", None)]
     boards.sent(7, 3, params, updates, "send3")
-    assert boards.receive(7, 0, [np.zeros(2, np.float32)], "w") is True
+    with pytest.raises(RuntimeError, match="in flight at once"):  # rows would mix
+        boards.sent(7, 3, params, updates, "another state's send")
+    assert boards.receive(7, 0, rows(), "w") is True
     error = OSError(errno.EIO, "tier lost")
     boards.fail(7, error)
     assert done[-2:] == [("w", error), ("send3", error)]
     with pytest.raises(OSError, match="tier lost"):
-        boards.receive(7, 1, [np.zeros(2, np.float32)], "after")
+        boards.receive(7, 1, rows(), "after")
 
 
 def test_stacked_layers_are_laid_out_row_by_row():

@@ -6,10 +6,10 @@ iteration ``i``. Inside :func:`jax_mlpo.overlapped_step` such a group is a send
 (``jax_mlpo_host_send``: the group's gradients and params handed in, its updates written where
 the gradients were) and, in the scan's body, one receive per row (``jax_mlpo_host_receive``),
 the two joined by a stream number chosen when the step is traced. The engine updates the
-group's subgroups row by row (:func:`row_rank`); :class:`RowBoard` hands row ``i`` of the new
-params (``param + update``, rounded as ``optax.apply_updates`` rounds) to its receive as soon
-as every subgroup holding a part of it is updated, so the scan's iteration ``i`` runs while the
-engine updates the next rows.
+group's subgroups row by row (:func:`row_rank`); :class:`RowBoard` hands row ``i`` of each
+param and of its update to its receive (plain copies: the scan adds them as
+``optax.apply_updates`` does) as soon as every subgroup holding a part of it is updated, so the
+scan's iteration ``i`` runs while the engine updates the next rows.
 
 The send stays pending until every row has been taken: its buffers are XLA's until then, and
 the receives read from them. A receive may come before its row is updated (it then waits,
@@ -94,7 +94,17 @@ class RowBoard:
     def sent(self, params: Sequence[np.ndarray], updates: Sequence[np.ndarray],
              completion: Any) -> None:  # fmt: skip
         """The send arrived: its param and update buffers (flat, the rows' source) and its
-        completion."""
+        completion.
+
+        Raises:
+          RuntimeError: a send of the same stream is still in flight (one compiled step run
+            twice at once, on two states: their rows would mix).
+        """
+        if self._send is not None:
+            raise RuntimeError(
+                "jax_mlpo: two runs of one compiled overlapped step are in flight at once; "
+                "run them one after another, or jit a step per optimizer state"
+            )
         self._sources = list(zip(params, updates, strict=True))
         self._send = completion
 
@@ -150,17 +160,16 @@ class RowBoard:
             self._complete(send, error)
 
     def _take(self, row: int, outs: list[np.ndarray]) -> BaseException | None:
+        """Copies row ``row`` of each param, then of each update, into ``outs``."""
         try:
             assert self._sources is not None
-            if len(outs) != len(self._sources):
-                raise RuntimeError(f"a receive of {len(outs)} leaves from a send of "
-                                   f"{len(self._sources)}")  # fmt: skip
-            for out, (param, update) in zip(outs, self._sources, strict=True):
-                n = out.size
-                p, u = param[row * n : (row + 1) * n], update[row * n : (row + 1) * n]
-                # optax.apply_updates: the sum in the promoted type, rounded to the param's
-                np.copyto(out, np.add(p, u, dtype=np.result_type(p.dtype, u.dtype)),
-                          casting="unsafe")  # fmt: skip
+            n = len(self._sources)
+            if len(outs) != 2 * n:
+                raise RuntimeError(f"a receive of {len(outs)} rows from a send of {n} leaves")
+            for k, (param, update) in enumerate(self._sources):
+                for out, source in ((outs[k], param), (outs[n + k], update)):
+                    size = out.size
+                    np.copyto(out, source[row * size : (row + 1) * size])
         except BaseException as e:  # noqa: BLE001 - the receive fails with it
             return e
         self._taken += 1

@@ -107,7 +107,7 @@ HostUpdate = Callable[
      Completion | None],
     str | None,
 ]  # fmt: skip
-# receiver(stream, row, outs, completion): a receive of one row of a send's new params
+# receiver(stream, row, outs, completion): a receive of one row of a send's params and updates
 Receiver = Callable[[int, int, list[np.ndarray], Completion], str | None]
 
 
@@ -220,9 +220,9 @@ def connect_cpu(runner: HostUpdate, receiver: Receiver) -> None:
         is a :class:`Completion`: returning :data:`DEFERRED` leaves the call pending until it
         is called; otherwise the call completes when the runner returns.
       receiver: ``receiver(stream, row, outs, completion)``, every
-        ``jax_mlpo_host_receive`` (:func:`host_receive_call`): it writes row ``row`` of the
-        new params of send ``stream``'s leaves into ``outs`` (one numpy view per stacked leaf;
-        a drain's token for ``row`` < 0), deferring as ``runner`` may.
+        ``jax_mlpo_host_receive`` (:func:`host_receive_call`): it writes row ``row`` of send
+        ``stream``'s params, then of its updates, into ``outs`` (numpy views; a drain's token
+        for ``row`` < 0), deferring as ``runner`` may.
     """
     NATIVE.set_host_update(_handler(runner))
     NATIVE.set_host_receive(_receive_handler(receiver))
@@ -343,18 +343,20 @@ def host_update_call(
 def host_receive_call(
     stream: int, row: jax.Array, outs: Sequence[jax.ShapeDtypeStruct]
 ) -> list[jax.Array]:
-    """Emits the receive of row ``row`` of the new params of a send's leaves (CPU; inside a
-    scan's body): it completes once the engine has updated every subgroup holding the row.
-    Its only operand is the row (``ffi/host_update.cc`` says why).
+    """Emits the receive of row ``row`` of a send's leaves (CPU; inside a scan's body): it
+    completes once the engine has updated every subgroup holding the row. Its only operand is
+    the row (``ffi/host_update.cc`` says why).
 
     Args:
       stream: the send's ``CallGroup.stream``.
       row: int32 scalar, the row (the scan's iteration); < 0 drains: every row at once, none
         returned (the send's updates were used whole).
-      outs: the shape and dtype of one row of each of the send's params (none to drain).
+      outs: the shape and dtype of one row of each of the send's params, then of each of its
+        updates (none to drain).
 
     Returns:
-      Row ``row`` of each new param, ``param + update`` (a drain: an int32 token).
+      Row ``row`` of each param as the send read it, then of each update (a drain: an int32
+      token).
     """
     results = (*outs,) if outs else (jax.ShapeDtypeStruct((), jnp.int32),)
     call = jax.ffi.ffi_call("jax_mlpo_host_receive", results, has_side_effect=True)

@@ -364,22 +364,23 @@ class Offloaded:
             for k, out in zip(ids, group_outs, strict=True):
                 outs[k] = out
             if call.rows:
+                rows = [_row_of(param_leaves[k], jnp.result_type(param_leaves[k])) for k in ids]
+                rows += [_row_of(param_leaves[k], dtypes[k]) for k in ids]
                 grouping.streams[present[call.group]] = overlap.RowStream(
                     [param_leaves[k] for k in ids], group_outs,
-                    functools.partial(_receive, call.stream, [_row_of(param_leaves[k])
-                                                              for k in ids]),
+                    functools.partial(_receive, call.stream, rows),
                 )  # fmt: skip
         return jnp.stack(counts), outs
 
 
-def _row_of(param: Any) -> jax.ShapeDtypeStruct:
-    """One row of a stacked param leaf."""
-    return jax.ShapeDtypeStruct(jnp.shape(param)[1:], jnp.result_type(param))
+def _row_of(param: Any, dtype: Any) -> jax.ShapeDtypeStruct:
+    """One row of a stacked param leaf, in ``dtype``."""
+    return jax.ShapeDtypeStruct(jnp.shape(param)[1:], dtype)
 
 
 def _receive(stream: int, rows: list[jax.ShapeDtypeStruct], row: jax.Array | None
              ) -> list[jax.Array]:  # fmt: skip
-    """A sent group's receive of ``row`` of its new params (None: the drain)."""
+    """A sent group's receive of ``row`` of its params and updates (None: the drain)."""
     if row is None:
         return host_receive_call(stream, jnp.int32(DRAIN), [])
     return host_receive_call(stream, row, rows)

@@ -124,9 +124,9 @@ class RowStream:
       params: the group's traced param leaves (the update's own, by identity).
       updates: the send's update of each, whole: valid only once every row was received (or
         drained); where the step's updates are exactly these, the scan receives them by row.
-      receive: ``receive(row)``: row ``row`` of each leaf's new value, ``param + update``
-        (inside the scan's body); ``receive(None)`` drains: it takes every row at once and
-        gives a token.
+      receive: ``receive(row)``: row ``row`` of each param, then of each update (inside the
+        scan's body); ``receive(None)`` drains: it takes every row at once and gives a
+        token.
     """
 
     params: list[Any]
@@ -200,7 +200,9 @@ def overlapped_step(
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     ranks = forward_ranks(closed.jaxpr)[: len(leaves)]
     group = leaf_groups(ranks, [int(np.size(x)) for x in leaves], groups)
-    scans = stacked_scans(closed.jaxpr, len(leaves))
+    # stacked layers a scan consumes: a group of their own, received row by row in the scan
+    # (one call where one is asked for)
+    scans = stacked_scans(closed.jaxpr, len(leaves)) if groups > 1 else {}
     group, rows = scans_apart(group, ranks, scans)
     grouping = Grouping.of(leaves, group, platform or default_split())
     grouping.rows = rows
@@ -210,9 +212,9 @@ def overlapped_step(
     update_leaves = treedef.flatten_up_to(updates)
     by_row = rows_received(grouping, leaves, update_leaves, scans)
     for scan in by_row.values():
-        for k in scan.leaves:  # the new params come from the scan's receives; this carries
-            # their gradient (x + -0.0 == x, bit for bit)
-            update_leaves[k] = jnp.full(jnp.shape(leaves[k]), -0.0, jnp.result_type(leaves[k]))
+        for k in scan.leaves:  # the updates come from the scan's receives; this carries the
+            # gradient (x + -0.0 == x, bit for bit)
+            update_leaves[k] = jnp.full(jnp.shape(leaves[k]), -0.0, update_leaves[k].dtype)
 
     def loss_of_updates(update_leaves: list[Any]) -> tuple[Any, Any]:
         # The loss at params + updates, each group's update added where the forward pass
@@ -529,7 +531,8 @@ def scan_by_row(eqn: Any, invals: list[Any], scan: ScanRows, updates: Sequence[A
                 ) -> tuple[list[Any], dict[int, Any]]:  # fmt: skip
     """A scan equation on ``invals`` whose stacked param leaves ``scan.leaves`` (among its
     ``xs``, ``leaf_of`` their vars) are updated inside its body: iteration ``i`` receives row
-    ``i`` of their new values from the engine, so the body runs as soon as that row is updated.
+    ``i`` of each param and of its update from the engine and adds them (``apply``), so the
+    body runs as soon as that row is updated.
 
     The old params are not the loop's operands: the send reads them, and the loop would wait
     for it. The new stacked params are the old ones plus the send's updates, added after the
@@ -554,9 +557,13 @@ def scan_by_row(eqn: Any, invals: list[Any], scan: ScanRows, updates: Sequence[A
     def step(c: list[Any], x: tuple[list[Any], list[Any], Any]) -> tuple[list[Any], Any]:
         others, deltas, i = x
         got = stream.receive(i)
+        olds, news = got[: len(position)], got[len(position) :]
         others, delta = iter(others), iter(deltas)
-        rows_in = [got[position[stacked[at]]] + next(delta) if at in stacked else next(others)
-                   for at in range(len(xs_vars))]  # fmt: skip
+        rows_in = [
+            apply(olds[position[stacked[at]]], news[position[stacked[at]]] + next(delta))
+            if at in stacked else next(others)
+            for at in range(len(xs_vars))
+        ]  # fmt: skip
         outs = jex_core.jaxpr_as_fun(body)(*consts, *c, *rows_in)
         return list(outs[:ncar]), list(outs[ncar:])
 

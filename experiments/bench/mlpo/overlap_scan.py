@@ -31,8 +31,8 @@ At the end each variant's plain and overlapped params (after the overlapped loop
 compared bit for bit, and ``--compile-layers`` compiles the forward and backward pass of both
 variants at other depths (abstract params, nothing allocated): what unrolling a scan costs.
 
-    python -m experiments.bench.mlpo.overlap_scan --layers 8 --batch 4 --cap 300MB \\
-        --rounds 5 --steps 3 --json experiments/results/overlap_scan.json
+    python -m experiments.bench.mlpo.overlap_scan --layers 8 --batch 12 --cap 150MB \\
+        --rounds 3 --steps 2 --compile-layers '' --json experiments/results/overlap_scan_rows.json
 """
 
 from __future__ import annotations
