@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -97,6 +98,27 @@ ffi::Error ReportedError(const nb::python_error& e) {
   return ffi::Error::Internal(message.empty() ? "jax_mlpo host update failed" : message);
 }
 
+// Runs a Python callback: `call()` returns whether it deferred the XLA call (then *deferred is
+// set); an exception becomes the call's error. A deferral the callback did not keep no longer
+// names the call.
+template <typename Call>
+ffi::Error Guarded(const char* what, nb::object& deferral, bool* deferred, Call&& call) {
+  try {
+    if (call()) {
+      *deferred = true;
+      return ffi::Error::Success();
+    }
+  } catch (nb::python_error& e) {
+    Undefer(deferral);
+    return ReportedError(e);
+  } catch (const std::exception& e) {
+    Undefer(deferral);
+    return ffi::Error::Internal(std::string(what) + e.what());
+  }
+  Undefer(deferral);
+  return ffi::Error::Success();
+}
+
 ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
                       const CallGroup& group, const std::vector<BufferView>& views, void* stream,
                       PendingUpdate* pending, bool* deferred) {
@@ -106,7 +128,7 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
         "jax_mlpo_host_update: no host engine callback is registered (import jax_mlpo)");
   }
   nb::object deferral;
-  try {
+  return Guarded("jax_mlpo host update failed: ", deferral, deferred, [&] {
     const size_t n = views.size() / 3;
     nb::list lists[3];
     for (size_t k = 0; k < views.size(); ++k) lists[k / n].append(nb::cast(views[k]));
@@ -123,22 +145,11 @@ ffi::Error CallEngine(int32_t handle, int32_t count, const float* scalars,
     nb::object s = stream ? nb::object(nb::int_(reinterpret_cast<uintptr_t>(stream))) : nb::none();
     const bool defers = nb::cast<bool>(
         (*g_engine)(handle, count, values, call, lists[0], lists[1], lists[2], s, deferral));
-    if (defers) {
-      if (pending == nullptr) {
-        return ffi::Error::Internal("a jax_mlpo update on a GPU cannot be deferred");
-      }
-      *deferred = true;
-      return ffi::Error::Success();
+    if (defers && pending == nullptr) {
+      throw std::runtime_error("a jax_mlpo update on a GPU cannot be deferred");
     }
-  } catch (nb::python_error& e) {
-    Undefer(deferral);
-    return ReportedError(e);
-  } catch (const std::exception& e) {
-    Undefer(deferral);
-    return ffi::Error::Internal(std::string("jax_mlpo host update failed: ") + e.what());
-  }
-  Undefer(deferral);
-  return ffi::Error::Success();
+    return defers;
+  });
 }
 
 ffi::Error CallReceiver(int32_t stream, int32_t row, const std::vector<BufferView>& views,
@@ -149,23 +160,12 @@ ffi::Error CallReceiver(int32_t stream, int32_t row, const std::vector<BufferVie
         "jax_mlpo_host_receive: no receiver callback is registered (import jax_mlpo)");
   }
   nb::object deferral;
-  try {
+  return Guarded("jax_mlpo receive failed: ", deferral, deferred, [&] {
     nb::list outs;
     for (const BufferView& v : views) outs.append(nb::cast(v));
     deferral = nb::cast(new Deferral{pending}, nb::rv_policy::take_ownership);
-    if (nb::cast<bool>((*g_receiver)(stream, row, outs, deferral))) {
-      *deferred = true;
-      return ffi::Error::Success();
-    }
-  } catch (nb::python_error& e) {
-    Undefer(deferral);
-    return ReportedError(e);
-  } catch (const std::exception& e) {
-    Undefer(deferral);
-    return ffi::Error::Internal(std::string("jax_mlpo receive failed: ") + e.what());
-  }
-  Undefer(deferral);
-  return ffi::Error::Success();
+    return nb::cast<bool>((*g_receiver)(stream, row, outs, deferral));
+  });
 }
 
 // The CUDA module binds the same types in a nanobind domain of its own (CMakeLists.txt).
