@@ -358,6 +358,11 @@ def test_a_row_board_hands_each_row_over_once_it_is_updated():
     assert done[-2:] == [("w", error), ("send3", error)]
     with pytest.raises(OSError, match="tier lost"):
         boards.receive(7, 1, rows(), "after")
+    boards.sent(7, 3, params, updates, "send4")  # a receive that cannot take its row
+    boards.updated(7, 0)
+    with pytest.raises(RuntimeError, match="a receive of 1 rows from a send of 1 leaves"):
+        boards.receive(7, 0, rows()[:1], "short")
+    assert done[-1][0] == "send4" and isinstance(done[-1][1], RuntimeError)  # not left pending
 
 
 def test_stacked_layers_are_laid_out_row_by_row():

@@ -113,7 +113,11 @@ class RowBoard:
         self._done.add(row)
         if row in self._waiting:
             outs, completion = self._waiting.pop(row)
-            self._complete(completion, self._take(row, outs))
+            error = self._take(row, outs)
+            self._complete(completion, error)
+            if error is not None:
+                self.fail(error)
+                return
         if DRAIN in self._waiting and self.rows and len(self._done) >= self.rows:
             _, completion = self._waiting.pop(DRAIN)
             self._taken = self.rows
@@ -143,9 +147,10 @@ class RowBoard:
             self._waiting[row] = (outs, completion)
             return True
         error = self._take(row, outs)
-        self._finish()
-        if error is not None:
+        if error is not None:  # the send and the other receives fail too: none waits for ever
+            self.fail(error)
             raise error
+        self._finish()
         return False
 
     def fail(self, error: BaseException) -> None:
