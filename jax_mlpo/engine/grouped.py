@@ -43,11 +43,11 @@ Run = Callable[[int, np.ndarray, "GroupedLeaves", list[int]], None]
 
 
 def forward_order(layout: Layout, group_of_leaf: Sequence[int],
-                  rows_of_leaf: Sequence[int] | None = None) -> list[int]:  # fmt: skip
+                  rows: dict[int, set[int]] | None = None) -> list[int]:  # fmt: skip
     """The subgroups in the order the forward pass needs them: by the first group of the leaves
-    each holds, then by the first row of stacked leaves (``rows_of_leaf``: each leaf's rows, 0
-    for one not streamed by row), then by index."""
-    rows = rows_of_subgroups(layout, rows_of_leaf) if rows_of_leaf else {}
+    each holds, then by the first row of stacked leaves they hold (``rows``:
+    :func:`~jax_mlpo.engine.row_stream.rows_of_subgroups`), then by index."""
+    rows = rows or {}
 
     def rank(sg: Subgroup) -> tuple[int, int, int]:
         return min(group_of_leaf[seg.leaf] for seg in sg.segments), row_rank(sg, rows), sg.index
@@ -64,6 +64,8 @@ class GroupedLeaves(HostLeaves):
       group_of_leaf: each leaf's group.
       complete: ``complete(group)`` hands a group's call back to XLA.
       rows_of_leaf: each leaf's rows where its group is streamed by row (0 elsewhere).
+      rows: the rows of streamed leaves each subgroup holds
+        (:func:`~jax_mlpo.engine.row_stream.rows_of_subgroups` of ``rows_of_leaf``).
       row_done: ``row_done(group, row)``, once every subgroup holding a part of ``row`` of the
         group's stacked leaves is updated.
     """
@@ -71,7 +73,7 @@ class GroupedLeaves(HostLeaves):
     def __init__(
         self, layout: Layout, grads: list, params: list, updates: list,
         group_of_leaf: Sequence[int], complete: Callable[[int], None],
-        rows_of_leaf: Sequence[int] | None = None,
+        rows_of_leaf: Sequence[int] | None = None, rows: dict[int, set[int]] | None = None,
         row_done: Callable[[int, int], None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(grads, params, updates)
@@ -79,12 +81,12 @@ class GroupedLeaves(HostLeaves):
         self._row_done = row_done
         self._rows_left: dict[tuple[int, int], set[int]] = {}  # (group, row): its subgroups
         self._rows_of: dict[int, list[tuple[int, int]]] = {}  # subgroup: its (group, row)s
-        if rows_of_leaf:
-            for index, rows in rows_of_subgroups(layout, rows_of_leaf).items():
+        if rows_of_leaf and rows:
+            for index, held in rows.items():
                 sg = layout.subgroups[index]
                 g = min(group_of_leaf[seg.leaf] for seg in sg.segments
                         if rows_of_leaf[seg.leaf])  # fmt: skip
-                for r in rows:
+                for r in held:
                     self._rows_left.setdefault((g, r), set()).add(index)
                     self._rows_of.setdefault(index, []).append((g, r))
         self.first_done: float | None = None  # when the first group was handed back
@@ -291,9 +293,10 @@ class GroupCalls:
             def row_done(g: int, row: int) -> None:
                 self._boards.updated(stream_of_group[g], row)
 
+            rows = rows_of_subgroups(self._layout, rows_of_leaf) if any(rows_of_leaf) else {}
             leaves = GroupedLeaves(self._layout, grads, params, updates, group_of_leaf, complete,
-                                   rows_of_leaf, row_done)  # fmt: skip
-            order = forward_order(self._layout, group_of_leaf, rows_of_leaf)
+                                   rows_of_leaf, rows, row_done)  # fmt: skip
+            order = forward_order(self._layout, group_of_leaf, rows)
             self._run(counts.pop(), calls[0][1], leaves, order)
         except BaseException as e:  # noqa: BLE001 - every call not yet completed fails with it
             for g in by_group:

@@ -284,7 +284,8 @@ def scans_apart(group: Sequence[int], ranks: Sequence[int], scans: Mapping[int, 
     stacked = {k: e for e, scan in scans.items() for k in scan.leaves}
 
     def key(k: int) -> tuple[int, int]:
-        before = sum(1 for e in scans if e < ranks[k] and _holds(scans[e], group, group[k]))
+        before = sum(1 for e, scan in scans.items()
+                     if e < ranks[k] and group[scan.leaves[0]] == group[k])  # fmt: skip
         return group[k], 2 * before + (1 if k in stacked else 0)
 
     keys = sorted({key(k) for k in range(len(group))})
@@ -292,10 +293,6 @@ def scans_apart(group: Sequence[int], ranks: Sequence[int], scans: Mapping[int, 
     renumbered = [number[key(k)] for k in range(len(group))]
     rows = {renumbered[scan.leaves[0]]: scan.length for scan in scans.values()}
     return renumbered, rows
-
-
-def _holds(scan: ScanRows, group: Sequence[int], g: int) -> bool:
-    return group[scan.leaves[0]] == g
 
 
 def rows_received(grouping: Grouping, params: Sequence[Any], updates: Sequence[Any],
@@ -573,19 +570,9 @@ def scan_by_row(eqn: Any, invals: list[Any], scan: ScanRows, updates: Sequence[A
         length=length, reverse=p["reverse"], unroll=p["unroll"],
     )  # fmt: skip
     outs = [*carry_out, *ys]
-    after = _zero_after([o for o in outs if jnp.issubdtype(o.dtype, jnp.floating)][:1])
+    after = negative_zero(*[o for o in outs if jnp.issubdtype(o.dtype, jnp.floating)][:1])
     new = {}
     for at, k in stacked.items():
         update = stream.updates[position[k]]
         new[k] = apply(invals[nc + ncar + at], update + after.astype(update.dtype))
     return outs, new
-
-
-def _zero_after(values: Sequence[Any]) -> jax.Array:
-    """-0.0 computed from the bits of ``values``' first elements: what it is added to waits
-    for them."""
-    zero = jnp.float32(-0.0)
-    for x in values:
-        first = jax.lax.reshape(jax.lax.stop_gradient(x), (np.size(x),))[:1]
-        zero = _or_sign(zero, _negative_zero_of(first))
-    return zero
