@@ -41,7 +41,7 @@ __all__ = [
 
 Placement = Literal["measured", "even", "first"]
 Order = Literal["alternate", "ascending"]
-OverlapOrder = Literal["auto", "forward", "alternate"]
+OverlapOrder = Literal["forward", "alternate"]
 RetainPolicy = Literal["equal", "slow_tiers"]
 
 
@@ -64,11 +64,9 @@ class OffloadConfig:
       order: ``"alternate"`` (ascending, then descending, ...) or ``"ascending"`` every step.
       overlap_order: the order of updates beside the forward pass
         (:func:`jax_mlpo.overlapped_step`) under ``order="alternate"``: ``"forward"`` every one
-        in the forward pass's order (which retains ``pipeline buffers`` fewer subgroups, so each
-        step moves as many more blobs each way, between updates), ``"alternate"`` every other
-        one reversed (the plain step's bytes; that update not beside the forward pass), or
-        ``"auto"``: ``"forward"`` while its extra I/O fits between updates or costs less than
-        half the overlap, measured (:mod:`jax_mlpo.engine.retention`).
+        in the forward pass's order, what the last one kept in host memory first (the plain
+        step's bytes: :func:`jax_mlpo.engine.retention.cached_first`), or ``"alternate"``
+        every other one reversed (the same bytes; that update not beside the forward pass).
       retain: keep the subgroups the next step starts with in host memory across the step
         boundary, not written back: with the alternating order one per host buffer (the next
         step updates them before it reads anything into their buffers), with ``"ascending"``
@@ -108,7 +106,7 @@ class OffloadConfig:
     prefetch_depth: int = 2
     placement: Placement = "measured"
     order: Order = "alternate"
-    overlap_order: OverlapOrder = "auto"
+    overlap_order: OverlapOrder = "forward"
     retain: bool = True
     retain_policy: RetainPolicy = "equal"
     delayed_conversion: bool = True

@@ -168,7 +168,7 @@ def max_err(a, b) -> float:
 
 
 def held_order(tier: str) -> list[bool]:
-    """One overlapped step with the read of the last subgroup in forward order held until the
+    """One overlapped step with the read of the last subgroup its update reads held until the
     forward pass's first layer has run (or 60 s): at each run of that layer (one per device
     where the callback is partitioned), whether that read was still to finish. Had the forward
     pass waited for the whole update, the read would have ended at its limit first."""
@@ -176,7 +176,8 @@ def held_order(tier: str) -> list[bool]:
     tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config(tier, overlap_order="forward"))
     params = init_params()
     state = tx.init(params)
-    last = jax_mlpo.engine_of(state).layout.subgroups[0].index  # a_out's: the first leaf
+    engine = jax_mlpo.engine_of(state)
+    last = -1  # set once the first update gave the engine its order
     unfinished: list[bool] = []
     armed: dict[str, object] = {"plan": None}
 
@@ -193,6 +194,9 @@ def held_order(tier: str) -> list[bool]:
     pending = jax.jit(jax.grad(loss_fn))(params, batch(0))
     params, state, pending, _ = step(params, state, pending, batch(1))  # the order learned
     jax.block_until_ready(pending)
+    order = engine.order.of_step(engine.step_count)  # what the last update kept comes first
+    last = order[-1]
+    assert last not in engine.order.kept
     with tier_faults(state) as plan:
         plan.hang("read", slot=last, limit_s=60)
         armed["plan"] = plan

@@ -310,15 +310,22 @@ def test_a_checkpoint_in_the_middle_resumes_bit_for_bit(tmp_path):
     assert first + rest == expected_losses
 
 
+def last_read(engine) -> int:
+    """The last subgroup the engine's next update reads: the last of its order (what the last
+    update kept comes first, and is not read)."""
+    order = engine.order.of_step(engine.step_count)
+    assert order[-1] not in engine.order.kept
+    return order[-1]
+
+
 def test_the_forward_pass_runs_while_the_last_group_is_updated(tmp_path):
-    """The read of the last subgroup in forward order (a_out's, the pytree's first leaf) is held
-    until the forward pass's first layer has run: had the forward pass waited for the whole
-    update, the hold would only end at its limit, before the first layer ran, and the test
-    fail."""
+    """The read of the last subgroup the update reads (one of a_out's, the last leaf the
+    forward pass needs) is held until the forward pass's first layer has run: had the forward
+    pass waited for the whole update, the hold would only end at its limit, before the first
+    layer ran, and the test fail."""
     tx = offloaded_adamw(file_config(tmp_path, read_ahead=False, overlap_order="forward"))
     params = make_params()
     state = tx.init(params)
-    last = jax_mlpo.engine_of(state).layout.subgroups[0].index  # a_out's first subgroup
     ran_first_layer = threading.Event()
     held_when_it_ran: list[int] = []
     probe: dict[str, Any] = {"plan": None}  # armed for the second step only
@@ -347,6 +354,7 @@ def test_the_forward_pass_runs_while_the_last_group_is_updated(tmp_path):
     pending = jax.jit(jax.grad(loss_fn))(params, batch(0))
     params, state, pending, _ = step(params, state, pending, batch(1))  # warm: order learned
     jax.block_until_ready(pending)
+    last = last_read(jax_mlpo.engine_of(state))
     with tier_faults(state) as plan:
         plan.hang("read", slot=last, limit_s=60)
         probe["plan"] = plan
@@ -568,7 +576,7 @@ def test_a_bf16_llama_runs_its_first_block_beside_the_last_subgroup(tmp_path):
     params, state, pending, _ = step(params, state, pending, tokens(1))  # the order learned
     jax.block_until_ready(pending)
     engine = jax_mlpo.engine_of(state)
-    armed["last"] = engine.order.forward[-1]
+    armed["last"] = last_read(engine)
     with tier_faults(state) as plan:
         plan.hang("read", slot=armed["last"], limit_s=60)
         armed["plan"] = plan

@@ -17,17 +17,12 @@ are the engine's). The model, per iteration:
 - **The limit** (what a perfect overlap of the tiers with everything would give):
   max(forward + backward + update compute, all bytes of the iteration at the tiers' bandwidth).
 - **The update beside the next forward pass** (``jax_mlpo.overlapped_step``), as the engine runs
-  it (:mod:`jax_mlpo.engine.retention`). In the forward order every update keeps the first
-  ``buffers - minimum`` subgroups of that order (no fixed order can keep a subgroup for less
-  than a whole cycle) and reads the same ``subgroups - buffers`` inside the update as the
-  alternating order; the pipeline's ``minimum`` more each way are written behind and read ahead
-  during the backward pass, the only window between updates. The forward pass (``forward_share``
-  of forward + backward) runs beside the update, and its last group waits for the last group's
-  update: the iteration is max(forward, update + forward / groups) + backward, plus whatever of
-  the extra I/O did not fit in the window. Where that costs more than half the forward pass the
-  overlap hides, the engine alternates instead: every other update in the reverse order (the
-  plain step's bytes, that update before the forward pass as in a plain step). The row "engine's
-  choice" is the one it would pick, its two variants below it.
+  it (:mod:`jax_mlpo.engine.retention`): every update in the forward order, what the last one
+  kept first, keeping every buffer as the alternating order does (the plain step's bytes). The
+  forward pass (``forward_share`` of forward + backward) runs beside the update, and its last
+  group waits for the last group's update: the iteration is max(forward, update + forward /
+  groups) + backward. The row below it alternates instead (``overlap_order="alternate"``):
+  every other update in the reverse order, before the forward pass as in a plain step.
 
 Read-ahead only moves reads into the forward and backward pass where buffers are free when an
 update ends: with the alternating order and retention every buffer then holds a subgroup the
@@ -48,7 +43,6 @@ import dataclasses
 
 from experiments.job.dry_run import MemoryPlan, memory_plan
 from experiments.job.run_config import ConfigError, RunConfig, load_config
-from jax_mlpo.engine.retention import alternate_beside_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +101,7 @@ def predict(
 ) -> Prediction:
     """One iteration of ``node`` running the engines of ``plan`` (one per GPU); with ``overlap``
     each update beside the next forward pass (the module doc): ``"forward"`` every update in the
-    forward order, ``"alternating"`` every other one reversed, ``"choice"`` what the engine picks.
+    engine's forward order, ``"alternating"`` every other one reversed.
     """
     if overlap is not None:
         return _beside_forward(plan, node, read_ahead=read_ahead, policy=overlap)
@@ -125,38 +119,26 @@ def _beside_forward(plan: MemoryPlan, node: Node, *, read_ahead: bool, policy: s
         iteration = max(forward, alone.compute_s + forward / node.groups) + backward
         return dataclasses.replace(alone, iteration_s=iteration)
     buffers = min(host.buffers, plan.num_subgroups)
-    # the forward order: the first buffers - minimum subgroups kept, the pipeline's buffers
-    # written behind and read ahead while the backward pass runs (its idle window)
+    # both orders keep every buffer (the plain step's bytes); the update starts after the
+    # backward pass, the only window between updates
     window = dataclasses.replace(node, fwd_bwd_s=backward)
-    ahead = _iteration(plan, window, kept=max(0, buffers - host.pipeline_buffers),
-                       order="ascending", retain=True, read_ahead=read_ahead)  # fmt: skip
-    fwd = dataclasses.replace(
-        ahead,
-        iteration_s=max(forward, ahead.update_s + forward / node.groups) + backward,
-        limit_s=max(node.fwd_bwd_s + ahead.compute_s, ahead.limit_s),
-    )
-    # alternating: the plain step's bytes; the update beside the forward pass every other
-    # step, the other updates (reversed) before it as in the plain step
-    plain = _iteration(plan, node, kept=buffers, order="alternate", retain=True,
-                       read_ahead=read_ahead)  # fmt: skip
     beside = _iteration(plan, window, kept=buffers, order="alternate", retain=True,
                         read_ahead=read_ahead)  # fmt: skip
-    even = max(forward, beside.update_s + forward / node.groups) + backward
-    alt = dataclasses.replace(
+    every = max(forward, beside.update_s + forward / node.groups) + backward
+    if policy == "forward":
+        return dataclasses.replace(
+            beside,
+            iteration_s=every,
+            limit_s=max(node.fwd_bwd_s + beside.compute_s, beside.limit_s),
+        )
+    # alternating: every other update reversed, before the forward pass as in the plain step
+    plain = _iteration(plan, node, kept=buffers, order="alternate", retain=True,
+                       read_ahead=read_ahead)  # fmt: skip
+    return dataclasses.replace(
         plain,
         update_s=(beside.update_s + plain.update_s) / 2,
-        iteration_s=(even + plain.iteration_s) / 2,
+        iteration_s=(every + plain.iteration_s) / 2,
     )
-    if policy == "forward":
-        return fwd
-    if policy == "alternating":
-        return alt
-    # the engine's rule (jax_mlpo.engine.retention.alternate_beside_forward) on what it would
-    # measure: the forward order's extra I/O, the window from an update's end to the next
-    # one's start, the update after its first group was handed back
-    gap = backward + max(0.0, forward - ahead.update_s - forward / node.groups)
-    beside = ahead.update_s * (1 - 1 / node.groups)
-    return alt if alternate_beside_forward(gap, ahead.between_io_s, beside) else fwd
 
 
 def _iteration(
@@ -203,8 +185,7 @@ def _iteration(
 
 POLICIES = {  # name: (order, retain, read_ahead, overlap)
     "alternate + retain (plain step)": ("alternate", True, True, None),
-    "beside the forward (engine's choice)": ("alternate", True, True, "choice"),
-    "  forward order every step": ("alternate", True, True, "forward"),
+    "beside the forward pass (forward order)": ("alternate", True, True, "forward"),
     "  alternating, beside every other": ("alternate", True, True, "alternating"),
     "ascending + retain + read-ahead": ("ascending", True, True, None),
     "alternate, no retention, read-ahead": ("alternate", False, True, None),
@@ -231,12 +212,12 @@ def format_rows(title: str, node: Node, table: list[tuple[str, MemoryPlan, Predi
         f"{node.gpus} GPUs ({plan.num_subgroups} subgroups and "
         f"{plan.engine.buffers} host buffers per GPU); fwd+bwd {node.fwd_bwd_s} s, tiers "
         f"{node.read_gbps}/{node.write_gbps} GB/s read/write, host {node.host_gbps} GB/s",
-        f"  {'policy':<38}{'iter s':>8}{'update s':>9}{'limit s':>8}{'/ limit':>8}"
+        f"  {'policy':<42}{'iter s':>8}{'update s':>9}{'limit s':>8}{'/ limit':>8}"
         f"{'read in upd GB':>15}{'moved GB':>9}{'disk busy':>10}",
     ]
     for name, _, p in table:
         lines.append(
-            f"  {name:<38}{p.iteration_s:>8.2f}{p.update_s:>9.2f}{p.limit_s:>8.2f}"
+            f"  {name:<42}{p.iteration_s:>8.2f}{p.update_s:>9.2f}{p.limit_s:>8.2f}"
             f"{p.iteration_s / p.limit_s:>7.2f}x{p.read_in_update_gb:>15.1f}"
             f"{p.read_gb + p.written_gb:>9.1f}{p.disk_busy:>10.0%}"
         )

@@ -94,8 +94,7 @@ class Engine:
         if not self.host_only and config.read_ahead and config.delayed_conversion:
             read_ahead = ReadAhead(self.pipeline)
         self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
-        if config.overlap_order != "auto":
-            self.order.pin(alternating=config.overlap_order == "alternate")
+        self.order.pin(alternating=config.overlap_order == "alternate")
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
             lambda: self.order.of_step(self.step_count), self.host_only,
@@ -251,9 +250,6 @@ class Engine:
         window = self.idle.window
         window.close_into(self.metrics[-1] if self.metrics else None)  # late write-backs
         spare = self.plan.buffers - self.plan.minimum
-        if self.order.forward is not None and not self.host_only and self.metrics:
-            blob = self.layout.state_bytes / len(self.layout.subgroups)
-            self.order.measure(time.monotonic(), self.metrics[-1], self.split.retained, spare, blob)
         order = self.order.of_step(count)
         keep = (
             set(order) if self.host_only
@@ -300,7 +296,6 @@ class Engine:
         self.step_count += 1
         if self._assignment:
             self._assignment.observe(metrics)
-        self.order.ended(count, time.monotonic())
         self.idle.resume()
 
     def close(self, *, flush: bool = True) -> None:

@@ -10,33 +10,20 @@ each tier is the placement's, :func:`jax_mlpo.engine.placement.retained_per_tier
 forward pass's once an update beside the forward pass (:mod:`jax_mlpo.transforms.overlap`) gave
 it.
 
-What each order moves per step, with ``S`` subgroups, ``B`` buffers and a pipeline of ``m``
-(:func:`moved_per_step`): the alternating order reads and writes ``S - B`` subgroups (every
-buffer is retained, and each retained subgroup sits in host memory only from near the end of one
-step to near the start of the next). A fixed order cannot do as well: a subgroup it does not read
-must stay in host memory for a whole cycle, from its update to its next one, so every subgroup
-retained holds a buffer all the time, and those the pipeline streams need buffers of their own
-while they are read, updated and written. The forward order therefore retains ``B - m`` and
-moves ``S - B + m`` each way; at least ``S - B + 1`` whatever its pipeline. It reads the same
-``S - B`` inside the update (the other ``m`` are read ahead and written behind between updates,
-while the backward pass runs), so the extra bytes cost no time while they fit in that window;
-where they do not (:func:`alternate_beside_forward`), :class:`UpdateOrder` runs every other
-update in the reverse of the forward order: the alternating order's bytes, with the update
-beside the forward pass on every other step.
+With ``S`` subgroups and ``B`` buffers the alternating order reads and writes ``S - B``
+subgroups per step (:func:`moved_per_step`): every buffer is retained. An update beside the
+forward pass cannot reverse (the forward pass needs its first subgroups first), and a fixed
+cyclic order evicts each subgroup before its next use, keeping only ``B - m`` for good (``m``
+the pipeline's buffers) and moving ``S - B + m``. :func:`cached_first` moves the same ``S - B``
+as the alternating order in the forward direction: it keeps the forward order's first ``B - m``
+for good and the last ``m`` each update ran, and updates what it kept first.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from collections.abc import Collection, Sequence
 
 from jax_mlpo.config import OffloadConfig
-
-logger = logging.getLogger(__name__)
 
 
 def retained_count(config: OffloadConfig, *, buffers: int, minimum: int, subgroups: int) -> int:
@@ -88,29 +75,10 @@ def moved_per_step(subgroups: int, buffers: int, retained: int) -> int:
     """Subgroups a step reads (and writes) from the tiers in the steady state, when it starts with
     ``retained`` subgroups kept from the last step and no clean copies: ``subgroups - retained``.
 
-    The alternating order retains every buffer (``retained = buffers``), the forward order
-    ``buffers - minimum`` (module doc); ``min(buffers, subgroups)`` at most.
+    The alternating order and :func:`cached_first` retain every buffer (``retained =
+    buffers``); ``min(buffers, subgroups)`` at most.
     """
     return max(0, subgroups - min(retained, buffers, subgroups))
-
-
-def alternate_beside_forward(window_s: float, extra_io_s: float, beside_s: float) -> bool:
-    """Whether updates beside the forward pass should alternate their direction.
-
-    The forward order moves the subgroups that it retains fewer of than the alternating order
-    between updates (written behind, read ahead): ``extra_io_s`` of tier time. What does not fit
-    in the ``window_s`` between two updates (the backward pass) delays the next update; the
-    alternating order moves none of it but runs only every other update beside the forward pass,
-    losing half of the forward time the overlap hides, at most ``beside_s``. Alternate where the
-    delay is the larger.
-
-    Args:
-      window_s: the time from an update's end to the next one's start (measured).
-      extra_io_s: the tier time of the forward order's extra reads and writes (measured rate).
-      beside_s: the update's time after its first group was handed back: the forward pass ran
-        beside it (at most all of it).
-    """
-    return extra_io_s - window_s > beside_s / 2
 
 
 def at_most(per_tier: Sequence[int], total: int) -> list[int]:
@@ -128,12 +96,13 @@ class UpdateOrder:
     """The order an engine's updates run in, and what each keeps in host memory for the next.
 
     The configured policy (:func:`step_order`, :func:`retain_set`) until an update beside the
-    forward pass gives the order the forward pass needs the subgroups in: from then on every
-    update, and the reads issued ahead of it, follow that order, and each keeps the *first*
-    subgroups of it (the next update needs those first: Belady's choice across steps), as many
-    as leave the pipeline's buffers free to stream the rest through. With ``alternating`` set
-    (:func:`alternate_beside_forward`; only under the alternating policy) every odd update runs
-    the reverse of that order instead, and each keeps what the alternating policy keeps.
+    forward pass gives the order the forward pass needs the subgroups in (:meth:`follow`). From
+    then on each update runs :func:`cached_first` of that order and keeps the first subgroups of
+    the forward order for good (as many as leave the pipeline's buffers free) and, in the
+    pipeline's buffers, the last subgroups it updated: every buffer, as the alternating policy
+    keeps. With ``alternating`` pinned (``OffloadConfig.overlap_order="alternate"``) every odd
+    update runs the reverse of the forward order instead, and each keeps what the alternating
+    policy keeps.
 
     Args:
       subgroups: how many subgroups the engine has.
@@ -144,24 +113,18 @@ class UpdateOrder:
         self._subgroups, self._policy = subgroups, policy
         self.forward: list[int] | None = None
         self.alternating = False
-        self.measured = True  # ``alternating`` follows :meth:`measure`
-        self._end: tuple[float, bool] | None = None  # the last update's end, in forward order?
-        # after each update in the forward order: the window until the next one, the tier time
-        # of the forward order's extra I/O, the update's beside_s
-        self._seen: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=5)
-
-    def pin(self, alternating: bool) -> None:
-        """Sets ``alternating`` for good, whatever the engine measures (tests, benchmarks)."""
-        self.alternating, self.measured = alternating, False
+        # what the last update kept in host memory: the next one starts with them. Only an
+        # order: a flush or a restore that dropped them costs their reads, never a wrong result
+        self._kept: set[int] = set()
 
     @property
-    def may_alternate(self) -> bool:
-        """Whether the configured policy alternates (then the forward order may too)."""
-        return self._policy == "alternate"
+    def kept(self) -> frozenset[int]:
+        """The subgroups the last update kept in host memory (the next one reads the others)."""
+        return frozenset(self._kept)
 
-    def runs_forward(self, step: int) -> bool:
-        """Whether update ``step`` runs in the forward pass's order (beside the forward pass)."""
-        return self.forward is not None and not (self.alternating and step % 2 == 1)
+    def pin(self, alternating: bool) -> None:
+        """Sets ``alternating`` (``OffloadConfig.overlap_order``)."""
+        self.alternating = alternating
 
     def follow(self, forward: Sequence[int]) -> None:
         """Runs every update from now on in ``forward`` (a permutation of the subgroups)."""
@@ -169,48 +132,13 @@ class UpdateOrder:
             raise ValueError(f"not an order of the {self._subgroups} subgroups: {list(forward)}")
         self.forward = list(forward)
 
-    def ended(self, step: int, now: float) -> None:
-        """Notes that update ``step`` ended at ``now`` (``time.monotonic()``): the window to the
-        next update starts."""
-        self._end = (now, self.runs_forward(step))
-
-    def measure(self, now: float, last: Any, per_tier: Sequence[int], spare_buffers: int,
-                blob_bytes: float) -> None:  # fmt: skip
-        """Sets ``alternating`` (:func:`alternate_beside_forward`) from the windows after the
-        last updates in the forward order, as the next update starts at ``now``.
-
-        Args:
-          last: the last update's :class:`~jax_mlpo.engine.step_metrics.StepMetrics`, its
-            window closed (its tiers' bytes and busy time until now).
-          per_tier: how many the alternating policy keeps of each tier.
-          spare_buffers: the host buffers beyond those the pipeline needs.
-          blob_bytes: the bytes of one subgroup's state.
-        """
-        moved = sum(last.bytes_read.values()) + sum(last.bytes_written.values())
-        busy = max(last.tier_busy_s.values(), default=0.0)
-        if not (self.measured and self.may_alternate and self._end and self._end[1]):
-            return
-        if moved <= 0 or busy <= 0:
-            return
-        extra = sum(per_tier) - sum(at_most(per_tier, spare_buffers))
-        extra_s = 2 * extra * blob_bytes * busy / moved  # at the tiers' measured rate
-        self._seen.append((now - self._end[0], extra_s, last.beside_s))
-        window, extra_s, beside = (float(np.median(x)) for x in zip(*self._seen, strict=True))
-        alternating = alternate_beside_forward(window, extra_s, beside)
-        if alternating != self.alternating:
-            logger.info(
-                "jax_mlpo: updates beside the forward pass %s: the forward order's extra I/O "
-                "takes %.3f s, the window between updates %.3f s, the update beside the forward "
-                "pass %.3f s", "alternate their direction" if alternating
-                else "run in the forward order", extra_s, window, beside,
-            )  # fmt: skip
-        self.alternating = alternating
-
     def of_step(self, step: int) -> list[int]:
         """The order update ``step`` (0-based) runs in."""
         if self.forward is None:
             return step_order(self._subgroups, step, self._policy)
-        return list(self.forward) if self.runs_forward(step) else self.forward[::-1]
+        if self.alternating:
+            return list(self.forward) if step % 2 == 0 else self.forward[::-1]
+        return cached_first(self.forward, self._kept)
 
     def keep(self, order: Sequence[int], tier_of: Sequence[int], per_tier: Sequence[int],
              spare_buffers: int) -> set[int]:  # fmt: skip
@@ -223,5 +151,28 @@ class UpdateOrder:
           spare_buffers: the host buffers beyond those the pipeline needs.
         """
         if self.forward is None or self.alternating:
-            return retain_set(order, tier_of, per_tier)
-        return retain_set(order[::-1], tier_of, at_most(per_tier, spare_buffers))
+            kept = retain_set(order, tier_of, per_tier)
+        else:
+            # the forward order's first subgroups for good, then the last ones this update
+            # ran in the pipeline's buffers (of each tier, within the policy's count)
+            resident = retain_set(self.forward[::-1], tier_of, at_most(per_tier, spare_buffers))
+            left = list(per_tier)
+            for i in resident:
+                left[tier_of[i]] -= 1
+            kept = resident | retain_set([i for i in order if i not in resident], tier_of, left)
+        self._kept = kept
+        return kept
+
+
+def cached_first(forward: Sequence[int], cached: Collection[int]) -> list[int]:
+    """``forward`` with the subgroups in ``cached`` moved to its front (each part in its order).
+
+    Where the alternating order reuses the cache by reversing, an update beside the forward
+    pass must follow the forward order, and a fixed cyclic order would evict each subgroup
+    before its next use. Updating what the last update kept first, then the rest in the
+    forward order, reads and writes what the alternating order does: ``S - B`` subgroups per
+    step, none between updates. The first subgroups of the forward order are among those kept,
+    so the forward pass's first groups are not delayed; the later ones wait for the kept ones'
+    compute (no I/O).
+    """
+    return [i for i in forward if i in cached] + [i for i in forward if i not in cached]
