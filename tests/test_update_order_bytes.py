@@ -46,7 +46,6 @@ def run(tmp_path, policy: str):
         prefetch_depth=1,
         placement="even",
         order="alternate",
-        # what updates beside the forward pass do: pinned, not measured
         overlap_order="alternate" if policy == "forward, alternating" else "forward",
     )
     tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config)
@@ -145,9 +144,8 @@ def test_the_forward_order_updates_what_it_kept_first():
 
 
 def test_alternating_beside_the_forward_pass_reverses_every_other_update():
-    order = retention.UpdateOrder(5, "alternate")
+    order = retention.UpdateOrder(5, "alternate", alternating=True)
     order.follow([2, 0, 1, 4, 3])
-    order.pin(alternating=True)
     assert order.of_step(0) == [2, 0, 1, 4, 3] and order.of_step(1) == [3, 4, 1, 0, 2]
     # it keeps what the next update, the other way, starts with
     assert order.keep(order.of_step(0), [0] * 5, [2], spare_buffers=1) == {4, 3}

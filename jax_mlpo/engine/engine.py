@@ -93,8 +93,9 @@ class Engine:
         read_ahead = None
         if not self.host_only and config.read_ahead and config.delayed_conversion:
             read_ahead = ReadAhead(self.pipeline)
-        self.order = retention.UpdateOrder(len(layout.subgroups), config.order)
-        self.order.pin(alternating=config.overlap_order == "alternate")
+        self.order = retention.UpdateOrder(
+            len(layout.subgroups), config.order, alternating=config.overlap_order == "alternate"
+        )
         self.idle = IdleIO(
             self.pipeline, read_ahead, TierIOWindow(self.tiers), self.metrics, self.health,
             lambda: self.order.of_step(self.step_count), self.host_only,

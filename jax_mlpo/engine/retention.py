@@ -100,19 +100,20 @@ class UpdateOrder:
     then on each update runs :func:`cached_first` of that order and keeps the first subgroups of
     the forward order for good (as many as leave the pipeline's buffers free) and, in the
     pipeline's buffers, the last subgroups it updated: every buffer, as the alternating policy
-    keeps. With ``alternating`` pinned (``OffloadConfig.overlap_order="alternate"``) every odd
+    keeps. With ``alternating`` (``OffloadConfig.overlap_order="alternate"``) every odd
     update runs the reverse of the forward order instead, and each keeps what the alternating
     policy keeps.
 
     Args:
       subgroups: how many subgroups the engine has.
       policy: ``OffloadConfig.order``.
+      alternating: ``OffloadConfig.overlap_order == "alternate"``.
     """
 
-    def __init__(self, subgroups: int, policy: str) -> None:
+    def __init__(self, subgroups: int, policy: str, alternating: bool = False) -> None:
         self._subgroups, self._policy = subgroups, policy
         self.forward: list[int] | None = None
-        self.alternating = False
+        self.alternating = alternating
         # what the last update kept in host memory: the next one starts with them. Only an
         # order: a flush or a restore that dropped them costs their reads, never a wrong result
         self._kept: set[int] = set()
@@ -121,10 +122,6 @@ class UpdateOrder:
     def kept(self) -> frozenset[int]:
         """The subgroups the last update kept in host memory (the next one reads the others)."""
         return frozenset(self._kept)
-
-    def pin(self, alternating: bool) -> None:
-        """Sets ``alternating`` (``OffloadConfig.overlap_order``)."""
-        self.alternating = alternating
 
     def follow(self, forward: Sequence[int]) -> None:
         """Runs every update from now on in ``forward`` (a permutation of the subgroups)."""
