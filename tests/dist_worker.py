@@ -8,6 +8,10 @@ With NUM_PROCESSES == 1 it is the single-process reference (no jax.distributed).
 writes the final params (gathered) to OUT_DIR/params.npz; every process writes
 OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
 
+MODE "overlap": jax_mlpo.overlapped_step, each step's gradients updated beside the next step's
+forward pass; at step HELD_STEP every process holds its update's last read until its first
+matmul has run and writes whether that read was still to finish then.
+
 MODE "inject": jax_mlpo.adamw wrapped in optax.inject_hyperparams (the transformation re-created
 inside every update). MODE "muon": jax_mlpo.muon instead (Newton-Schulz on the momenta sharded
 over the processes).
@@ -35,6 +39,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # one device per process
 import jax  # noqa: E402
 
 GLOBAL_BATCH = 16
+HELD_STEP = 3  # MODE "overlap": the step whose update's last read is held (see main)
 # First dimensions 64, 64 and 16 split over 1, 2 or 4 processes; "odd" (3, 5) is replicated.
 SHAPES = {"w1": (64, 64), "b1": (64,), "w2": (64, 16), "b2": (16,), "odd": (3, 5)}
 
@@ -55,10 +60,15 @@ def batch(step: int):
     return x, y
 
 
-def loss_fn(params, x, y):
+def loss_fn(params, x, y, probe=None):
+    """``probe``: called on every process, with its rows, once the first matmul has run (the
+    bias after it may be in a later group of an overlapped update than the weight)."""
     import jax.numpy as jnp
 
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    z = x @ params["w1"]
+    if probe is not None:
+        jax.debug.callback(probe, z, partitioned=True)
+    h = jnp.tanh(z + params["b1"])
     out = h @ params["w2"] + params["b2"] + jnp.sum(params["odd"] ** 2)
     return jnp.mean((out - y) ** 2)
 
@@ -112,6 +122,7 @@ def main() -> None:
     import jax_mlpo
     from jax_mlpo.config import Bandwidth, TierLimits
     from jax_mlpo.sharding import processes as distributed
+    from jax_mlpo.testing import tier_faults
 
     slow = {}
     if mode not in ("plain", "fused-clip", "inject", "s3", "muon", "overlap"):
@@ -162,10 +173,21 @@ def main() -> None:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    @jax.jit
-    def overlapped_step(params, opt_state, pending, x, y):
+    @functools.partial(jax.jit, static_argnums=5)
+    def overlapped_step(params, opt_state, pending, x, y, probe=None):
         # the update of the last step's gradients beside this step's forward pass
-        return jax_mlpo.overlapped_step(loss_fn, tx, params, opt_state, pending, x, y, groups=2)
+        loss = functools.partial(loss_fn, probe=probe)
+        return jax_mlpo.overlapped_step(loss, tx, params, opt_state, pending, x, y, groups=2)
+
+    held: dict = {"plan": None, "slot": -1, "unfinished": []}  # MODE "overlap", HELD_STEP
+
+    def first_matmul_ran(_):
+        # whether this process's held read was still to finish when the first matmul ran
+        plan = held["plan"]
+        if plan is not None and not held["unfinished"]:
+            started = any(e.op == "read" and e.slot == held["slot"] for e in plan.trace)
+            held["unfinished"].append(plan.hanging > 0 or not started)
+            plan.release()
 
     @jax.jit
     def flush(params, opt_state, pending):
@@ -184,8 +206,24 @@ def main() -> None:
             params, opt_state, loss = train_step(params, opt_state, x, y)
         elif pending is None:
             loss, pending = jax.jit(jax.value_and_grad(loss_fn))(params, x, y)
-        else:
+        elif step != HELD_STEP:
             params, opt_state, pending, loss = overlapped_step(params, opt_state, pending, x, y)
+        else:
+            # the last subgroup this process's update reads (what the last update kept comes
+            # first), held until the first matmul ran (or 60 s, had the forward pass waited)
+            engine = jax_mlpo.engine_of(opt_state)
+            held["slot"] = engine.order.of_step(engine.step_count)[-1]
+            assert held["slot"] not in engine.order.kept
+            with tier_faults(opt_state, tier=None) as plan:  # the slot is on either tier
+                plan.hang("read", slot=held["slot"], limit_s=60)
+                held["plan"] = plan
+                params, opt_state, pending, loss = overlapped_step(
+                    params, opt_state, pending, x, y, first_matmul_ran
+                )
+                jax.block_until_ready((params, pending))
+                held["plan"] = None
+                held["outcomes"] = [e.outcome for e in plan.trace
+                                    if e.op == "read" and e.slot == held["slot"]]  # fmt: skip
         losses.append(float(np.asarray(loss.addressable_data(0))))  # replicated
     if pending is not None:
         params, opt_state = flush(params, opt_state, pending)
@@ -204,6 +242,7 @@ def main() -> None:
         "losses": losses,
         "host_only": engine.host_only,
         "beside_s": [m.beside_s for m in engine.metrics],
+        "held": {"unfinished": held["unfinished"], "outcomes": held.get("outcomes", [])},
         "traces": {
             jax_mlpo.engine.step_metrics.shared_tier_path(store.tier.path): [
                 list(t) for t in store.trace

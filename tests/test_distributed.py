@@ -74,14 +74,18 @@ def test_inject_hyperparams_on_two_processes(reference, tmp_path):
 
 def test_overlapped_step_on_two_processes_follows_the_plain_loop(tmp_path):
     """jax_mlpo.overlapped_step on 2 processes: each process's engine takes its group calls
-    (one per group of layers) and hands the first groups back before its update ends, and the
-    params are within optax's tolerance of the 2-process plain loop's (not bit for bit: XLA
-    compiles the gradient's reduction over the processes apart in the two programs)."""
+    (one per group of layers) and hands the first groups back before its update ends; by
+    order, each process's first matmul ran while the read of the last subgroup its update
+    reads was held (had the forward pass waited for the update, the hold would have ended at
+    its 60 s limit first). The params are within optax's tolerance of the 2-process plain
+    loop's (not bit for bit: XLA compiles the gradient's reduction over the processes apart in
+    the two programs)."""
     plain, _, _ = _run(2, tmp_path / "plain")
     params, infos, _ = _run(2, tmp_path / "overlap", mode="overlap")
     for info in infos:  # every update but the first step's (none) and the flush ran in groups
         assert info["step_count"] == STEPS
         assert all(b > 0 for b in info["beside_s"][:-1]) and info["beside_s"][-1] == 0
+        assert info["held"] == {"unfinished": [True], "outcomes": ["hung"]}
     assert params.keys() == plain.keys()
     for name, ref in plain.items():
         np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
