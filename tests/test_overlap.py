@@ -142,6 +142,9 @@ def test_the_forward_order_comes_from_the_program():
     assert dict(zip(keys, groups, strict=True)) == {"c_in": 0, "d_mid": 1, "b_top": 2, "a_out": 3}
     # leaves first used by one equation (a scan's stacked weights) are never split apart
     assert leaf_groups([0, 5, 5, 5, 9], [1, 4, 4, 4, 1], 8) == [0, 4, 4, 4, 7]
+    # a layer's bias stays with its weight (the cut moves to the next weight), not alone
+    # at the head of the next group: w1 80% of the elements, b1, w2, b2
+    assert leaf_groups([0, 1, 2, 3], [4096, 64, 1024, 16], 2) == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="groups must be >= 1"):
         jax_mlpo.overlapped_step(loss_fn, optax.sgd(LR), params, None, params, batch(0), groups=0)
 

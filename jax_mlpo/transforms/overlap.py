@@ -342,20 +342,25 @@ def leaf_groups(ranks: Sequence[int], sizes: Sequence[int], groups: int) -> list
     """Each leaf's group: the leaves in forward order, cut into ``groups`` runs of about equal
     elements. A leaf is never split, and leaves first used by the same equation (a scan over
     stacked layers uses them all at once) share a group: the forward pass needs them together,
-    so more calls would only cost. Each run goes to the group its middle falls in."""
+    so more calls would only cost. Each run goes to the group its middle falls in, but a small
+    run (under an eighth of a group's share: a bias, a norm scale) never opens a group: it
+    stays with the run before it, which its layer uses just before it, so that layer does not
+    wait for the next group's update."""
     order = sorted(range(len(ranks)), key=lambda k: (ranks[k], k))
     total = max(1, sum(sizes))
     out = [0] * len(ranks)
-    done, i = 0, 0
+    done, i, last = 0, 0, None
     while i < len(order):
         j = i
         while j < len(order) and ranks[order[j]] == ranks[order[i]]:
             j += 1
         size = sum(sizes[k] for k in order[i:j])
+        g = min(groups - 1, (2 * done + size) * groups // (2 * total))
+        if last is not None and 8 * size * groups < total:
+            g = last
         for k in order[i:j]:
-            out[k] = min(groups - 1, (2 * done + size) * groups // (2 * total))
-        done += size
-        i = j
+            out[k] = g
+        done, i, last = done + size, j, g
     return out
 
 
