@@ -10,7 +10,9 @@ OUT_DIR/proc<k>.json with its engine's state bytes and tier directories.
 
 MODE "overlap": jax_mlpo.overlapped_step, each step's gradients updated beside the next step's
 forward pass; at step HELD_STEP every process holds its update's last read until its first
-matmul has run and writes whether that read was still to finish then.
+matmul has run and writes whether that read was still to finish then. MODE "fused-clip" or
+"no-clip" (and "overlap-fused-clip", "overlap-no-clip"): adamw's ``max_grad_norm`` instead of
+the chained clip, or no clipping.
 
 MODE "inject": jax_mlpo.adamw wrapped in optax.inject_hyperparams (the transformation re-created
 inside every update). MODE "muon": jax_mlpo.muon instead (Newton-Schulz on the momenta sharded
@@ -73,11 +75,11 @@ def loss_fn(params, x, y, probe=None):
     return jnp.mean((out - y) ** 2)
 
 
-def make_tx(offload, total_steps: int, fused_clip: bool = False, inject: bool = False):
+def make_tx(offload, total_steps: int, clip_by: str = "chain", inject: bool = False):
     """The job's optimizer: clipped jax_mlpo.adamw with a linear schedule and a decay mask.
 
-    ``fused_clip``: the clipping is adamw's ``max_grad_norm`` instead of a chained
-    ``optax.clip_by_global_norm`` (the norm is then taken over every process's shards).
+    ``clip_by``: ``"chain"`` (``optax.clip_by_global_norm`` before it), ``"fused"`` (adamw's
+    ``max_grad_norm``, the norm then taken over every process's shards) or ``"none"``.
     ``inject``: adamw wrapped in ``optax.inject_hyperparams`` (the mask static).
     """
     import optax
@@ -95,8 +97,10 @@ def make_tx(offload, total_steps: int, fused_clip: bool = False, inject: bool = 
         mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
         offload=offload,
     )
-    if fused_clip:
+    if clip_by == "fused":
         return adamw(max_grad_norm=clip)
+    if clip_by == "none":
+        return adamw()
     return optax.chain(optax.clip_by_global_norm(clip), adamw())
 
 
@@ -104,8 +108,8 @@ def main() -> None:
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tier_root, out_dir, steps = sys.argv[4], sys.argv[5], int(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "plain"
-    modes = ("plain", "fused-clip", "inject", "node-permits", "process-permits", "s3", "muon",
-             "overlap")  # fmt: skip
+    modes = ("plain", "fused-clip", "no-clip", "inject", "node-permits", "process-permits", "s3",
+             "muon", "overlap", "overlap-fused-clip", "overlap-no-clip")  # fmt: skip
     if mode not in modes:
         raise SystemExit(f"unknown MODE {mode!r}")
     if nproc > 1:
@@ -125,7 +129,7 @@ def main() -> None:
     from jax_mlpo.testing import tier_faults
 
     slow = {}
-    if mode not in ("plain", "fused-clip", "inject", "s3", "muon", "overlap"):
+    if "permits" in mode:
         # One request at a time per process, each paced to ~2.5 ms (512-byte blobs at 200 kB/s)
         # so that two processes' requests overlap unless node-level permits serialize them.
         slow = dict(max_concurrency=1, bandwidth_cap="200kB")
@@ -151,7 +155,8 @@ def main() -> None:
         replan=False,  # no migrations: each subgroup's blob is on one tier only
         node_permits_dir=os.path.join(os.path.dirname(tier_root), "permits"),
     )  # fmt: skip
-    tx = make_tx(offload, steps, fused_clip=mode == "fused-clip", inject=mode == "inject")
+    clip_by = {"fused-clip": "fused", "no-clip": "none"}.get(mode.removeprefix("overlap-"), "chain")
+    tx = make_tx(offload, steps, clip_by, inject=mode == "inject")
     if mode == "muon":
         schedule = optax.linear_schedule(1e-2, 1e-3, steps)
         tx = optax.chain(optax.clip_by_global_norm(0.05), jax_mlpo.muon(
@@ -202,7 +207,7 @@ def main() -> None:
         if nproc > 1:
             local = slice(pid * rows, (pid + 1) * rows)
             x, y = (jax.make_array_from_process_local_data(data_sharding, a[local]) for a in (x, y))
-        if mode != "overlap":
+        if not mode.startswith("overlap"):
             params, opt_state, loss = train_step(params, opt_state, x, y)
         elif pending is None:
             loss, pending = jax.jit(jax.value_and_grad(loss_fn))(params, x, y)
