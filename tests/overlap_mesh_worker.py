@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import sys
+import threading
 
 ROOT, SCENARIOS = sys.argv[1], sys.argv[2:]
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -169,9 +170,10 @@ def max_err(a, b) -> float:
 
 def held_order(tier: str) -> list[bool]:
     """One overlapped step with the read of the last subgroup its update reads held until the
-    forward pass's first layer has run (or 60 s): at each run of that layer (one per device
-    where the callback is partitioned), whether that read was still to finish. Had the forward
-    pass waited for the whole update, the read would have ended at its limit first."""
+    forward pass's first layer has run on every device (or 60 s): at each run of that layer
+    (one per device where the callback is partitioned), whether that read was still to
+    finish. Had the forward pass waited for the whole update, the read would have ended at its
+    limit first."""
     # every update in the forward order (the engine could choose to alternate it)
     tx = jax_mlpo.adamw(LR, weight_decay=WD, offload=config(tier, overlap_order="forward"))
     params = init_params()
@@ -181,13 +183,18 @@ def held_order(tier: str) -> list[bool]:
     unfinished: list[bool] = []
     armed: dict[str, object] = {"plan": None}
 
+    seen = threading.Lock()  # the devices' callbacks may run at once
+
     def first_layer_ran(_):
         plan = armed["plan"]
         if plan is None:
             return
-        started = any(e.op == "read" and e.slot == last for e in plan.trace)
-        unfinished.append(plan.hanging > 0 or not started)
-        plan.release()
+        with seen:
+            started = any(e.op == "read" and e.slot == last for e in plan.trace)
+            unfinished.append(plan.hanging > 0 or not started)
+            every_device = len(unfinished) == MESH.size
+        if every_device:  # released before, a later device would find the read done
+            plan.release()
 
     step = jax.jit(lambda p, s, g, b: jax_mlpo.overlapped_step(
         functools.partial(loss_fn, probe=first_layer_ran), tx, p, s, g, b, groups=3))  # fmt: skip
@@ -363,6 +370,7 @@ def run_scenario(name: str) -> dict[str, object]:
             out["optax_err"][kind] = max_err(got, reference)
         if name != "nnx2x2":
             out["first_layer_before_last_read"] = held_order(f"{root}-held")
+            out["devices"] = MESH.size
         if name == "explicit2x2":
             out["fault"] = fault_and_resume(f"{root}-fault")
     return out

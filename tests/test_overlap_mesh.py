@@ -51,7 +51,8 @@ def check(out: dict) -> None:
     # the chain's clip_by_global_norm is the user's reduction, compiled with each program
     assert out["bit_for_bit"]["none"] and out["bit_for_bit"]["fused"], out["plain_err"]
     if "first_layer_before_last_read" in out:
-        assert out["first_layer_before_last_read"]
+        # one run of the first layer per device, each while the last read was held
+        assert len(out["first_layer_before_last_read"]) == out["devices"]
         assert all(out["first_layer_before_last_read"])
     if "shardings" in out:
         assert out["shardings"]
