@@ -63,8 +63,7 @@ def batch(step: int):
 
 
 def loss_fn(params, x, y, probe=None):
-    """``probe``: called on every process, with its rows, once the first matmul has run (the
-    bias after it may be in a later group of an overlapped update than the weight)."""
+    """``probe``: called on every process, with its rows, once the first matmul has run."""
     import jax.numpy as jnp
 
     z = x @ params["w1"]
