@@ -48,11 +48,46 @@ def loss_fn(params, step):
     """
     total = 0.0
     for i, x in enumerate(jax.tree.leaves(params)):
-        key = jax.random.fold_in(jax.random.PRNGKey(i), step)
-        target = jax.random.normal(key, x.shape)
-        scale = jnp.exp(2.0 * jnp.roll(target, 1))  # gradient magnitudes over ~3 decades
-        total += jnp.sum(x.astype(jnp.float32) * scale * target)
+        total += jnp.sum(x.astype(jnp.float32) * _step_gradient(i, x.shape, step))
     return total
+
+
+def _step_gradient(leaf: int, shape, step) -> jax.Array:
+    """``loss_fn``'s float32 gradient of leaf number ``leaf`` (in tree order) at ``step``."""
+    key = jax.random.fold_in(jax.random.PRNGKey(leaf), step)
+    target = jax.random.normal(key, shape)
+    scale = jnp.exp(2.0 * jnp.roll(target, 1))  # gradient magnitudes over ~3 decades
+    return scale * target
+
+
+def linear_loss(params, gradients):
+    """The loss whose gradient is ``gradients`` (float32, cast to each param's dtype)."""
+    return sum(
+        jnp.sum(x.astype(jnp.float32) * g)
+        for x, g in zip(*map(jax.tree.leaves, (params, gradients)), strict=True)
+    )
+
+
+_GRADIENT_CACHE: dict = {}
+
+
+def step_gradients(shapes: dict | None = None, steps: int = STEPS) -> list[dict]:
+    """``loss_fn``'s float32 gradients for each of ``steps`` steps, computed once a process.
+
+    Bit for bit what ``jax.grad(loss_fn)`` gives inside a step, eager or jitted (the product
+    is the same one multiply); its threefry normals cost most of a parity step when the step
+    computed them itself, for every run of every test. 200 MB for :data:`SHAPES`.
+    """
+    shapes = SHAPES if shapes is None else shapes
+    key = (tuple(shapes.items()), steps)
+    if key not in _GRADIENT_CACHE:
+        at = jax.jit(
+            lambda step: {
+                k: _step_gradient(i, shapes[k], step) for i, k in enumerate(sorted(shapes))
+            }
+        )
+        _GRADIENT_CACHE[key] = [at(step) for step in range(steps)]
+    return _GRADIENT_CACHE[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +175,9 @@ def run_reference(
     clip_state, adam_state = clipping.init(master), adam.init(master)
 
     @jax.jit
-    def step(master, clip_state, adam_state, i):
+    def step(master, clip_state, adam_state, gradients):
         params = jax.tree.map(lambda x: x.astype(dtype), master)
-        grads = jax.grad(loss_fn)(params, i)  # in the params' dtype, as the model gives them
+        grads = jax.grad(linear_loss)(params, gradients)  # in the params' dtype, as a model's
         if clip_in_float32:
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads, clip_state = clipping.update(grads, clip_state)
@@ -154,8 +189,8 @@ def run_reference(
     # from the host): fused into the step, XLA would contract p + lr * u into an fma.
     apply = jax.jit(optax.apply_updates)
 
-    for i in range(steps):
-        updates, clip_state, adam_state = step(master, clip_state, adam_state, i)
+    for gradients in step_gradients(shapes, steps):
+        updates, clip_state, adam_state = step(master, clip_state, adam_state, gradients)
         master = apply(master, updates)
     params = jax.tree.map(lambda x: x.astype(dtype), master)
     mu = None if optimizer == "muon" else adam_state[0].mu
@@ -190,15 +225,15 @@ def run_offloaded(
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
         @nnx.jit
-        def nnx_step(model, optimizer, i):
+        def nnx_step(model, optimizer, gradients):
             def loss(m):
-                return loss_fn({k: m[k][...] for k in shapes}, i)
+                return linear_loss({k: m[k][...] for k in shapes}, gradients)
 
             grads = nnx.grad(loss)(model)
             optimizer.update(model, grads)
 
-        for i in range(steps):
-            nnx_step(model, optimizer, i)
+        for gradients in step_gradients(shapes, steps):
+            nnx_step(model, optimizer, gradients)
         if before_close is not None:
             before_close(optimizer.opt_state)
         if offloaded:
@@ -207,15 +242,15 @@ def run_offloaded(
 
     state = tx.init(params)
 
-    def step(params, state, i):
-        grads = jax.grad(loss_fn)(params, i)
+    def step(params, state, gradients):
+        grads = jax.grad(linear_loss)(params, gradients)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     if mode == "jit":
         step = jax.jit(step)
-    for i in range(steps):
-        params, state = step(params, state, i)
+    for gradients in step_gradients(shapes, steps):
+        params, state = step(params, state, gradients)
     if before_close is not None:
         before_close(state)
     if offloaded:
