@@ -1,7 +1,9 @@
 """One process with four CPU devices: jax_mlpo.adamw on params sharded over a mesh, against
 optax (spawned by tests/test_mesh.py, since the test process itself has one device).
 
-Usage: mesh_worker.py MESH DTYPE MODE CLIP TIER_ROOT | mesh_worker.py refusals TIER_ROOT
+Usage: mesh_worker.py MESH DTYPE MODE CLIP TIER_ROOT | mesh_worker.py refusals TIER_ROOT |
+mesh_worker.py cases JSON (a list of [MESH, DTYPE, MODE, CLIP, TIER_ROOT], run one after the
+other in this interpreter: one start-up, one compilation of optax's reference, a line each)
 
 As one of several processes: ``MESH_WORKER_PROCESSES`` and ``MESH_WORKER_PORT`` in the
 environment, ``JAX_NUM_CPU_DEVICES`` the devices of each (the mesh takes every device of the
@@ -178,5 +180,8 @@ def refusals(tier_root: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "refusals":
         refusals(sys.argv[2])
+    elif sys.argv[1] == "cases":
+        for case in json.loads(sys.argv[2]):
+            main(*case)
     else:
         main(*sys.argv[1:6])

@@ -1,9 +1,9 @@
 """jax_mlpo.adamw on params sharded over a mesh of four devices in one process.
 
-Each case runs in its own interpreter with four CPU devices (this test process has one):
-tests/mesh_worker.py's 50 steps against optax.adamw on one device, to tests/test_transform.py's
-tolerances, with the state stored once per distinct parameter and the updates in the params'
-shardings (the main job on a mesh: tests/job/test_mesh_job.py).
+The cases run one after the other in an interpreter with four CPU devices (this test
+process has one): tests/mesh_worker.py's 50 steps against optax.adamw on one device, to
+tests/test_transform.py's tolerances, with the state stored once per distinct parameter and the
+updates in the params' shardings (the main job on a mesh: tests/job/test_mesh_job.py).
 """
 
 from __future__ import annotations
@@ -37,9 +37,22 @@ def _worker(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def four_device_runs(tmp_path_factory) -> dict[tuple[str, ...], dict]:
+    """Every case of :data:`CASES` in one interpreter of four devices, one after the other."""
+    root = tmp_path_factory.mktemp("four-devices")
+    cases = [[*case, str(root / "-".join(case))] for case in CASES]
+    done = subprocess.run([sys.executable, str(WORKER), "cases", json.dumps(cases)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-8000:]
+    outs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(outs) == len(CASES), done.stdout[-8000:]
+    return dict(zip(CASES, outs, strict=True))
+
+
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
-def test_parity_on_four_devices(case, tmp_path):
-    out = _worker(*case, str(tmp_path / "tier"))
+def test_parity_on_four_devices(case, four_device_runs):
+    out = four_device_runs[case]
     assert out["devices"] == 4
     # every distinct parameter's state once: replicated leaves (and those replicated over one
     # mesh axis) are not stored per device
