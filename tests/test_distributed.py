@@ -33,10 +33,26 @@ def _state_file_bytes(directory: pathlib.Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    base = tmp_path_factory.mktemp("dp1")
-    params, infos, elapsed = _run(1, base)
-    print(f"single process: {elapsed:.1f} s")
+def runs(tmp_path_factory):
+    """``runs(nproc, mode)``: dist_worker's job on ``nproc`` processes in its ``mode``, run once
+    a module: the runs that several tests compare with (the 2-process plain and fused-clip
+    loops) start their processes once. Returns the run's directory, params and JSONs."""
+    done = {}
+
+    def run(nproc: int, mode: str = "plain") -> tuple[pathlib.Path, dict, list[dict]]:
+        if (nproc, mode) not in done:
+            base = tmp_path_factory.mktemp(f"dp{nproc}-{mode}")
+            params, infos, elapsed = _run(nproc, base, mode=mode)
+            print(f"{nproc} processes, {mode}: {elapsed:.1f} s")
+            done[nproc, mode] = base, params, infos
+        return done[nproc, mode]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    base, params, infos = runs(1)
     return base, params, infos[0]
 
 
@@ -49,12 +65,12 @@ def test_leaf_partition():
     assert distributed.local_shape((3, 5), 4) == (3, 5)
 
 
-def test_fused_clipping_takes_the_global_norm_over_processes(reference, tmp_path):
+def test_fused_clipping_takes_the_global_norm_over_processes(reference, runs):
     """adamw(max_grad_norm=...) on 2 processes: each process's host update scales its shards
     by the norm of the whole gradient (taken over both processes' shards), as the chained
     optax.clip_by_global_norm does on 1 process (the clip is active on every step)."""
     _, ref_params, ref_info = reference
-    params, infos, _ = _run(2, tmp_path, mode="fused-clip")
+    _, params, infos = runs(2, "fused-clip")
     for name, ref in ref_params.items():
         np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(infos[0]["losses"], ref_info["losses"], rtol=1e-5)
@@ -72,7 +88,7 @@ def test_inject_hyperparams_on_two_processes(reference, tmp_path):
         np.testing.assert_allclose(params[name], ref, rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_overlapped_step_on_two_processes_follows_the_plain_loop(tmp_path):
+def test_overlapped_step_on_two_processes_follows_the_plain_loop(runs, tmp_path):
     """jax_mlpo.overlapped_step on 2 processes: each process's engine takes its group calls
     (one per group of layers) and hands the first groups back before its update ends; by
     order, each process's first matmul ran while the read of the last subgroup its update
@@ -80,8 +96,8 @@ def test_overlapped_step_on_two_processes_follows_the_plain_loop(tmp_path):
     its 60 s limit first). With the chain's ``optax.clip_by_global_norm`` the params are within
     optax's tolerance of the 2-process plain loop's, not bit for bit: that norm is the user's
     own reduction, compiled with each program (1.2e-7 seen; bit for bit without it, below)."""
-    plain, _, _ = _run(2, tmp_path / "plain")
-    params, infos, _ = _run(2, tmp_path / "overlap", mode="overlap")
+    _, plain, _ = runs(2)
+    params, infos, _ = _run(2, tmp_path, mode="overlap")
     for info in infos:  # every update but the first step's (none) and the flush ran in groups
         assert info["step_count"] == STEPS
         assert all(b > 0 for b in info["beside_s"][:-1]) and info["beside_s"][-1] == 0
@@ -92,12 +108,12 @@ def test_overlapped_step_on_two_processes_follows_the_plain_loop(tmp_path):
 
 
 @pytest.mark.parametrize("clip", ["no-clip", "fused-clip"])
-def test_overlapped_step_on_two_processes_is_the_plain_loop_bit_for_bit(clip, tmp_path):
+def test_overlapped_step_on_two_processes_is_the_plain_loop_bit_for_bit(clip, runs, tmp_path):
     """Without clipping, and with adamw's ``max_grad_norm`` (its norm summed in one order in
     both programs), the overlapped step on 2 processes is the 2-process plain loop bit for
     bit, and overlapped (each process's first matmul ran while its last read was held)."""
-    plain, _, _ = _run(2, tmp_path / "plain", mode=clip)
-    params, infos, _ = _run(2, tmp_path / "overlap", mode=f"overlap-{clip}")
+    _, plain, _ = runs(2, clip)
+    params, infos, _ = _run(2, tmp_path, mode=f"overlap-{clip}")
     for info in infos:
         assert info["step_count"] == STEPS
         assert info["held"] == {"unfinished": [True], "outcomes": ["hung"]}
@@ -107,10 +123,9 @@ def test_overlapped_step_on_two_processes_is_the_plain_loop_bit_for_bit(clip, tm
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
+def test_data_parallel_matches_single_process(nproc, reference, runs):
     ref_base, ref_params, ref_info = reference
-    params, infos, elapsed = _run(nproc, tmp_path)
-    print(f"{nproc} processes: {elapsed:.1f} s")
+    base, params, infos = runs(nproc)
 
     # The same params as one process with the same global batch (fp32, 20 steps).
     assert params.keys() == ref_params.keys()
@@ -126,14 +141,14 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
     for k, info in enumerate(infos):
         assert not info["host_only"]
         assert info["state_bytes"] == expected
-        assert info["tiers"] == [str(tmp_path / "tiers" / t / f"proc{k}") for t in TIERS]
+        assert info["tiers"] == [str(base / "tiers" / t / f"proc{k}") for t in TIERS]
 
     # Each process's figures of its last update with the keys of every other process: the
     # per-tier ones under the tier as configured, not the process's directory of it, for a job
     # to gather (the pre-training job's aggregation: tests/job/test_metrics.py).
     own = [info["own"] for info in infos]
     assert all(sorted(o) == sorted(own[0]) for o in own)
-    shared = {f"bytes_read:{tmp_path / 'tiers' / t}" for t in TIERS}
+    shared = {f"bytes_read:{base / 'tiers' / t}" for t in TIERS}
     assert shared <= set(own[0])
     for o in own:
         back = StepMetrics.from_flat(STEPS, o)
@@ -144,13 +159,13 @@ def test_data_parallel_matches_single_process(nproc, reference, tmp_path):
     ref_disk = sum(_state_file_bytes(ref_base / "tiers" / t) for t in TIERS)
     ref_written = sum(ref_info["tier_bytes"].values())
     for t in TIERS:
-        tier = tmp_path / "tiers" / t
+        tier = base / "tiers" / t
         assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == [
             f"proc{k}" for k in range(nproc)
         ]
         assert not list(tier.glob("state-*")), "state written outside the per-process dirs"
     for k, info in enumerate(infos):
-        disk = sum(_state_file_bytes(tmp_path / "tiers" / t / f"proc{k}") for t in TIERS)
+        disk = sum(_state_file_bytes(base / "tiers" / t / f"proc{k}") for t in TIERS)
         written = sum(info["tier_bytes"].values())
         assert 0.7 / nproc < disk / ref_disk < 1.4 / nproc, (k, disk, ref_disk)
         assert 0.7 / nproc < written / ref_written < 1.4 / nproc, (k, written, ref_written)
