@@ -56,12 +56,17 @@ def default_corpus_files() -> list[Path]:
             f"standard library directory {root} not found; pass text files or a token file instead."
         )
     files = []
-    for path in root.rglob("*.py"):
-        dirs = path.relative_to(root).parts[:-1]
-        if any(d in _EXCLUDED_DIRS or d.endswith(("_test", "_tests")) for d in dirs):
-            continue
-        if path.is_file():
-            files.append(path)
+    # os.walk, pruned: the excluded trees (site-packages above all) are never listed. A
+    # recursive glob lists them all and filters after: ~18,000 directory reads instead of ~50,
+    # each releasing the GIL (minutes, not milliseconds, beside a busy Python thread).
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [
+            d for d in dirs if d not in _EXCLUDED_DIRS and not d.endswith(("_test", "_tests"))
+        ]
+        for name in names:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.is_file():
+                files.append(path)
     # Sort on the relative path so the corpus (and the cache key) is the same on every run.
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 

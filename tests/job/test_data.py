@@ -32,6 +32,18 @@ def test_default_corpus_files_are_stdlib_sources_without_tests():
         dirs = r.split("/")[:-1]
         assert not {"test", "tests", "site-packages"} & set(dirs), r
     assert "os.py" in rel and "json/__init__.py" in rel
+    # every .py file under the library that no excluded folder holds, and no other
+    expected = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if p.is_file()
+        and not any(
+            d in {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+            or d.endswith(("_test", "_tests"))
+            for d in p.relative_to(root).parts[:-1]
+        )
+    )
+    assert rel == expected
 
 
 def test_default_corpus_is_cached_and_memory_mapped(stdlib_dataset):
