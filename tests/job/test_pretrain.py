@@ -76,23 +76,25 @@ def busy_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> dict[str, dict]:
-    """The tiny config for STEPS steps: with jax_mlpo's overlapped step (and its plot) on a
-    machine loaded by a busy thread, with optax.adamw, with jax_mlpo's plain step
-    (``overlap=false``: forward and backward, then the update) and with the default
-    ``overlap=auto``."""
+    """The tiny config for STEPS steps: with optax.adamw (the first: it writes the data cache),
+    with jax_mlpo's overlapped step on a machine loaded by a busy thread, with jax_mlpo's plain
+    step (``overlap=false``: forward and backward, then the update) and with the README's
+    command as it is (``overlap=auto``, and the run's plot)."""
     run_dir = tmp_path_factory.mktemp("tiny")
     plain_dir = tmp_path_factory.mktemp("tiny-plain")
     auto_dir = tmp_path_factory.mktemp("tiny-auto")
+    optax = _main(run_dir, data_cache, "--optimizer", "optax", "--set", "report.plot=false")
     with busy_thread():
         # 8 groups: auto would give the tiny model's small update one (nothing beside it)
-        offload = _main(run_dir, data_cache, "--set", "overlap=true", "--set", "overlap_groups=8")
+        offload = _main(run_dir, data_cache, "--set", "overlap=true", "--set", "overlap_groups=8",
+                        "--set", "report.plot=false")  # fmt: skip
     return {
         "offload": offload,
-        "optax": _main(run_dir, data_cache, "--optimizer", "optax", "--set", "report.plot=false"),
+        "optax": optax,
         "plain": _main(
             plain_dir, data_cache, "--set", "overlap=false", "--set", "report.plot=false"
         ),  # fmt: skip
-        "auto": _main(auto_dir, data_cache, "--set", "report.plot=false"),
+        "auto": _main(auto_dir, data_cache),
         # groups enough to try, too few steps to repay compiling the overlapped step
         "auto-short": _main(
             tmp_path_factory.mktemp("tiny-auto-short"),
@@ -138,7 +140,7 @@ def test_tiny_config_runs_end_to_end(runs):
     assert 0 < summary["beside_share"] <= 1  # under the busy thread too
     assert summary["overlapped"] is True
     assert summary["peak_rss_bytes"] == records[-1]["peak_rss_bytes"]
-    assert (run_dir / "pretrain-offload.png").stat().st_size > 10_000
+    assert result["plot"] is None and not (run_dir / "pretrain-offload.png").exists()
     resolved = run_config.load_config(str(run_dir / "config.yaml"))
     assert resolved.steps == STEPS and resolved.offload.tiers[0].path.startswith(str(run_dir))
 
@@ -179,6 +181,12 @@ def test_overlap_auto_keeps_the_plain_step_for_the_tiny_model_and_the_same_param
         assert auto["summary"]["overlapped"] is False
         for r in report.load_metrics(auto["metrics"]):
             assert r["update_s"] > 0 and r["beside_s"] == 0
+
+
+def test_the_readme_command_plots_its_run(runs):
+    plot = runs["auto"]["plot"]
+    assert plot == runs["auto"]["metrics"].parent / "pretrain-offload.png"
+    assert plot.stat().st_size > 10_000
 
 
 def test_overlap_auto_does_not_try_an_overlapped_step_that_cannot_repay_its_compile(runs):
