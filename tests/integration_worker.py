@@ -6,7 +6,8 @@ optimizer, and the loop's own orbax ``CheckpointManager`` (a preservation policy
 commit-file temporary paths, async saves), with only the optimizer and the checkpoint args
 swapped for jax_mlpo's.
 
-Usage: ``python integration_worker.py KIND OPTIMIZER PHASE WORKDIR``
+Usage: ``python integration_worker.py KIND OPTIMIZER PHASE WORKDIR [KIND OPTIMIZER PHASE
+WORKDIR ...]``: each loop in turn, in this interpreter (tests/loops.py runs them).
 
 - KIND: ``nnx`` (``nnx.Optimizer``, saving ``{"model", "optimizer", "step"}`` of
   ``nnx.state``) or ``linen`` (a ``flax.training.train_state.TrainState``).
@@ -18,7 +19,8 @@ Usage: ``python integration_worker.py KIND OPTIMIZER PHASE WORKDIR``
 - PHASE: ``all`` (STEPS steps), ``first`` (SAVE_AT steps, saving every step), ``resume``
   (restores the latest checkpoint into a fresh model and optimizer, then runs to STEPS).
 
-Prints one JSON line: the params after the last step (as lists) and what the phase saw.
+Prints one JSON line per loop: the params after the last step (as lists) and what the phase
+saw.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def restore_args(target, optimizer: str):
 
 
 def run_nnx(optimizer_name: str, phase: str, workdir: str, mesh) -> dict:
+    # the engines open before this loop (held, so that no new engine takes one's id)
+    opened = list(jax_mlpo.transforms.runtime.RUNTIME.open_engines())
     tx = make_optimizer(optimizer_name, workdir)
     model = Mlp(nnx.Rngs(0))
     nnx.update(model, shard(nnx.state(model), mesh))
@@ -161,9 +165,10 @@ def run_nnx(optimizer_name: str, phase: str, workdir: str, mesh) -> dict:
     mngr.wait_until_finished()
     params = nnx.state(model, nnx.Param)
     out = {"params": _flat(params), "losses": losses, "steps": mngr.all_steps()}
-    if optimizer_name.startswith("mlpo"):  # the host updates and engines of this process
+    if optimizer_name.startswith("mlpo"):  # the host updates and engines of this loop
         out["updates_run"] = len(jax_mlpo.metrics(optimizer.opt_state))
-        out["engines"] = len({id(e) for e in jax_mlpo.transforms.runtime.RUNTIME.open_engines()})
+        engines = {id(e) for e in jax_mlpo.transforms.runtime.RUNTIME.open_engines()}
+        out["engines"] = len(engines - {id(e) for e in opened})  # opened by this loop
     mngr.close()
     return out
 
@@ -206,15 +211,19 @@ def _flat(tree) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x).ravel().tolist() for p, x in leaves}
 
 
-def main(kind: str, optimizer_name: str, phase: str, workdir: str) -> None:
+def main(argv: list[str]) -> None:
+    if not argv or len(argv) % 4:
+        raise SystemExit(f"usage: KIND OPTIMIZER PHASE WORKDIR, once per loop; got {argv}")
     auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates the activations' shardings
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=auto, devices=jax.devices())
-    run = run_nnx if kind == "nnx" else run_linen
-    with jax.set_mesh(mesh):  # as Flax's examples build and train their models
-        out = run(optimizer_name, phase, workdir, mesh)
-    out["devices"] = jax.device_count()
-    print(json.dumps(out))
+    for at in range(0, len(argv), 4):
+        kind, optimizer_name, phase, workdir = argv[at : at + 4]
+        run = run_nnx if kind == "nnx" else run_linen
+        with jax.set_mesh(mesh):  # as Flax's examples build and train their models
+            out = run(optimizer_name, phase, workdir, mesh)
+        out["devices"] = jax.device_count()
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 import textwrap
@@ -25,23 +24,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from helpers import run_small, small_grads, small_params
+from loops import run_loops, start_loops
 
 import jax_mlpo
 from jax_mlpo.transforms import runtime
 
-WORKER = Path(__file__).parent / "integration_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _worker(*args: str, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=300,
-        cwd=ROOT,
-    )  # fmt: skip
-    if not expect_ok:
-        return done
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _assert_close_to_optax(got: dict, want: dict, rtol: float) -> None:
@@ -56,12 +44,12 @@ def test_checkpoint_in_the_loops_own_manager_resumes_exactly(kind, tmp_path):
     paths) with OffloadSave, restored with OffloadRestore into a fresh model and optimizer in a
     new process: the resumed run's params are the uninterrupted run's bit for bit, and both
     follow optax.adamw."""
-    optax_run = _worker(kind, "optax", "all", str(tmp_path / "optax"))
     (tmp_path / "whole").mkdir()
     (tmp_path / "split").mkdir()
-    whole = _worker(kind, "mlpo", "all", str(tmp_path / "whole"))
-    first = _worker(kind, "mlpo", "first", str(tmp_path / "split"))
-    resumed = _worker(kind, "mlpo", "resume", str(tmp_path / "split"))
+    optax_run, whole, first = run_loops((kind, "optax", "all", tmp_path / "optax"),
+                                        (kind, "mlpo", "all", tmp_path / "whole"),
+                                        (kind, "mlpo", "first", tmp_path / "split"))  # fmt: skip
+    [resumed] = run_loops((kind, "mlpo", "resume", tmp_path / "split"))
     assert whole["devices"] == 4
     assert first["steps"] == [2, 3]  # the preservation policy kept the latest two
     assert first["updates_run"] == 3 and resumed["updates_run"] == 3  # only the new steps
@@ -75,10 +63,10 @@ def test_checkpoint_in_the_loops_own_manager_resumes_exactly(kind, tmp_path):
 def test_optax_loop_resumes_the_same_way(tmp_path):
     """The reference: the same loop with optax.adamw and StandardSave resumes bit for bit too
     (so the property above is orbax's, kept by jax_mlpo)."""
-    whole = _worker("nnx", "optax", "all", str(tmp_path / "whole"))
     (tmp_path / "split").mkdir()
-    _worker("nnx", "optax", "first", str(tmp_path / "split"))
-    resumed = _worker("nnx", "optax", "resume", str(tmp_path / "split"))
+    whole, _ = run_loops(("nnx", "optax", "all", tmp_path / "whole"),
+                         ("nnx", "optax", "first", tmp_path / "split"))  # fmt: skip
+    [resumed] = run_loops(("nnx", "optax", "resume", tmp_path / "split"))
     assert resumed["params"] == whole["params"]
 
 
@@ -86,9 +74,9 @@ def test_inject_hyperparams_on_a_mesh(tmp_path):
     """inject_hyperparams(jax_mlpo.adamw) in the NNX loop on the 2x2 mesh: the transformation
     re-created inside every update finds its engine and mesh plan (one engine for the run),
     and the run follows optax.inject_hyperparams(optax.adamw)."""
-    want = _worker("nnx", "optax-inject", "all", str(tmp_path / "optax"))
     (tmp_path / "mlpo").mkdir()
-    got = _worker("nnx", "mlpo-inject", "all", str(tmp_path / "mlpo"))
+    want, got = run_loops(("nnx", "optax-inject", "all", tmp_path / "optax"),
+                          ("nnx", "mlpo-inject", "all", tmp_path / "mlpo"))  # fmt: skip
     assert got["engines"] == 1 and got["updates_run"] == 6
     _assert_close_to_optax(got["params"], want["params"], rtol=1e-6)
 
@@ -97,8 +85,8 @@ def test_plain_standard_save_is_refused_with_the_fix(tmp_path):
     """StandardSave writes only the count and the handle; the restored state names no engine
     of the new process, and its first update says so and names OffloadSave/OffloadRestore."""
     (tmp_path / "plain").mkdir()
-    _worker("nnx", "mlpo-plain", "first", str(tmp_path / "plain"))
-    done = _worker("nnx", "mlpo-plain", "resume", str(tmp_path / "plain"), expect_ok=False)
+    run_loops(("nnx", "mlpo-plain", "first", tmp_path / "plain"))
+    done = start_loops(("nnx", "mlpo-plain", "resume", tmp_path / "plain"))
     assert done.returncode != 0
     assert "does not hold the offloaded optimizer state" in done.stderr
     assert "OffloadSave / OffloadRestore" in done.stderr

@@ -3,11 +3,6 @@ checkpoints in the loop's own manager on a mesh, and what a Lion state moves."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +10,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_bits_equal, isas, run_small, small_grads, small_params, view
+from loops import run_loops
 from parity import (
     CASES,
     NUM_PARAMS,
@@ -32,8 +28,6 @@ from jax_mlpo import native
 from jax_mlpo.optimizers.lion import lion_step_reference
 from jax_mlpo.types import BF16, F32, LionHyper
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "integration_worker.py"
 SUBGROUP = 65_536  # 16 subgroups of the state, 3 of them in the host cache
 HYPER = LionHyper(lr=3e-3, b1=0.9, b2=0.99, weight_decay=0.1)
 
@@ -247,22 +241,15 @@ def test_q8_moment_is_refused_with_the_choices(tmp_path):
 # ---- checkpoints -----------------------------------------------------------------------------
 
 
-def _worker(*args: str) -> dict:
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_checkpoint_on_a_mesh_in_the_loops_own_manager_resumes_exactly(tmp_path):
     """The NNX loop on a 2x2 mesh with jax_mlpo.lion, saved by its own orbax manager and
     resumed in a new process: bit for bit the uninterrupted run, which follows optax.lion."""
-    want = _worker("nnx", "optax-lion", "all", str(tmp_path / "optax"))
     (tmp_path / "whole").mkdir()
     (tmp_path / "split").mkdir()
-    whole = _worker("nnx", "mlpo-lion", "all", str(tmp_path / "whole"))
-    _worker("nnx", "mlpo-lion", "first", str(tmp_path / "split"))
-    resumed = _worker("nnx", "mlpo-lion", "resume", str(tmp_path / "split"))
+    want, whole, _ = run_loops(("nnx", "optax-lion", "all", tmp_path / "optax"),
+                               ("nnx", "mlpo-lion", "all", tmp_path / "whole"),
+                               ("nnx", "mlpo-lion", "first", tmp_path / "split"))  # fmt: skip
+    [resumed] = run_loops(("nnx", "mlpo-lion", "resume", tmp_path / "split"))
     assert whole["devices"] == 4 and resumed["updates_run"] == 3
     assert resumed["params"] == whole["params"]
     for name in want["params"]:

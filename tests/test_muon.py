@@ -5,10 +5,6 @@ Muon state holds and moves; and jax_mlpo.adamw's nesterov, which Muon's other le
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_bits_equal, isas, run_small, small_grads, small_params, view
+from loops import run_loops
 from parity import (
     CASES,
     SCHEDULE,
@@ -38,8 +35,6 @@ from jax_mlpo.optimizers.adamw import adamw_step_reference
 from jax_mlpo.optimizers.muon import apply_step_reference, momentum_step_reference
 from jax_mlpo.types import BF16, F32, AdamWHyper, ApplyHyper, MomentumHyper
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "integration_worker.py"
 # Matrices as a transformer's, with a vector AdamW updates; 388,120 params in subgroups of
 # 65,536, so every matrix spans subgroups.
 MATRICES = {"a_w": (384, 520), "b_bias": (520,), "c_w": (520, 362)}
@@ -424,23 +419,16 @@ def test_multi_steps_matches_optax(tmp_path):
 # ---- checkpoints -----------------------------------------------------------------------------
 
 
-def _worker(*args: str) -> dict:
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_on_a_mesh_in_the_loops_own_manager_resumes_exactly(tmp_path):
     """The NNX loop on a 2x2 mesh with jax_mlpo.muon (Newton-Schulz on sharded momenta), saved
     by its own orbax manager and resumed in a new process: bit for bit the uninterrupted run,
     which follows optax.contrib.muon."""
-    want = _worker("nnx", "optax-muon", "all", str(tmp_path / "optax"))
     (tmp_path / "whole").mkdir()
     (tmp_path / "split").mkdir()
-    whole = _worker("nnx", "mlpo-muon", "all", str(tmp_path / "whole"))
-    _worker("nnx", "mlpo-muon", "first", str(tmp_path / "split"))
-    resumed = _worker("nnx", "mlpo-muon", "resume", str(tmp_path / "split"))
+    want, whole, _ = run_loops(("nnx", "optax-muon", "all", tmp_path / "optax"),
+                               ("nnx", "mlpo-muon", "all", tmp_path / "whole"),
+                               ("nnx", "mlpo-muon", "first", tmp_path / "split"))  # fmt: skip
+    [resumed] = run_loops(("nnx", "mlpo-muon", "resume", tmp_path / "split"))
     assert whole["devices"] == 4 and resumed["updates_run"] == 3
     assert resumed["params"] == whole["params"]
     for name in want["params"]:
@@ -462,8 +450,8 @@ def test_data_parallel_over_processes_matches_one_process(tmp_path):
 
 def test_linen_train_state_follows_optax(tmp_path):
     """A linen TrainState on the 2x2 mesh: jax_mlpo.muon's run is optax.contrib.muon's."""
-    want = _worker("linen", "optax-muon", "all", str(tmp_path))
-    got = _worker("linen", "mlpo-muon", "all", str(tmp_path))
+    want, got = run_loops(("linen", "optax-muon", "all", tmp_path),
+                          ("linen", "mlpo-muon", "all", tmp_path))  # fmt: skip
     for name in want["params"]:
         np.testing.assert_allclose(got["params"][name], want["params"][name], rtol=1e-6,
                                    atol=1e-6, err_msg=name)  # fmt: skip
