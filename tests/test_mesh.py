@@ -30,11 +30,12 @@ CASES = [
 ]
 
 
-def _worker(*args: str) -> dict:
+def _worker(*args: str) -> list[dict]:
+    """mesh_worker.py's JSON lines (one per case), in order."""
     done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-8000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,8 @@ def four_device_runs(tmp_path_factory) -> dict[tuple[str, ...], dict]:
     """Every case of :data:`CASES` in one interpreter of four devices, one after the other."""
     root = tmp_path_factory.mktemp("four-devices")
     cases = [[*case, str(root / "-".join(case))] for case in CASES]
-    done = subprocess.run([sys.executable, str(WORKER), "cases", json.dumps(cases)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-8000:]
-    outs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(outs) == len(CASES), done.stdout[-8000:]
+    outs = _worker("cases", json.dumps(cases))
+    assert len(outs) == len(CASES), outs
     return dict(zip(CASES, outs, strict=True))
 
 
@@ -87,7 +85,7 @@ def test_parity_on_two_processes_of_two_devices(dtype, clip, tmp_path):
 
 
 def test_what_a_mesh_state_refuses(tmp_path):
-    out = _worker("refusals", str(tmp_path / "tier"))
+    out = _worker("refusals", str(tmp_path / "tier"))[-1]
     assert "place every param on the same mesh" in out["two_meshes"]
     assert "needs every leaf placed with a NamedSharding on one mesh" in out["one_device_leaf"]
 
