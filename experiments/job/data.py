@@ -63,10 +63,8 @@ def default_corpus_files() -> list[Path]:
         dirs[:] = [
             d for d in dirs if d not in _EXCLUDED_DIRS and not d.endswith(("_test", "_tests"))
         ]
-        for name in names:
-            path = Path(folder, name)
-            if name.endswith(".py") and path.is_file():
-                files.append(path)
+        paths = (Path(folder, name) for name in names if name.endswith(".py"))
+        files.extend(path for path in paths if path.is_file())
     # Sort on the relative path so the corpus (and the cache key) is the same on every run.
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
