@@ -42,6 +42,13 @@ from jax_mlpo.testing import tier_faults
 from jax_mlpo.transforms.overlap import stacked_scans
 
 LAYERS = 6
+# This model against optax.adamw after 6 steps. jax_mlpo's update is optax's to float32
+# rounding, but XLA:CPU fuses optax's own step (its update, with the gradients and the addition
+# to the params) differently per instruction set: on an AVX2-only AMD EPYC the params are 1 ulp
+# apart on 13-20% of the elements after step 1. Adam then amplifies an ulp where a gradient is
+# near zero: 2.3e-6 in one of 8192 elements of "out" after 6 steps there (within 1e-6 on the
+# AVX-512 machines).
+OPTAX_TOL = 1e-5
 
 
 def stacked_params() -> dict[str, jax.Array]:
@@ -104,7 +111,8 @@ def test_rows_are_received_in_the_scan_bit_for_bit_the_plain_loop(clip, tmp_path
     reference = optax.adamw(LR, weight_decay=WD)
     if kwargs:
         reference = optax.chain(optax.clip_by_global_norm(1.0), reference)
-    assert_close(got, plain(reference, params=stacked_params(), loss_of=scanned_loss)[0])
+    assert_close(got, plain(reference, params=stacked_params(), loss_of=scanned_loss)[0],
+                 tol=OPTAX_TOL)  # fmt: skip
 
 
 def test_a_transformation_after_jax_mlpo_takes_the_stack_whole(tmp_path):
