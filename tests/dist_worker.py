@@ -193,6 +193,15 @@ def main() -> None:
             held["unfinished"].append(plan.hanging > 0 or not started)
             plan.release()
 
+    # the first step's gradients are computed in their params' shardings, as the update
+    # reads them (jax_mlpo.transforms.overlap.sharded_as_read says why)
+    read_as = jax_mlpo.transforms.overlap.read_shardings(params)
+
+    @jax.jit
+    def first_step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return loss, jax_mlpo.transforms.overlap.tree_sharded_as_read(grads, read_as)
+
     @jax.jit
     def flush(params, opt_state, pending):
         updates, opt_state = tx.update(pending, opt_state, params)
@@ -209,7 +218,7 @@ def main() -> None:
         if not mode.startswith("overlap"):
             params, opt_state, loss = train_step(params, opt_state, x, y)
         elif pending is None:
-            loss, pending = jax.jit(jax.value_and_grad(loss_fn))(params, x, y)
+            loss, pending = first_step(params, x, y)
         elif step != HELD_STEP:
             params, opt_state, pending, loss = overlapped_step(params, opt_state, pending, x, y)
         else:

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_mlpo  # noqa: E402
 from jax_mlpo.testing import tier_faults  # noqa: E402
+from jax_mlpo.transforms.overlap import read_shardings, tree_sharded_as_read  # noqa: E402
 
 SUB = 512
 LR, WD, CLIP = 1e-2, 0.1, 0.05
@@ -141,21 +142,30 @@ def plain(tx):
 
 
 def overlapped(tx, probe_steps=()):
+    """The overlapped loop; also whether the gradients it carried between steps were sharded
+    as their params, where the update reads them (the first step's are constrained so)."""
     params = init_params()
     state = tx.init(params)
+    read_as = read_shardings(params)
     step = jax.jit(
         lambda p, s, g, b, probe: jax_mlpo.overlapped_step(
             functools.partial(loss_fn, probe=probe), tx, p, s, g, b, groups=3
         ),
         static_argnums=4,
     )
-    pending = jax.jit(jax.grad(loss_fn))(params, batch(0))
+    first = jax.jit(lambda p, b: tree_sharded_as_read(jax.grad(loss_fn)(p, b), read_as))
+    pending = first(params, batch(0))
+    as_params = True
     for i in range(1, STEPS):
         probe = probe_steps[i] if i < len(probe_steps) else None
         params, state, pending, _ = step(params, state, pending, batch(i), probe)
         jax.block_until_ready(pending)
+        as_params &= all(
+            g.sharding.is_equivalent_to(p.sharding, g.ndim)
+            for g, p in zip(jax.tree.leaves(pending), jax.tree.leaves(params), strict=True)
+        )
     updates, state = jax.jit(tx.update)(pending, state, params)
-    return optax.apply_updates(params, updates), state
+    return optax.apply_updates(params, updates), state, as_params
 
 
 def bits_equal(a, b) -> bool:
@@ -360,7 +370,8 @@ def run_scenario(name: str) -> dict[str, object]:
             else:
                 expected, state = plain(adamw(f"{root}-{kind}-a", clip))
                 jax_mlpo.close(state)
-                got, state = overlapped(adamw(f"{root}-{kind}-b", clip))
+                got, state, as_params = overlapped(adamw(f"{root}-{kind}-b", clip))
+                out["grads_as_params"] = out.get("grads_as_params", True) and as_params
                 reference, _ = plain(adamw(None, clip))
                 out["shardings"] = all(got[k].sharding.spec == SPECS[k] for k in SPECS)
             out["beside"][kind] = [m.beside_s for m in jax_mlpo.metrics(state)]

@@ -56,6 +56,9 @@ def check(out: dict) -> None:
         assert all(out["first_layer_before_last_read"])
     if "shardings" in out:
         assert out["shardings"]
+        # the gradients carried to the next step are computed in the sharding the update
+        # reads them in, as the plain step's are (else XLA may sum them in another order)
+        assert out["grads_as_params"]
 
 
 def test_a_tier_failing_on_the_mesh_fails_typed_and_resumes_bit_for_bit(four_devices):

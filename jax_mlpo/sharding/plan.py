@@ -105,6 +105,19 @@ class ShardPlan:
             return global_norm(grads, mesh, specs)
         return global_norm(grads)
 
+    def grad_shardings(self, params: Sequence[Any]) -> list[NamedSharding | None]:
+        """The sharding each leaf's gradient is read in by :meth:`update` (None: one device,
+        read as it is). A gradient computed in that sharding is summed as the plain step's
+        own backward pass sums it: XLA partitions a gradient's reduction by the sharding its
+        consumer asks for, and another partition adds the same terms in another order."""
+        if self.mesh is not None:
+            return [NamedSharding(self.mesh.mesh, spec) for spec in self.mesh.specs]
+        if self.processes:
+            mesh = processes.data_parallel_mesh()
+            n = mesh.shape[processes.AXIS]
+            return [NamedSharding(mesh, processes.leaf_spec(np.shape(p), n)) for p in params]
+        return [None] * len(params)
+
     def update(
         self, host_update: HostUpdate, grads: list[jax.Array], params: list[jax.Array],
         handle: jax.Array, count: jax.Array, scalars: jax.Array,

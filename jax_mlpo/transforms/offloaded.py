@@ -40,7 +40,7 @@ from jax_mlpo.native.host_update import (
 from jax_mlpo.optimizers import HostOptimizer
 from jax_mlpo.sharding import processes as distributed
 from jax_mlpo.sharding.mesh import MeshPlan
-from jax_mlpo.sharding.plan import plan_of_update, shard_plan, update_key
+from jax_mlpo.sharding.plan import ShardPlan, plan_of_update, shard_plan, update_key
 from jax_mlpo.transforms import overlap
 from jax_mlpo.transforms.opt_state import OffloadedState
 from jax_mlpo.transforms.runtime import RUNTIME, TEMPLATE, Place, place_of
@@ -277,6 +277,11 @@ class Offloaded:
         # of the jitted update; Python floats stay constants of it, in double precision.
         lr = None if callable(spec.learning_rate) else spec.learning_rate
         arrays = {k: v for k, v in spec.hyperparams.items() if not isinstance(v, int | float)}
+        if grouping is not None:  # the step computes the next gradients as this reads them
+            param_leaves = jax.tree.structure(updates).flatten_up_to(params)
+            grouping.reads(
+                param_leaves, self._plan(state.handle, param_leaves).grad_shardings(param_leaves)
+            )
         groups = _groups_of(params, state, grouping)
         if groups is not None:  # traced by overlapped_step, into its program (grouping.hold)
             return self._update_body(updates, state, params, lr, arrays, groups, grouping)
@@ -289,10 +294,7 @@ class Offloaded:
             lr = spec.learning_rate(state.count)
         grads, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
-        key = update_key(np.shape(state.handle), param_leaves)
-        wait_for_traced_inits(key)  # a jitted init registers its plan when it runs
-        mesh = self.mesh_plans.get(key) or RUNTIME.mesh_plan_for(key)
-        plan = plan_of_update(state.handle, mesh, param_leaves)
+        plan = self._plan(state.handle, param_leaves)
         computed = spec.device_scalars(count_inc, {**spec.hyperparams, **arrays}, lr, updates)
         if spec.max_grad_norm is not None:
             g_norm = plan.global_norm(grads)
@@ -317,6 +319,13 @@ class Offloaded:
                                    scalars)  # fmt: skip
         grouping.hold(scalars, *(counts[k] for k in range(len(set(groups)))))
         return treedef.unflatten(outs), OffloadedState(count=jnp.max(counts), handle=state.handle)
+
+    def _plan(self, handle: Any, param_leaves: list[Any]) -> ShardPlan:
+        """The shard plan of an update of the state with ``handle`` on ``param_leaves``."""
+        key = update_key(np.shape(handle), param_leaves)
+        wait_for_traced_inits(key)  # a jitted init registers its plan when it runs
+        mesh = self.mesh_plans.get(key) or RUNTIME.mesh_plan_for(key)
+        return plan_of_update(handle, mesh, param_leaves)
 
     def _update_dtypes(self, param_leaves: list[Any]) -> list[Any]:
         f32 = self.spec.update_dtype is not None

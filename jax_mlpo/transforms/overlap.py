@@ -29,9 +29,11 @@ The step, beside the plain one::
         # -> (params, opt_state, grads, loss): the grads are the next step's pending
 
 The first step has no gradients to apply: it only computes them (an update of zero gradients
-would still decay the weights). Before a checkpoint, an evaluation or the end, apply the
-pending gradients with a plain update (the flush); the saved params and state are then exactly
-the plain loop's, and the next step starts again with no pending gradients.
+would still decay the weights); on a mesh or several processes, compute them in their params'
+shardings (:func:`tree_sharded_as_read` with :func:`read_shardings`), as the step returns its
+own, so that XLA sums them as the plain step does. Before a checkpoint, an evaluation or the
+end, apply the pending gradients with a plain update (the flush); the saved params and state
+are then exactly the plain loop's, and the next step starts again with no pending gradients.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend import core as jex_core
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mlpo.native.host_update import grouped_on_gpu
@@ -54,7 +56,8 @@ from jax_mlpo.transforms import overlap_cost
 
 __all__ = [
     "OVERLAP_ARG", "Grouping", "forward_ranks", "leaf_groups", "loss_at_first_use",
-    "overlapped_step", "update_in_groups",
+    "overlapped_step", "read_shardings", "sharded_as_read", "tree_sharded_as_read",
+    "update_in_groups",
 ]  # fmt: skip
 
 # How many calls an update is split into at most (``groups="auto"`` takes fewer where the
@@ -84,6 +87,9 @@ class Grouping:
       rows: the groups of stacked layers that a scan consumes one row at a time, and their
         rows: an update may send such a group and leave a :class:`RowStream` in ``streams``.
       streams: the sent groups' :class:`RowStream`, by group.
+      read_as: the sharding an update reads each param leaf's gradient in, by ``id`` of the
+        traced leaf (:meth:`jax_mlpo.sharding.plan.ShardPlan.grad_shardings`): the step's new
+        gradients are computed in it, as the plain step computes them.
     """
 
     leaves: list[Any]
@@ -92,6 +98,7 @@ class Grouping:
     held: list[Any] = dataclasses.field(default_factory=list)
     rows: dict[int, int] = dataclasses.field(default_factory=dict)
     streams: dict[int, RowStream] = dataclasses.field(default_factory=dict)
+    read_as: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(leaves: Sequence[Any], group: Sequence[int], platform: str | None) -> Grouping:
@@ -109,6 +116,12 @@ class Grouping:
         """A traced param leaf's group; None for a leaf it does not know (one of a
         ``lax.cond`` branch's own tracers)."""
         return self.groups.get(id(leaf))
+
+    def reads(self, leaves: Sequence[Any], shardings: Sequence[Any]) -> None:
+        """An update reads the gradients of traced param ``leaves`` in ``shardings``."""
+        for leaf, sharding in zip(leaves, shardings, strict=True):
+            if sharding is not None:
+                self.read_as[id(leaf)] = sharding
 
     def hold(self, *values: Any) -> None:
         """Keeps ``values`` alive to the end of the step being traced."""
@@ -231,7 +244,8 @@ def overlapped_step(
 
     (value, aux), grads = jax.value_and_grad(loss_of_updates, has_aux=True)(update_leaves)
     aux, new_params = aux if has_aux else (None, aux)
-    grads = [g.astype(jnp.result_type(p)) for g, p in zip(grads, leaves, strict=True)]
+    grads = [sharded_as_read(g.astype(jnp.result_type(p)), grouping.read_as.get(id(p)))
+             for g, p in zip(grads, leaves, strict=True)]  # fmt: skip
     # the values the grouped calls read and wrote besides their leaves live until the loss
     value = value + negative_zero(*grouping.held).astype(jnp.result_type(value))
     value = (value, aux) if has_aux else value
@@ -399,6 +413,38 @@ def _or_sign(a: jax.Array, b: jax.Array) -> jax.Array:
     """-0.0 depending on both ``a`` and ``b`` (each -0.0)."""
     bits = jax.lax.bitcast_convert_type(a, jnp.uint32) | jax.lax.bitcast_convert_type(b, jnp.uint32)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def sharded_as_read(grad: Any, sharding: Any) -> Any:
+    """``grad`` computed in ``sharding`` (the one its update reads it in; None: as it is).
+
+    Where the plain step's gradient feeds its update, XLA partitions the gradient's reduction
+    by the sharding the update asks for; a gradient that leaves the program (the overlapped
+    step's, the first step's) gets a sharding of XLA's choosing, and its terms may be summed
+    in another order (seen on 2 processes: the first layer's weight gradient split by columns,
+    not rows, 181 of 4096 elements 1 ulp apart). With Explicit axes the gradient's type
+    already carries its param's sharding."""
+    if sharding is None or _explicit_spec(grad) is not None:
+        return grad
+    return jax.lax.with_sharding_constraint(grad, sharding)
+
+
+def tree_sharded_as_read(grads: Any, shardings: Sequence[Any]) -> Any:
+    """:func:`sharded_as_read` for each leaf of ``grads``, leaf ``k`` in ``shardings[k]`` (a
+    tree of other leaves than the params, an NNX step's own, is left as it is)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    if len(leaves) != len(shardings):
+        return grads
+    pairs = zip(leaves, shardings, strict=True)
+    return treedef.unflatten([sharded_as_read(g, s) for g, s in pairs])
+
+
+def read_shardings(params: Any) -> list[Any]:
+    """The sharding of each leaf of concrete ``params`` that its gradient is read in (None:
+    not on a mesh): the update reads a gradient in its param's sharding, so the first step's
+    gradients, computed before any update, are sharded so too (:func:`sharded_as_read`)."""
+    return [x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None
+            for x in jax.tree.leaves(params)]  # fmt: skip
 
 
 def _explicit_spec(x: Any) -> P | None:

@@ -44,7 +44,7 @@ import optax
 
 from jax_mlpo.errors import PendingUpdateError
 from jax_mlpo.transforms import overlap_cost
-from jax_mlpo.transforms.overlap import overlapped_step
+from jax_mlpo.transforms.overlap import overlapped_step, read_shardings, tree_sharded_as_read
 from jax_mlpo.transforms.overlapped_nnx import FlushOnExit, OverlappedTrainStep, quiet
 
 __all__ = ["OverlappedLoop", "PendingUpdateError"]
@@ -229,10 +229,12 @@ class OverlappedLoop(FlushOnExit):
             return found
         tx, loss = self.tx, self._loss()
         if name == "gradients":
+            shardings = read_shardings(self._params)
 
             def gradients(params, opt_state, rest, *args):
                 (value, (aux, rest)), grads = jax.value_and_grad(loss, has_aux=True)(
                     params, rest, *args)  # fmt: skip
+                grads = tree_sharded_as_read(grads, shardings)
                 return params, opt_state, rest, value, aux, grads
 
             # the params and the state pass through, donated: an NNX model's and optimizer's

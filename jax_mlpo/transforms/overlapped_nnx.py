@@ -37,6 +37,8 @@ from jax_mlpo.transforms.overlap import (
     leaf_groups,
     loss_at_first_use,
     negative_zero,
+    read_shardings,
+    tree_sharded_as_read,
     update_in_groups,
 )
 
@@ -167,6 +169,7 @@ class OverlappedTrainStep(FlushOnExit):
         self._screened = False
         self._bound: tuple[Any, Any] | None = None  # (model, optimizer) of the first call
         self._graphdef: Any = None
+        self._read_shardings: list[Any] = []  # the params' (overlap.read_shardings)
         self._programs: dict[str, Any] = {}
         # while an update is pending: the params, state and other model state the next
         # program takes, the pending (gradients, kwargs), the updates applied since the split
@@ -248,6 +251,7 @@ class OverlappedTrainStep(FlushOnExit):
             params = nnx.as_pure(params)
             opt_state = nnx.as_pure(optimizer.opt_state)
             self._updates = 0
+            self._read_shardings = read_shardings(params)
             out, params, opt_state, rest, pending = self._program("gradients", optimizer)(
                 params, opt_state, rest, *args)  # fmt: skip
         else:
@@ -305,8 +309,9 @@ class OverlappedTrainStep(FlushOnExit):
             traced = self._traced(optimizer)
 
             def gradients(params, opt_state, rest, *args):
-                out, pending, rest = traced(params, rest, *args)
-                return out, params, opt_state, rest, pending
+                out, (grads, kwargs), rest = traced(params, rest, *args)
+                grads = tree_sharded_as_read(grads, self._read_shardings)
+                return out, params, opt_state, rest, (grads, kwargs)
 
             # the params and the state pass through, donated: the model's and the
             # optimizer's arrays refuse a read until the flush gives them back
@@ -333,6 +338,7 @@ class OverlappedTrainStep(FlushOnExit):
                 # the gradients (-0.0 changes no bit)
                 zero = negative_zero(*grouping.held)
                 grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
+                grads = tree_sharded_as_read(grads, [grouping.read_as.get(id(p)) for p in leaves])
                 return out, jax.tree.unflatten(treedef, new), opt_state, rest, (grads, kwargs)
 
             found = jax.jit(overlapped, donate_argnums=(0, 1, 2))
