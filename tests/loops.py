@@ -8,10 +8,11 @@ one, as a restarted job would.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from processes import json_lines
 
 WORKER = Path(__file__).with_name("integration_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,9 +23,12 @@ Loop = tuple[str, str, str, Path]  # KIND OPTIMIZER PHASE WORKDIR (integration_w
 
 def start_loops(*loops: Loop) -> subprocess.CompletedProcess:
     """The interpreter that ran ``loops`` one after another, finished (failed or not)."""
-    args = [str(part) for loop in loops for part in loop]
-    return subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, cwd=ROOT)  # fmt: skip
+    return subprocess.run([sys.executable, str(WORKER), *_args(loops)], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=ROOT)  # fmt: skip
+
+
+def _args(loops: tuple[Loop, ...]) -> list[str]:
+    return [str(part) for loop in loops for part in loop]
 
 
 def run_loops(*loops: Loop) -> list[dict]:
@@ -33,7 +37,4 @@ def run_loops(*loops: Loop) -> list[dict]:
     Returns:
       What each loop printed (integration_worker.py's JSON line), in order.
     """
-    done = start_loops(*loops)
-    assert done.returncode == 0, done.stderr[-6000:]
-    lines = done.stdout.strip().splitlines()[-len(loops) :]
-    return [json.loads(line) for line in lines]
+    return json_lines([str(WORKER), *_args(loops)], TIMEOUT_S)[-len(loops) :]

@@ -1,12 +1,14 @@
-"""Launches a test worker on several local processes (jax.distributed on CPU) and checks they
-all exit cleanly, with the tail of each process's log in the failure message; the data-parallel
-job of tests/dist_worker.py run that way."""
+"""Launches test workers in interpreters of their own: one worker that prints JSON lines
+(:func:`json_lines`), or one on several local processes (jax.distributed on CPU), checking that
+they all exit cleanly, with the tail of each process's log in the failure message; the
+data-parallel job of tests/dist_worker.py run that way."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -18,6 +20,23 @@ ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 DIST_WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
 STEPS = 20  # of the data-parallel job
 TIMEOUT_S = 80
+
+
+def json_lines(argv: list[str], timeout_s: float, env: dict[str, str] | None = None
+               ) -> list[dict]:  # fmt: skip
+    """Runs ``python *argv`` in a new interpreter (its device count is fixed when JAX starts)
+    from the repository's root, with ``env`` added to this one's environment.
+
+    Returns:
+      The JSON lines it printed, in order.
+
+    Raises:
+      AssertionError: it exited non-zero (the message has the tail of its stderr).
+    """
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout_s, env={**os.environ, **(env or {})})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-8000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def run_workers(

@@ -9,10 +9,7 @@ layouts, which the handler's flat copies assume. What this cannot check: that th
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from processes import json_lines
 
 import jax_mlpo
 from jax_mlpo.native.host_update import NUM_SCALARS
@@ -120,12 +118,7 @@ def test_a_mesh_step_lowers_for_cuda_with_one_call_per_device_shard(tmp_path):
     """Params on a 2x2 mesh: the update is one call over each device's shard (inside
     shard_map), with the per-device shapes, the updates aliased onto the gradients."""
     (tmp_path / "t").mkdir()
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_MESH), str(tmp_path / "t")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = json_lines(["-c", textwrap.dedent(_MESH), str(tmp_path / "t")], 120)[-1]
     assert len(out["calls"]) == 1, out
     call = out["calls"][0]
     # each device holds a 16x8 block of the 32x16 leaf, and its own handle (a scalar)

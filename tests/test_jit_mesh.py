@@ -12,16 +12,13 @@ cannot lay out is refused at run time or at the first update, naming the fix.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from processes import ROOT, json_lines
 
 WORKER = pathlib.Path(__file__).with_name("jit_mesh_worker.py")
-ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+ENV = {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
 TOL = 1e-6
 SCENARIOS = ["linen-explicit", "linen-auto", "nnx-explicit", "nnx-auto", "refusals"]
 
@@ -29,11 +26,7 @@ SCENARIOS = ["linen-explicit", "linen-auto", "nnx-explicit", "nnx-auto", "refusa
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("jit-mesh")
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(WORKER), str(root), *SCENARIOS], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_lines([str(WORKER), str(root), *SCENARIOS], 300, ENV)[-1]
 
 
 @pytest.mark.parametrize("types", ["explicit", "auto"])

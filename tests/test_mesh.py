@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import json_lines
 
 from jax_mlpo.sharding.mesh import DeviceCalls, LocalShard, MeshPlan
 
@@ -32,10 +32,7 @@ CASES = [
 
 def _worker(*args: str) -> list[dict]:
     """mesh_worker.py's JSON lines (one per case), in order."""
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-8000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return json_lines([str(WORKER), *args], 300)
 
 
 @pytest.fixture(scope="module")

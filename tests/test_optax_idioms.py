@@ -13,10 +13,7 @@ behaviour on the same inputs, with the state on a file tier (bytes on it, checke
 from __future__ import annotations
 
 import functools
-import json
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from processes import json_lines
 
 import jax_mlpo
 from jax_mlpo.transforms import runtime
@@ -493,10 +491,7 @@ def test_multi_steps_on_a_mesh_follows_optax_in_the_params_shardings(axes, tmp_p
     or Auto, beside optax.MultiSteps(optax.adamw) on the same mesh (tests/
     accumulation_mesh_worker.py, in an interpreter of four devices)."""
     worker = Path(__file__).parent / "accumulation_mesh_worker.py"
-    done = subprocess.run([sys.executable, str(worker), axes, str(tmp_path / "tier")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-8000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = json_lines([str(worker), axes, str(tmp_path / "tier")], 300)[-1]
     assert out["devices"] == 4
     assert out["max_abs_diff"] <= 1e-6  # params of magnitude 1: float32 rounding
     for what in ("params", "accumulator", "updates"):

@@ -15,25 +15,18 @@ resumes bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from processes import ROOT, json_lines
 
 WORKER = pathlib.Path(__file__).with_name("overlap_mesh_worker.py")
-ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 TOL = 1e-6
 
 
 def run_worker(tmp_path: pathlib.Path, *scenarios: str) -> dict[str, dict]:
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path), *scenarios], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    return json_lines([str(WORKER), str(tmp_path), *scenarios], 900, env)[-1]
 
 
 @pytest.fixture(scope="module")
