@@ -12,10 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processes import json_lines
+from processes import ROOT, json_lines
 
 WORKER = Path(__file__).with_name("integration_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 
 Loop = tuple[str, str, str, Path]  # KIND OPTIMIZER PHASE WORKDIR (integration_worker.py)
