@@ -4,8 +4,10 @@ optax's AdamW, Lion and Muon with their optimizer state (fp32 master params and 
 accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
-from jax_mlpo import checkpoint, errors, extend
-from jax_mlpo.checkpoint import CorruptCheckpointError
+import importlib
+from typing import Any
+
+from jax_mlpo import errors, extend
 from jax_mlpo.config import (
     Bandwidth,
     ConfigError,
@@ -19,6 +21,7 @@ from jax_mlpo.engine.host_heap import return_freed_buffers
 from jax_mlpo.engine.step_metrics import StepMetrics
 from jax_mlpo.errors import (
     CheckpointInProgressError,
+    CorruptCheckpointError,
     EngineFailedError,
     JaxMlpoError,
     NoEngineError,
@@ -40,6 +43,20 @@ from jax_mlpo.transforms.overlapped_loop import OverlappedLoop
 from jax_mlpo.transforms.runtime import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``jax_mlpo.checkpoint``, imported on first use: it imports orbax, a second of a new
+    interpreter's start-up that a process which only trains (a data-parallel worker, an
+    evaluation) does not need."""
+    if name == "checkpoint":
+        return importlib.import_module("jax_mlpo.checkpoint")
+    raise AttributeError(f"module 'jax_mlpo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "checkpoint"})
+
 
 __all__ = [
     "Bandwidth",
