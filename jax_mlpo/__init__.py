@@ -5,7 +5,7 @@ accelerator, in a host cache and file tiers, streamed subgroup by subgroup.
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax_mlpo import errors, extend
 from jax_mlpo.config import (
@@ -44,11 +44,14 @@ from jax_mlpo.transforms.runtime import close, closing, engine_of, metrics
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # for type checkers and editors; at run time, __getattr__ below
+    from jax_mlpo import checkpoint
+
 
 def __getattr__(name: str) -> Any:
-    """``jax_mlpo.checkpoint``, imported on first use: it imports orbax, a second of a new
-    interpreter's start-up that a process which only trains (a data-parallel worker, an
-    evaluation) does not need."""
+    """``jax_mlpo.checkpoint``, imported on first use: it imports orbax, half a second of a
+    new interpreter's start-up (2.7 s against 2.2 s on 2 cores) that a process which only
+    trains (a data-parallel worker, an evaluation) does not need."""
     if name == "checkpoint":
         return importlib.import_module("jax_mlpo.checkpoint")
     raise AttributeError(f"module 'jax_mlpo' has no attribute {name!r}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -293,3 +295,15 @@ def test_the_check_sees_function_level_and_relative_imports(tmp_path):
     assert ("pkg.other", "pkg.sub") in edges and ("pkg.other", "pkg") not in edges
     assert ("pkg.sub.leaf", "pkg.other") not in edges
     assert ("pkg.attr", "pkg") in edges  # a name from the package's __init__ needs it run
+
+
+def test_import_jax_mlpo_leaves_orbax_out_until_checkpoint_is_used():
+    """``import jax_mlpo`` imports no orbax (a process that only trains does not pay for it at
+    start-up); ``jax_mlpo.checkpoint`` imports it on first use."""
+    code = (
+        "import sys, jax_mlpo; print('orbax.checkpoint' in sys.modules); "
+        "jax_mlpo.checkpoint.OffloadCheckpointHandler; print('orbax.checkpoint' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"]
