@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
-import sys
 import textwrap
+
+from processes import json_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -301,9 +301,8 @@ def test_import_jax_mlpo_leaves_orbax_out_until_checkpoint_is_used():
     """``import jax_mlpo`` imports no orbax (a process that only trains does not pay for it at
     start-up); ``jax_mlpo.checkpoint`` imports it on first use."""
     code = (
-        "import sys, jax_mlpo; print('orbax.checkpoint' in sys.modules); "
-        "jax_mlpo.checkpoint.OffloadCheckpointHandler; print('orbax.checkpoint' in sys.modules)"
+        "import json, sys, jax_mlpo; before = 'orbax.checkpoint' in sys.modules; "
+        "jax_mlpo.checkpoint.OffloadCheckpointHandler; "
+        "print(json.dumps({'before': before, 'after': 'orbax.checkpoint' in sys.modules}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "True"]
+    assert json_lines(["-c", code], 120) == [{"before": False, "after": True}]
